@@ -1,0 +1,132 @@
+// Host AdamW: run-time ISA choice, per-tensor scalars and chunking onto the thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <string>
+
+#include "trainstream/adamw.h"
+
+namespace trainstream {
+
+// Entry points of the three builds of adamw_simd.cpp (see CMakeLists.txt).
+void adamw_range_scalar(const AdamWConfig&, const AdamWScalars&, const AdamWTensor&, int64_t, int64_t);
+#ifdef TS_HAVE_X86_SIMD
+void adamw_range_avx2(const AdamWConfig&, const AdamWScalars&, const AdamWTensor&, int64_t, int64_t);
+void adamw_range_avx512(const AdamWConfig&, const AdamWScalars&, const AdamWTensor&, int64_t, int64_t);
+#endif
+
+SimdLevel best_simd_level() {
+#ifdef TS_HAVE_X86_SIMD
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return SimdLevel::kAVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return SimdLevel::kAVX2;
+#endif
+  return SimdLevel::kScalar;
+}
+
+static std::atomic<int>& active_level_storage() {
+  static std::atomic<int> level{static_cast<int>(best_simd_level())};
+  return level;
+}
+
+SimdLevel active_simd_level() { return static_cast<SimdLevel>(active_level_storage().load()); }
+
+void set_simd_level(SimdLevel level) {
+  TS_CHECK_ARG(static_cast<int>(level) <= static_cast<int>(best_simd_level()),
+               std::string("this CPU does not support SIMD level ") + simd_name(level) +
+                   " (best available: " + simd_name(best_simd_level()) + ")");
+  active_level_storage().store(static_cast<int>(level));
+}
+
+const char* simd_name(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAVX512: return "avx512";
+    case SimdLevel::kAVX2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+static AdamWRangeFn kernel_for(SimdLevel level) {
+#ifdef TS_HAVE_X86_SIMD
+  if (level == SimdLevel::kAVX512) return adamw_range_avx512;
+  if (level == SimdLevel::kAVX2) return adamw_range_avx2;
+#endif
+  (void)level;
+  return adamw_range_scalar;
+}
+
+AdamWScalars make_scalars(const AdamWConfig& cfg, const AdamWTensor& t) {
+  // Same arithmetic as torch's single-tensor AdamW: bias corrections in double
+  // (Python floats there), each scalar then used as fp32 by the element loop.
+  const double step = static_cast<double>(t.step);
+  const double bias_correction1 = 1.0 - std::pow(cfg.beta1, step);
+  const double bias_correction2 = 1.0 - std::pow(cfg.beta2, step);
+  AdamWScalars s;
+  s.decay = static_cast<float>(1.0 - cfg.lr * cfg.weight_decay);
+  s.weight_decay = static_cast<float>(cfg.weight_decay);
+  s.one_minus_beta1 = static_cast<float>(1.0 - cfg.beta1);
+  s.beta2 = static_cast<float>(cfg.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - cfg.beta2);
+  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  s.eps = static_cast<float>(cfg.eps);
+  s.neg_step_size = static_cast<float>(-(cfg.lr / bias_correction1));
+  s.grad_scale = static_cast<float>(cfg.grad_scale);
+  s.rng_key = rng_key(t.seed, t.step);
+  return s;
+}
+
+static void check_config(const AdamWConfig& cfg) {
+  TS_CHECK_ARG(cfg.grad_dtype == DType::kFloat32 || cfg.grad_dtype == DType::kBFloat16,
+               "grad dtype must be float32 or bfloat16");
+  TS_CHECK_ARG(cfg.moment_dtype == DType::kFloat32 || cfg.moment_dtype == DType::kBFloat16,
+               "moment dtype must be float32 or bfloat16");
+  TS_CHECK_ARG(cfg.copy_dtype == DType::kNone || cfg.copy_dtype == DType::kBFloat16 ||
+                   cfg.copy_dtype == DType::kFloat16,
+               "param copy dtype must be none, bfloat16 or float16");
+}
+
+std::shared_ptr<Job> adamw_queue(ThreadPool& pool, const AdamWConfig& cfg,
+                                 std::vector<AdamWTensor> tensors) {
+  check_config(cfg);
+  struct Chunk {
+    int32_t tensor;
+    int64_t begin, end;
+  };
+  std::vector<AdamWScalars> scalars;
+  std::vector<Chunk> chunks;
+  std::vector<const void*> keys;
+  scalars.reserve(tensors.size());
+  for (size_t ti = 0; ti < tensors.size(); ++ti) {
+    const AdamWTensor& t = tensors[ti];
+    TS_CHECK_ARG(t.numel >= 0, "numel must be >= 0");
+    TS_CHECK_ARG(t.step >= 1, "step must be >= 1");
+    TS_CHECK_ARG(t.numel == 0 || (t.param && t.grad && t.exp_avg && t.exp_avg_sq),
+                 "null pointer for a non-empty tensor");
+    TS_CHECK_ARG((cfg.copy_dtype == DType::kNone) == (t.param_copy == nullptr),
+                 "param_copy must be given exactly when a copy dtype is set");
+    scalars.push_back(make_scalars(cfg, t));
+    for (int64_t b = 0; b < t.numel; b += kAdamWChunk)
+      chunks.push_back({static_cast<int32_t>(ti), b, std::min(t.numel, b + kAdamWChunk)});
+    // Every buffer the update touches orders this job after earlier jobs on it.
+    keys.push_back(t.param);
+    keys.push_back(t.grad);
+    keys.push_back(t.exp_avg);
+    keys.push_back(t.exp_avg_sq);
+    if (t.param_copy) keys.push_back(t.param_copy);
+  }
+  AdamWRangeFn fn = kernel_for(active_simd_level());
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  return pool.submit(
+      [cfg, fn, tensors = std::move(tensors), scalars = std::move(scalars),
+       chunks = std::move(chunks)](int64_t c) {
+        const Chunk& ch = chunks[c];
+        fn(cfg, scalars[ch.tensor], tensors[ch.tensor], ch.begin, ch.end);
+      },
+      num_chunks, std::move(keys));
+}
+
+}  // namespace trainstream

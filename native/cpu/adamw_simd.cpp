@@ -1,0 +1,168 @@
+// The AdamW element loop. CMake compiles this file three times, with -mavx512f..., with
+// -mavx2 -mfma -mf16c, and with the baseline flags, defining TS_ISA_FN to a different
+// name each time; adamw_cpu.cpp picks one at run time.
+//
+// Why one source and auto-vectorization instead of intrinsics: with -ffp-contract=off
+// (no FMA fusing) and IEEE sqrt and division, every ISA build computes the same bits,
+// so results do not depend on the CPU, and the pure-torch twin in ops/reference.py,
+// which performs the same fp32 operations one at a time, matches bit for bit. The loop
+// is memory-bound (28 bytes per parameter with fp32 state), so the compiler's vector
+// code reaches the bandwidth limit; -fopt-info-vec confirms the loops vectorize.
+//
+// Everything here has internal linkage (see adamw_kernel.h for why).
+#include <cstdint>
+
+#include "trainstream/adamw_kernel.h"
+
+#ifndef TS_ISA_FN
+#error "TS_ISA_FN must name the entry point of this ISA build"
+#endif
+
+namespace trainstream {
+namespace {
+
+struct NoCopy {};
+struct BF16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+static inline float bits_to_float(uint32_t u) { return __builtin_bit_cast(float, u); }
+static inline uint32_t float_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+
+static inline float load(const float* p, int64_t i) { return p[i]; }
+static inline float load(const BF16* p, int64_t i) { return bits_to_float(uint32_t(p[i].bits) << 16); }
+
+// fp32 -> bf16, round to nearest even; NaN becomes 0x7fc0 with its sign, as torch does.
+static inline uint16_t bf16_rne(float f) {
+  uint32_t u = float_to_bits(f);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// fp32 -> bf16, rounding up with probability equal to the dropped fraction: adding 16
+// uniform random bits below the kept ones and truncating is unbiased in expectation.
+// Magnitudes round away from zero symmetrically because bf16 is sign-magnitude.
+static inline uint16_t bf16_stochastic(float f, uint32_t random16) {
+  uint32_t u = float_to_bits(f);
+  uint32_t rounded = (u + random16) >> 16;
+  uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// fp32 -> fp16, round to nearest even, branch-free so it vectorizes (after F. Giesen's
+// float_to_half_fast3_rtne). Matches torch's conversion, NaN included (0x7e00 | sign).
+static inline uint16_t f16_rne(float f) {
+  uint32_t u = float_to_bits(f);
+  uint32_t sign = u & 0x80000000u;
+  uint32_t a = u ^ sign;
+  // |f| >= 65536 (or inf/NaN): all exponent bits set.
+  uint32_t inf_nan = a > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  // Subnormal or zero result: let an fp32 add align the mantissa, rounding to nearest even.
+  const uint32_t denorm_magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+  uint32_t sub = float_to_bits(bits_to_float(a) + bits_to_float(denorm_magic_bits)) - denorm_magic_bits;
+  // Normal result: rebias the exponent and round to nearest even by hand.
+  uint32_t mant_odd = (a >> 13) & 1u;
+  uint32_t normal = (a + (uint32_t(15 - 127) << 23) + 0xfffu + mant_odd) >> 13;
+  uint32_t out = a >= (143u << 23) ? inf_nan : (a < (113u << 23) ? sub : normal);
+  return uint16_t(out | (sign >> 16));
+}
+
+template <typename M>
+static inline void store_moments(M* m, M* v, int64_t i, float mi, float vi, uint32_t key);
+
+template <>
+inline void store_moments<float>(float* m, float* v, int64_t i, float mi, float vi, uint32_t) {
+  m[i] = mi;
+  v[i] = vi;
+}
+
+template <>
+inline void store_moments<BF16>(BF16* m, BF16* v, int64_t i, float mi, float vi, uint32_t key) {
+  // One hash per element: the low half rounds the first moment, the high half the second.
+  uint32_t r = mix32(key ^ static_cast<uint32_t>(i));
+  m[i].bits = bf16_stochastic(mi, r & 0xffffu);
+  v[i].bits = bf16_stochastic(vi, r >> 16);
+}
+
+static inline void store_copy(NoCopy*, int64_t, float) {}
+static inline void store_copy(BF16* c, int64_t i, float p) { c[i].bits = bf16_rne(p); }
+static inline void store_copy(F16* c, int64_t i, float p) { c[i].bits = f16_rne(p); }
+
+// The order of operations mirrors torch.optim.AdamW's single-tensor path; each line is
+// one fp32 operation of ops/reference.py.
+template <typename G, typename M, typename C, bool kDecoupled>
+void update_range(const AdamWScalars& s, float* __restrict p, const G* __restrict g,
+                  M* __restrict m, M* __restrict v, C* __restrict copy, int64_t begin,
+                  int64_t end, uint32_t key) {
+  const float decay = s.decay, wd = s.weight_decay, omb1 = s.one_minus_beta1, b2 = s.beta2,
+              omb2 = s.one_minus_beta2, bc2 = s.bias_correction2_sqrt, eps = s.eps,
+              nss = s.neg_step_size, gs = s.grad_scale;
+#pragma GCC ivdep
+  for (int64_t i = begin; i < end; ++i) {
+    float gi = load(g, i) * gs;
+    float pi = p[i];
+    if (kDecoupled) {
+      pi = pi * decay;
+    } else {
+      gi = gi + wd * pi;
+    }
+    float mi = load(m, i);
+    float vi = load(v, i);
+    mi = mi + omb1 * (gi - mi);
+    vi = vi * b2 + omb2 * (gi * gi);
+    float denom = __builtin_sqrtf(vi) / bc2 + eps;
+    pi = pi + nss * (mi / denom);
+    p[i] = pi;
+    store_moments(m, v, i, mi, vi, key);
+    store_copy(copy, i, pi);
+  }
+}
+
+template <typename G, typename M, typename C>
+void dispatch_decoupled(const AdamWConfig& cfg, const AdamWScalars& s, const AdamWTensor& t,
+                        int64_t begin, int64_t end, uint32_t key) {
+  auto* p = t.param;
+  auto* g = static_cast<const G*>(t.grad);
+  auto* m = static_cast<M*>(t.exp_avg);
+  auto* v = static_cast<M*>(t.exp_avg_sq);
+  auto* c = static_cast<C*>(t.param_copy);
+  if (cfg.decoupled)
+    update_range<G, M, C, true>(s, p, g, m, v, c, begin, end, key);
+  else
+    update_range<G, M, C, false>(s, p, g, m, v, c, begin, end, key);
+}
+
+template <typename G, typename M>
+void dispatch_copy(const AdamWConfig& cfg, const AdamWScalars& s, const AdamWTensor& t,
+                   int64_t begin, int64_t end, uint32_t key) {
+  switch (cfg.copy_dtype) {
+    case DType::kBFloat16: return dispatch_decoupled<G, M, BF16>(cfg, s, t, begin, end, key);
+    case DType::kFloat16: return dispatch_decoupled<G, M, F16>(cfg, s, t, begin, end, key);
+    default: return dispatch_decoupled<G, M, NoCopy>(cfg, s, t, begin, end, key);
+  }
+}
+
+template <typename G>
+void dispatch_moments(const AdamWConfig& cfg, const AdamWScalars& s, const AdamWTensor& t,
+                      int64_t begin, int64_t end, uint32_t key) {
+  if (cfg.moment_dtype == DType::kBFloat16)
+    dispatch_copy<G, BF16>(cfg, s, t, begin, end, key);
+  else
+    dispatch_copy<G, float>(cfg, s, t, begin, end, key);
+}
+
+}  // namespace
+
+void TS_ISA_FN(const AdamWConfig& cfg, const AdamWScalars& s, const AdamWTensor& t, int64_t begin,
+               int64_t end) {
+  // Element indices beyond 2^32 fold their high half into the key, so the stream of
+  // random bits never repeats within a tensor.
+  uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(begin) >> 32);
+  uint32_t key = hi ? mix32(s.rng_key ^ hi) : s.rng_key;
+  if (cfg.grad_dtype == DType::kBFloat16)
+    dispatch_moments<BF16>(cfg, s, t, begin, end, key);
+  else
+    dispatch_moments<float>(cfg, s, t, begin, end, key);
+}
+
+}  // namespace trainstream

@@ -1,0 +1,121 @@
+#include "trainstream/thread_pool.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <exception>
+#include <stdexcept>
+
+namespace trainstream {
+
+Job::Job(ChunkFn fn, int64_t num_chunks, std::vector<const void*> keys)
+    : fn_(std::move(fn)), num_chunks_(num_chunks), keys_(std::move(keys)) {
+  std::sort(keys_.begin(), keys_.end());
+  keys_.erase(std::unique(keys_.begin(), keys_.end()), keys_.end());
+}
+
+void Job::wait() {
+  std::unique_lock<std::mutex> lock(wait_mu_);
+  wait_cv_.wait(lock, [this] { return complete_.load(std::memory_order_acquire); });
+  if (!error_.empty()) throw std::runtime_error(error_);
+}
+
+int ThreadPool::available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+ThreadPool::ThreadPool(int threads) {
+  if (threads < 1) throw std::invalid_argument("threads must be >= 1");
+  workers_.reserve(threads);
+  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+std::shared_ptr<Job> ThreadPool::submit(Job::ChunkFn fn, int64_t num_chunks,
+                                        std::vector<const void*> keys) {
+  auto job = std::make_shared<Job>(std::move(fn), num_chunks, std::move(keys));
+  if (num_chunks == 0) {
+    job->complete_.store(true, std::memory_order_release);
+    return job;
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    jobs_.push_back(job);
+  }
+  cv_.notify_all();
+  return job;
+}
+
+static bool shares_key(const std::vector<const void*>& a, const std::vector<const void*>& b) {
+  // Both sorted: a linear merge walk.
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i] == b[j]) return true;
+    if (a[i] < b[j]) ++i; else ++j;
+  }
+  return false;
+}
+
+Job* ThreadPool::next_runnable_locked() {
+  for (size_t i = 0; i < jobs_.size(); ++i) {
+    Job* job = jobs_[i].get();
+    if (job->next_chunk_ >= job->num_chunks_) continue;
+    bool blocked = false;
+    for (size_t k = 0; k < i && !blocked; ++k) blocked = shares_key(jobs_[k]->keys_, job->keys_);
+    if (!blocked) return job;
+  }
+  return nullptr;
+}
+
+void ThreadPool::worker_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    Job* picked = nullptr;
+    cv_.wait(lock, [&] {
+      picked = next_runnable_locked();
+      // Drain before stopping: a destroyed pool never leaves a handle waiting forever.
+      return picked != nullptr || (stopping_ && jobs_.empty());
+    });
+    if (picked == nullptr) return;
+    int64_t chunk = picked->next_chunk_++;
+    std::shared_ptr<Job> job;
+    for (auto& j : jobs_) if (j.get() == picked) { job = j; break; }
+    lock.unlock();
+    try {
+      job->fn_(chunk);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> g(job->wait_mu_);
+      if (job->error_.empty()) job->error_ = e.what();
+    } catch (...) {
+      std::lock_guard<std::mutex> g(job->wait_mu_);
+      if (job->error_.empty()) job->error_ = "unknown error in a native job";
+    }
+    lock.lock();
+    if (job->finished_chunks_.fetch_add(1, std::memory_order_acq_rel) + 1 == job->num_chunks_) {
+      jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
+      {
+        std::lock_guard<std::mutex> g(job->wait_mu_);
+        job->complete_.store(true, std::memory_order_release);
+      }
+      job->wait_cv_.notify_all();
+      // A finished job may unblock later jobs that share its keys.
+      cv_.notify_all();
+    }
+  }
+}
+
+}  // namespace trainstream

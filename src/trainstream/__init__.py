@@ -1,0 +1,9 @@
+"""TrainStream: train and fine-tune PyTorch models larger than GPU memory.
+
+Public API of this release: :class:`OffloadAdamW` and the low-level :mod:`trainstream.ops`.
+"""
+from ._version import __version__
+from . import ops
+from .optim import OffloadAdamW
+
+__all__ = ["__version__", "OffloadAdamW", "ops"]

@@ -1,0 +1,9 @@
+"""Validated low-level operations over the native module, and their pure-torch twins.
+
+Each function checks dtypes, devices, contiguity and sizes in Python, then passes data
+pointers to ``trainstream._C``; ``reference`` holds the pure-torch twin of each op.
+"""
+from . import reference
+from .adamw import AdamWHandle, adamw_step, get_pool
+
+__all__ = ["AdamWHandle", "adamw_step", "get_pool", "reference"]

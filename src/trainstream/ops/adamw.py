@@ -1,0 +1,146 @@
+"""Host AdamW over the native thread pool.
+
+``adamw_step`` queues one fused pass per tensor (read gradient, update the fp32 master
+weight and both moments, optionally write a bf16/fp16 copy of the new weight) and returns
+a handle at once; the work runs on a persistent C++ thread pool without the GIL.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from .._native import lib
+from . import _dtypes
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+COPY_DTYPES = (torch.bfloat16, torch.float16)
+
+_pools: dict[int, object] = {}
+_pools_lock = threading.Lock()
+
+
+def get_pool(threads: int | None = None):
+    """The shared native thread pool with `threads` workers (None: every core this process
+    may use). Pools are kept for the life of the process, one per size, so optimizers that
+    ask for the same size share workers instead of oversubscribing the cores."""
+    native = lib()
+    if threads is None:
+        threads = native.available_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be None or an integer >= 1, got {threads!r}")
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = native.ThreadPool(threads)
+        return pool
+
+
+class AdamWHandle:
+    """A queued host AdamW update. Holds the tensors alive until the work is done."""
+
+    def __init__(self, job, tensors: list):
+        self._job = job
+        self._tensors = tensors
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def wait(self) -> None:
+        """Block (without the GIL) until the update has been written."""
+        self._job.wait()
+        self._tensors = None
+
+
+def _check_same(kind: str, tensors: Sequence[torch.Tensor], allowed: tuple, n: int) -> torch.dtype:
+    if len(tensors) != n:
+        raise ValueError(f"adamw_step: {kind} has {len(tensors)} tensors, params has {n}")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(f"adamw_step: every {kind} tensor must have one dtype, got {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop() if dtypes else allowed[0]
+    if dtype not in allowed:
+        raise ValueError(f"adamw_step: {kind} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")
+    return dtype
+
+
+def _check_tensor(kind: str, i: int, t: torch.Tensor, numel: int) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"adamw_step: {kind}[{i}] must be in host memory (cpu), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"adamw_step: {kind}[{i}] must be contiguous")
+    if t.numel() != numel:
+        raise ValueError(f"adamw_step: {kind}[{i}] has {t.numel()} elements, params[{i}] has {numel}")
+
+
+def adamw_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[int],
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled: bool = True,
+    grad_scale: float = 1.0,
+    seeds: Sequence[int] | None = None,
+    param_copies: Sequence[torch.Tensor] | None = None,
+    threads: int | None = None,
+) -> AdamWHandle:
+    """Queue an AdamW (``decoupled=True``) or Adam-with-L2 update of host tensors.
+
+    params: float32, updated in place. grads: float32 or bfloat16, multiplied by
+    `grad_scale` first. exp_avgs / exp_avg_sqs: float32, or bfloat16 written with
+    stochastic rounding whose random bits depend only on (seed, step, element index), so
+    results are the same for any thread count. steps: the step each tensor is taking
+    (1 for its first update). param_copies: optional bfloat16 or float16 tensors that
+    receive the updated weights, rounded to nearest even, in the same pass.
+    Returns an :class:`AdamWHandle`; call ``wait()`` before reading any of the tensors.
+    """
+    n = len(params)
+    _check_same("params", params, (torch.float32,), n)
+    grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
+    moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
+    if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != moment_dtype:
+        raise ValueError("adamw_step: exp_avgs and exp_avg_sqs must have the same dtype")
+    copy_dtype = None
+    if param_copies is not None:
+        copy_dtype = _check_same("param_copies", param_copies, COPY_DTYPES, n)
+    if len(steps) != n:
+        raise ValueError(f"adamw_step: steps has {len(steps)} entries, params has {n}")
+    if seeds is None:
+        seeds = [0] * n
+    elif len(seeds) != n:
+        raise ValueError(f"adamw_step: seeds has {len(seeds)} entries, params has {n}")
+    for i, p in enumerate(params):
+        numel = p.numel()
+        _check_tensor("params", i, p, numel)
+        _check_tensor("grads", i, grads[i], numel)
+        _check_tensor("exp_avgs", i, exp_avgs[i], numel)
+        _check_tensor("exp_avg_sqs", i, exp_avg_sqs[i], numel)
+        if param_copies is not None:
+            _check_tensor("param_copies", i, param_copies[i], numel)
+        if int(steps[i]) < 1:
+            raise ValueError(f"adamw_step: steps[{i}] must be >= 1, got {steps[i]}")
+
+    held = [*params, *grads, *exp_avgs, *exp_avg_sqs, *(param_copies or ())]
+    job = lib().adamw_queue(
+        get_pool(threads),
+        [p.data_ptr() for p in params],
+        [g.data_ptr() for g in grads],
+        [m.data_ptr() for m in exp_avgs],
+        [v.data_ptr() for v in exp_avg_sqs],
+        [c.data_ptr() for c in param_copies] if param_copies is not None else [0] * n,
+        [p.numel() for p in params],
+        [int(s) for s in steps],
+        [int(s) & 0xFFFF_FFFF_FFFF_FFFF for s in seeds],
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale),
+        bool(decoupled), _dtypes.code(grad_dtype), _dtypes.code(moment_dtype), _dtypes.code(copy_dtype),
+    )
+    return AdamWHandle(job, held)

@@ -1,0 +1,125 @@
+"""Pure-torch twins of the native ops: the test oracle and a readable specification.
+
+Each twin performs the same fp32 operations, in the same order, as the native kernel
+(which is compiled with -ffp-contract=off), so results match bit for bit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+_M32 = 0xFFFF_FFFF
+
+
+def _mul32(x, c: int):
+    """x * c modulo 2^32 without overflowing int64 (x < 2^32): split c into 16-bit halves."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    """The counter-based hash of native/include/trainstream/adamw_kernel.h, on Python ints
+    or int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rng_key(seed: int, step: int) -> int:
+    seed &= 0xFFFF_FFFF_FFFF_FFFF
+    step &= 0xFFFF_FFFF_FFFF_FFFF
+    k = mix32(seed & _M32)
+    k = mix32(k ^ (seed >> 32))
+    k = mix32(k ^ (step & _M32))
+    return mix32(k ^ (step >> 32))
+
+
+def element_random_bits(seed: int, step: int, numel: int) -> torch.Tensor:
+    """32 random bits per element (int64 tensor); the low half rounds exp_avg, the high
+    half exp_avg_sq."""
+    key = rng_key(seed, step)
+    idx = torch.arange(numel, dtype=torch.int64)
+    hi = idx >> 32
+    keys = torch.where(hi == 0, torch.full_like(idx, key), mix32(key ^ (hi & _M32)))
+    return mix32(keys ^ (idx & _M32))
+
+
+def _bits_to_bf16(bits: torch.Tensor) -> torch.Tensor:
+    signed = torch.where(bits >= 0x8000, bits - 0x10000, bits)
+    return signed.to(torch.int16).view(torch.bfloat16)
+
+
+def bf16_stochastic_round(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, rounding up with probability equal to the dropped fraction."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    rounded = (u + random16) >> 16
+    nan = ((u >> 16) & 0x8000) | 0x7FC0
+    return _bits_to_bf16(torch.where((u & 0x7FFF_FFFF) > 0x7F80_0000, nan, rounded))
+
+
+def _sqrt_exact(x: torch.Tensor) -> torch.Tensor:
+    # torch's CPU sqrt is within 0.5001 ulp, not always the IEEE result the native kernel
+    # gets; a float64 square root rounded once to float32 is exactly the IEEE result.
+    return torch.sqrt(x.double()).float()
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def adamw_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[int],
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled: bool = True,
+    grad_scale: float = 1.0,
+    seeds: Sequence[int] | None = None,
+    param_copies: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Twin of :func:`trainstream.ops.adamw_step` (synchronous, in place)."""
+    seeds = seeds if seeds is not None else [0] * len(params)
+    for i, p in enumerate(params):
+        step = int(steps[i])
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2 = 1.0 - beta2**step
+        decay = _f32(1.0 - lr * weight_decay)
+        wd = _f32(weight_decay)
+        omb1, b2, omb2 = _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2)
+        bc2_sqrt = _f32(math.sqrt(bias_correction2))
+        eps_t = _f32(eps)
+        neg_step_size = _f32(-(lr / bias_correction1))
+
+        g = grads[i].float() * _f32(grad_scale)
+        w = p.detach()
+        if decoupled:
+            w_new = w * decay
+        else:
+            w_new = w.clone()
+            g = g + wd * w
+        m = exp_avgs[i].float()
+        v = exp_avg_sqs[i].float()
+        m = m + omb1 * (g - m)
+        v = v * b2 + omb2 * (g * g)
+        denom = _sqrt_exact(v) / bc2_sqrt + eps_t
+        w_new = w_new + neg_step_size * (m / denom)
+        w.copy_(w_new)
+        if exp_avgs[i].dtype == torch.bfloat16:
+            bits = element_random_bits(seeds[i], step, p.numel()).view(p.shape)
+            exp_avgs[i].copy_(bf16_stochastic_round(m, bits & 0xFFFF))
+            exp_avg_sqs[i].copy_(bf16_stochastic_round(v, bits >> 16))
+        else:
+            exp_avgs[i].copy_(m)
+            exp_avg_sqs[i].copy_(v)
+        if param_copies is not None:
+            param_copies[i].copy_(w_new)  # torch's conversion: round to nearest even

@@ -1,0 +1,3 @@
+from .offload_adamw import OffloadAdamW
+
+__all__ = ["OffloadAdamW"]

@@ -1,0 +1,241 @@
+"""OffloadAdamW: torch.optim.AdamW's update, computed by the native host AdamW.
+
+On CPU-resident float32 parameters it is a drop-in replacement for
+``torch.optim.AdamW(foreach=False)``: the same param groups, LR schedulers, ``zero_grad``
+and a ``state_dict`` in torch AdamW's format, loadable by ``torch.optim.AdamW`` and back.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+
+MODES = ("cpu", "gpu")
+MOMENT_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, torch.float32: torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
+}
+# torch.optim.Adam/AdamW options this optimizer does not implement, with the only value
+# it accepts for each.
+UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+# Group keys torch.optim.AdamW writes into a state_dict; kept so the dict loads there.
+_TORCH_GROUP_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None,
+                         "capturable": False, "differentiable": False, "fused": None}
+
+
+def moment_dtype_from(value) -> torch.dtype:
+    try:
+        return MOMENT_DTYPE_NAMES[value]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"moment_dtype must be 'float32' or 'bfloat16' (also 'bf16', torch.float32, "
+            f"torch.bfloat16), got {value!r}"
+        ) from None
+
+
+def _check_number(name: str, value, ok: bool, accepted: str) -> None:
+    if isinstance(value, bool) or not ok:
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    lr_value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+    _check_number("lr", lr, isinstance(lr_value, (int, float)) and lr_value >= 0, "a float >= 0")
+    ok_betas = (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas))
+    if not ok_betas:
+        raise ValueError(f"betas must be a pair of floats in [0, 1), got {betas!r}")
+    _check_number("eps", eps, isinstance(eps, (int, float)) and eps >= 0, "a float >= 0")
+    _check_number("weight_decay", weight_decay, isinstance(weight_decay, (int, float)) and weight_decay >= 0,
+                  "a float >= 0")
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW whose update runs in host memory on a native C++ thread pool.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (weight decay is decoupled).
+        mode: ``"cpu"`` (host AdamW). ``"gpu"`` (the zero-copy CUDA AdamW) is accepted by
+            the specification but not built yet: it raises ValueError.
+        max_grad_norm: clip the global gradient norm to this value inside ``step()``; the
+            same result as ``torch.nn.utils.clip_grad_norm_`` followed by ``step()``.
+        accumulation_steps: backward passes per update. Each ``step()`` call adds the
+            current gradients to a host fp32 buffer; every N-th call updates with the
+            *mean* of the N gradients (so pass each micro-batch's un-divided loss) and the
+            calls in between return without touching the weights. Call ``zero_grad()``
+            after every ``step()`` as usual.
+        moment_dtype: ``"float32"`` or ``"bfloat16"`` (halves moment memory; rounding is
+            stochastic and reproducible: same seed and step give the same bits).
+        threads: host threads (default: every core this process may use).
+        decoupled_weight_decay: ``False`` gives ``torch.optim.Adam`` (L2 added to the
+            gradient), used when converting an ``Adam`` optimizer.
+        seed: stochastic-rounding seed (default: ``torch.initial_seed()``).
+
+    ``amsgrad``, ``maximize``, ``capturable`` and ``differentiable`` are accepted only at
+    their defaults; ``foreach`` and ``fused`` are ignored (the native pass is always fused).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 mode="cpu", max_grad_norm=None, accumulation_steps=1, moment_dtype="float32",
+                 threads=None, decoupled_weight_decay=True, seed=None, amsgrad=False,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+        _reject_unsupported({"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
+                             "differentiable": differentiable})
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "gpu":
+            raise ValueError("mode='gpu' (the zero-copy CUDA AdamW) is not built yet; use mode='cpu'")
+        if max_grad_norm is not None:
+            _check_number("max_grad_norm", max_grad_norm,
+                          isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0, "None or a float > 0")
+        _check_number("accumulation_steps", accumulation_steps,
+                      isinstance(accumulation_steps, int) and accumulation_steps >= 1, "an integer >= 1")
+        if threads is not None:
+            _check_number("threads", threads, isinstance(threads, int) and threads >= 1, "None or an integer >= 1")
+        self.mode = mode
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.accumulation_steps = accumulation_steps
+        self.moment_dtype = moment_dtype_from(moment_dtype)
+        self.threads = threads
+        self.seed = (torch.initial_seed() if seed is None else int(seed)) & 0xFFFF_FFFF_FFFF_FFFF
+        self._micro_step = 0
+        self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}  # host fp32 sums (accumulation)
+        self._grad_seen: set[torch.Tensor] = set()  # parameters with a gradient this window
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        **_TORCH_GROUP_DEFAULTS, decoupled_weight_decay=bool(decoupled_weight_decay))
+        super().__init__(params, defaults)
+        self._pool = ops.get_pool(threads)
+
+    # -- groups and state ------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        _reject_unsupported({k: param_group[k] for k in UNSUPPORTED if k in param_group})
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for p in group["params"]:
+            _check_param(p)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for group in state_dict["param_groups"]:
+            _reject_unsupported({k: group[k] for k in UNSUPPORTED if k in group})
+        super().load_state_dict(state_dict)
+        # torch casts loaded moments to the parameter's dtype; keep ours.
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", True)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = state[key].to(device="cpu", dtype=self.moment_dtype).contiguous()
+                state["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
+        self._grad_sums.clear()
+        self._grad_seen.clear()
+        self._micro_step = 0
+
+    def _state_for(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+        return state
+
+    def _seed_for(self, index: int) -> int:
+        # Distinct, reproducible stochastic-rounding streams per parameter.
+        return (self.seed ^ ((index + 1) * 0x9E37_79B9_7F4A_7C15)) & 0xFFFF_FFFF_FFFF_FFFF
+
+    # -- the update ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self._gradients_for_update()
+        if grads is None:
+            return loss  # an accumulation micro-step: gradients were added to the host sums
+        grad_scale = 1.0 / self.accumulation_steps
+        if self.max_grad_norm is not None and grads:
+            total_norm = torch.nn.utils.get_total_norm(list(grads.values()), 2.0) * grad_scale
+            clip = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
+            grad_scale = float(grad_scale * clip)
+
+        handles = []
+        index = 0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            params, g_list, m_list, v_list, steps, seeds = [], [], [], [], [], []
+            for p in group["params"]:
+                index += 1
+                g = grads.get(p)
+                if g is None:
+                    continue
+                state = self._state_for(p)
+                state["step"] += 1
+                params.append(p.data)
+                g_list.append(g)
+                m_list.append(state["exp_avg"])
+                v_list.append(state["exp_avg_sq"])
+                steps.append(int(state["step"].item()))
+                seeds.append(self._seed_for(index - 1))
+            if not params:
+                continue
+            lr = group["lr"]
+            handles.append(ops.adamw_step(
+                params, g_list, m_list, v_list, steps,
+                lr=float(lr), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                grad_scale=grad_scale, seeds=seeds, threads=self.threads))
+        for handle in handles:
+            handle.wait()
+        for p in self._grad_seen:
+            self._grad_sums[p].zero_()
+        self._grad_seen.clear()
+        return loss
+
+    def _gradients_for_update(self) -> dict | None:
+        """The gradient each parameter's update reads, or None on a micro-step that only
+        accumulates. With accumulation the update reads the host fp32 sums."""
+        current = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise ValueError("OffloadAdamW does not support sparse gradients")
+                    current[p] = p.grad.detach().contiguous()
+        if self.accumulation_steps == 1:
+            return current
+        for p, g in current.items():
+            total = self._grad_sums.get(p)
+            if total is None:
+                total = self._grad_sums[p] = torch.zeros(p.shape, dtype=torch.float32)
+            total.add_(g)
+            self._grad_seen.add(p)
+        self._micro_step += 1
+        if self._micro_step % self.accumulation_steps:
+            return None
+        return {p: self._grad_sums[p] for p in self._grad_seen}
+
+
+def _reject_unsupported(options: dict) -> None:
+    for name, value in options.items():
+        if value != UNSUPPORTED[name]:
+            raise ValueError(f"OffloadAdamW does not support {name}={value!r} (accepted: {UNSUPPORTED[name]})")
+
+
+def _check_param(p: torch.Tensor) -> None:
+    if p.device.type != "cpu":
+        raise ValueError(
+            f"OffloadAdamW(mode='cpu') updates parameters held in host memory; this one is on "
+            f"{p.device}. Streaming a GPU model's optimizer state through host RAM is the job of "
+            "the offload engine (trainstream.wrap), which is not built yet."
+        )
+    if p.dtype != torch.float32:
+        raise ValueError(f"OffloadAdamW needs float32 parameters (the master weights), got {p.dtype}")
+    if not p.is_contiguous():
+        raise ValueError("OffloadAdamW needs contiguous parameters (it updates them in place)")
