@@ -28,8 +28,8 @@ struct F16 { uint16_t bits; };
 static inline float bits_to_float(uint32_t u) { return __builtin_bit_cast(float, u); }
 static inline uint32_t float_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 
-static inline float load(const float* p, int64_t i) { return p[i]; }
-static inline float load(const BF16* p, int64_t i) { return bits_to_float(uint32_t(p[i].bits) << 16); }
+static inline float load(const float* p, uint32_t j) { return p[j]; }
+static inline float load(const BF16* p, uint32_t j) { return bits_to_float(uint32_t(p[j].bits) << 16); }
 
 // fp32 -> bf16, round to nearest even; NaN becomes 0x7fc0 with its sign, as torch does.
 static inline uint16_t bf16_rne(float f) {
@@ -67,69 +67,76 @@ static inline uint16_t f16_rne(float f) {
   return uint16_t(out | (sign >> 16));
 }
 
+// `index` is the element's position in its tensor (low 32 bits): the counter the
+// stochastic-rounding hash consumes.
 template <typename M>
-static inline void store_moments(M* m, M* v, int64_t i, float mi, float vi, uint32_t key);
+static inline void store_moments(M* m, M* v, uint32_t j, float mi, float vi, uint32_t key, uint32_t index);
 
 template <>
-inline void store_moments<float>(float* m, float* v, int64_t i, float mi, float vi, uint32_t) {
-  m[i] = mi;
-  v[i] = vi;
+inline void store_moments<float>(float* m, float* v, uint32_t j, float mi, float vi, uint32_t, uint32_t) {
+  m[j] = mi;
+  v[j] = vi;
 }
 
 template <>
-inline void store_moments<BF16>(BF16* m, BF16* v, int64_t i, float mi, float vi, uint32_t key) {
+inline void store_moments<BF16>(BF16* m, BF16* v, uint32_t j, float mi, float vi, uint32_t key,
+                                uint32_t index) {
   // One hash per element: the low half rounds the first moment, the high half the second.
-  uint32_t r = mix32(key ^ static_cast<uint32_t>(i));
-  m[i].bits = bf16_stochastic(mi, r & 0xffffu);
-  v[i].bits = bf16_stochastic(vi, r >> 16);
+  uint32_t r = mix32(key ^ index);
+  m[j].bits = bf16_stochastic(mi, r & 0xffffu);
+  v[j].bits = bf16_stochastic(vi, r >> 16);
 }
 
-static inline void store_copy(NoCopy*, int64_t, float) {}
-static inline void store_copy(BF16* c, int64_t i, float p) { c[i].bits = bf16_rne(p); }
-static inline void store_copy(F16* c, int64_t i, float p) { c[i].bits = f16_rne(p); }
+static inline void store_copy(NoCopy*, uint32_t, float) {}
+static inline void store_copy(BF16* c, uint32_t j, float p) { c[j].bits = bf16_rne(p); }
+static inline void store_copy(F16* c, uint32_t j, float p) { c[j].bits = f16_rne(p); }
 
 // The order of operations mirrors torch.optim.AdamW's single-tensor path; each line is
-// one fp32 operation of ops/reference.py.
+// one fp32 operation of ops/reference.py. Pointers arrive offset to the range's start and
+// the loop counts in 32 bits (a range is at most kAdamWChunk long): a 64-bit counter
+// would make the compiler narrow a vector of 64-bit indices for the hash on every step.
 template <typename G, typename M, typename C, bool kDecoupled>
 void update_range(const AdamWScalars& s, float* __restrict p, const G* __restrict g,
-                  M* __restrict m, M* __restrict v, C* __restrict copy, int64_t begin,
-                  int64_t end, uint32_t key) {
+                  M* __restrict m, M* __restrict v, C* __restrict copy, uint32_t n,
+                  uint32_t index0, uint32_t key) {
   const float decay = s.decay, wd = s.weight_decay, omb1 = s.one_minus_beta1, b2 = s.beta2,
               omb2 = s.one_minus_beta2, bc2 = s.bias_correction2_sqrt, eps = s.eps,
               nss = s.neg_step_size, gs = s.grad_scale;
 #pragma GCC ivdep
-  for (int64_t i = begin; i < end; ++i) {
-    float gi = load(g, i) * gs;
-    float pi = p[i];
+  for (uint32_t j = 0; j < n; ++j) {
+    float gi = load(g, j) * gs;
+    float pi = p[j];
     if (kDecoupled) {
       pi = pi * decay;
     } else {
       gi = gi + wd * pi;
     }
-    float mi = load(m, i);
-    float vi = load(v, i);
+    float mi = load(m, j);
+    float vi = load(v, j);
     mi = mi + omb1 * (gi - mi);
     vi = vi * b2 + omb2 * (gi * gi);
     float denom = __builtin_sqrtf(vi) / bc2 + eps;
     pi = pi + nss * (mi / denom);
-    p[i] = pi;
-    store_moments(m, v, i, mi, vi, key);
-    store_copy(copy, i, pi);
+    p[j] = pi;
+    store_moments(m, v, j, mi, vi, key, index0 + j);
+    store_copy(copy, j, pi);
   }
 }
 
 template <typename G, typename M, typename C>
 void dispatch_decoupled(const AdamWConfig& cfg, const AdamWScalars& s, const AdamWTensor& t,
                         int64_t begin, int64_t end, uint32_t key) {
-  auto* p = t.param;
-  auto* g = static_cast<const G*>(t.grad);
-  auto* m = static_cast<M*>(t.exp_avg);
-  auto* v = static_cast<M*>(t.exp_avg_sq);
-  auto* c = static_cast<C*>(t.param_copy);
+  auto* p = t.param + begin;
+  auto* g = static_cast<const G*>(t.grad) + begin;
+  auto* m = static_cast<M*>(t.exp_avg) + begin;
+  auto* v = static_cast<M*>(t.exp_avg_sq) + begin;
+  auto* c = static_cast<C*>(t.param_copy) + (t.param_copy ? begin : 0);
+  const auto n = static_cast<uint32_t>(end - begin);
+  const auto index0 = static_cast<uint32_t>(begin);
   if (cfg.decoupled)
-    update_range<G, M, C, true>(s, p, g, m, v, c, begin, end, key);
+    update_range<G, M, C, true>(s, p, g, m, v, c, n, index0, key);
   else
-    update_range<G, M, C, false>(s, p, g, m, v, c, begin, end, key);
+    update_range<G, M, C, false>(s, p, g, m, v, c, n, index0, key);
 }
 
 template <typename G, typename M>

@@ -82,7 +82,7 @@ def require_cuda(feature: str) -> None:
             "with. Update the driver."
         )
     if not torch.cuda.is_available() or info["device_count"] == 0:
-        reason = info["error"] or "no device reported"
+        reason = "no NVIDIA driver found" if not info["driver_version"] else (info["error"] or "no device reported")
         raise RuntimeError(
             f"{feature} needs a CUDA GPU, but none is visible ({reason}). Check nvidia-smi and "
             "CUDA_VISIBLE_DEVICES."

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One full run on a GPU machine: build, every test (gpu ones included), the bench.
+# Usage: OUT=/path/for/logs TRAINSTREAM_COMMIT=<sha> bash benchmarks/gpu_run.sh [bench args...]
+# Peers (DeepSpeed, ...) are installed from ./.whl when present (../shared/device/peer-wheels.sh).
+set -uo pipefail
+OUT=${OUT:-/tmp/trainstream-gpu-run}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log() { echo "== $*" | tee -a "$OUT/run.log"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  log "installing peers from .whl"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+  if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+      .whl/deepspeed-*.tar.gz 2>&1 | tail -3
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+log "build"
+python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+(cd /tmp && python3 -m trainstream) 2>&1 | tee -a "$OUT/run.log"
+
+log "tests (gpu tests included)"
+python3 -m pytest tests -q -rs 2>&1 | tee "$OUT/tests.log" | tail -15
+test_rc=${PIPESTATUS[0]}
+
+log "bench"
+python3 -m trainstream.bench --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+log "tests rc=$test_rc bench rc=$bench_rc"
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

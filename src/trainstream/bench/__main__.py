@@ -1,0 +1,58 @@
+"""python -m trainstream.bench [suite ...] [--quick] [--out DIR] [--readme [README.md]]"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from . import optimizer, readme
+from .common import env_line, environment, write_result
+
+# suite name -> (needs a GPU, runner(args) -> result dict)
+SUITES = {
+    "optimizer": (False, lambda a: optimizer.run(params=a.params or (1 << 24 if a.quick else 1 << 28),
+                                                 threads=a.threads, iters=3 if a.quick else 5)),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainstream.bench", description=__doc__)
+    parser.add_argument("suites", nargs="*", help=f"suites to run (default: all): {', '.join(SUITES)}")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--params", type=int, default=None, help="parameters for the optimizer suite")
+    parser.add_argument("--threads", type=int, default=None, help="host threads (default: all cores)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where results go")
+    parser.add_argument("--readme", nargs="?", const=Path("README.md"), type=Path, default=None,
+                        help="only regenerate the README's tables from the results in --out")
+    args = parser.parse_args(argv)
+
+    if args.readme is not None:
+        readme.update(args.readme, args.out)
+        print(f"updated {args.readme} from {args.out}")
+        return 0
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        parser.error(f"unknown suite(s) {unknown}; accepted: {list(SUITES)}")
+    from .. import _native
+    args.threads = args.threads or _native.lib().available_cores()
+    has_gpu = torch.cuda.is_available()
+    chosen = args.suites or list(SUITES)
+    if not has_gpu:
+        gpu_suites = [s for s in chosen if SUITES[s][0]]
+        print("No GPU visible: running the CPU suites only"
+              + (f" (skipping {', '.join(gpu_suites)})" if gpu_suites else "") + ".", flush=True)
+        chosen = [s for s in chosen if not SUITES[s][0]]
+    env = environment()
+    print(env_line(env), flush=True)
+    for name in chosen:
+        print(f"[{name}]", flush=True)
+        result = SUITES[name][1](args)
+        path = write_result(args.out, name, env, result, result.pop("markdown"))
+        print(path.with_suffix(".md").read_text(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""What every suite shares: the machine's description, timing, and result files."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__, _native
+
+
+def git_commit() -> str:
+    """The commit measured: $TRAINSTREAM_COMMIT (set when the tree was copied without .git),
+    else git's HEAD, else 'unknown'."""
+    if os.environ.get("TRAINSTREAM_COMMIT"):
+        return os.environ["TRAINSTREAM_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def import_seconds(repeats: int = 3) -> float:
+    """Median wall time of `import trainstream` in a fresh interpreter."""
+    code = "import time; t = time.perf_counter(); import trainstream; print(time.perf_counter() - t)"
+    times = []
+    for _ in range(repeats):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        times.append(float(out.stdout.strip()))
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    native = _native.lib()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "trainstream": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "gpu": gpu,
+        "cpu": cpu_model(),
+        "cores": native.available_cores(),
+        "simd": native.simd_level(),
+        "python": sys.version.split()[0],
+        "import_trainstream_s": round(import_seconds(), 3),
+    }
+
+
+def machine_slug(env: dict) -> str:
+    if env["gpu"]:
+        return re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
+    return f"cpu-{env['cores']}core"
+
+
+def median_seconds(fn, *, iters: int, warmup: int = 1, sync_cuda: bool = False) -> float:
+    """Median wall time of fn() (device work is synchronized when sync_cuda is set)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if sync_cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if sync_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
+    """columns: (key, header) pairs; floats print with 3 significant digits."""
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(r.get(k)) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def env_line(env: dict) -> str:
+    hw = env["gpu"] or "no GPU"
+    return (f"{hw}; {env['cpu']}, {env['cores']} cores ({env['simd']}); torch {env['torch']}; "
+            f"commit {env['commit']}; {env['date']}")
+
+
+def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{suite}-{machine_slug(env)}"
+    payload = {"suite": suite, "env": env, **result, "markdown": markdown}
+    (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out_dir / f"{stem}.md").write_text(f"### {suite} ({env_line(env)})\n\n{markdown}\n")
+    return out_dir / f"{stem}.json"

@@ -1,0 +1,325 @@
+"""trainstream.OffloadAdamW as a drop-in for torch.optim.AdamW on CPU parameters."""
+import copy
+
+import pytest
+import torch
+
+import trainstream
+from trainstream import OffloadAdamW
+
+TOL = 1e-6
+
+
+class OddModel(torch.nn.Module):
+    """Layer sizes with odd tails (not multiples of any vector width or chunk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(37, 129)
+        self.b = torch.nn.Linear(129, 61)
+        self.c = torch.nn.Linear(61, 3, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+def batches(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 37, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(n)]
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def train(model, opt, data, *, clip=None, accumulate=1, scheduler=None):
+    for i, (x, y) in enumerate(data):
+        loss_of(model, x, y).backward()
+        if accumulate > 1 and not isinstance(opt, OffloadAdamW):
+            if (i + 1) % accumulate:
+                continue
+            for p in model.parameters():
+                p.grad /= accumulate
+        if clip is not None and not isinstance(opt, OffloadAdamW):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def max_diff(m1, m2):
+    return max((a - b).abs().max().item() for a, b in zip(m1.parameters(), m2.parameters()))
+
+
+def twin_models():
+    model = OddModel()
+    return model, copy.deepcopy(model)
+
+
+def groups_of(model, lr=1e-2, wd_a=0.1, wd_rest=0.0):
+    return [{"params": model.a.parameters(), "weight_decay": wd_a},
+            {"params": list(model.b.parameters()) + list(model.c.parameters()), "weight_decay": wd_rest, "lr": lr / 3}]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_torch_adamw_after_20_steps(weight_decay):
+    ours, theirs = twin_models()
+    data = batches(20)
+    train(ours, OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=weight_decay), data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=weight_decay, foreach=False), data)
+    assert max_diff(ours, theirs) <= TOL
+
+
+def test_two_param_groups_with_their_own_lr_and_decay():
+    ours, theirs = twin_models()
+    data = batches(20)
+    opt = OffloadAdamW(groups_of(ours), lr=1e-2)
+    train(ours, opt, data)
+    train(theirs, torch.optim.AdamW(groups_of(theirs), lr=1e-2, foreach=False), data)
+    assert max_diff(ours, theirs) <= TOL
+    assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 / 3)
+
+
+def test_adam_mode_matches_torch_adam():
+    ours, theirs = twin_models()
+    data = batches(20)
+    train(ours, OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.05, decoupled_weight_decay=False), data)
+    train(theirs, torch.optim.Adam(theirs.parameters(), lr=1e-2, weight_decay=0.05, foreach=False), data)
+    assert max_diff(ours, theirs) <= TOL
+
+
+def test_custom_betas_and_eps():
+    ours, theirs = twin_models()
+    data = batches(20)
+    kw = dict(lr=5e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.02)
+    train(ours, OffloadAdamW(ours.parameters(), **kw), data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), foreach=False, **kw), data)
+    assert max_diff(ours, theirs) <= TOL
+
+
+def test_gradient_clipping_matches_clip_grad_norm():
+    ours, theirs = twin_models()
+    data = batches(20)
+    train(ours, OffloadAdamW(ours.parameters(), lr=1e-2, max_grad_norm=0.05), data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False), data, clip=0.05)
+    assert max_diff(ours, theirs) <= TOL
+    # The clip must have been active for this test to mean anything.
+    unclipped, _ = twin_models()
+    train(unclipped, torch.optim.AdamW(unclipped.parameters(), lr=1e-2), data)
+    assert max_diff(unclipped, theirs) > 1e-3
+
+
+def test_accumulation_matches_mean_of_micro_batch_gradients():
+    ours, theirs = twin_models()
+    data = batches(40)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, accumulation_steps=4)
+    before = [p.detach().clone() for p in ours.parameters()]
+    loss_of(ours, *data[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters())), "a micro-step moved weights"
+    train(ours, opt, data[1:4])  # completes the first window
+    train(ours, opt, data[4:])
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False), data, accumulate=4)
+    assert max_diff(ours, theirs) <= TOL
+
+
+def test_accumulation_with_clipping():
+    ours, theirs = twin_models()
+    data = batches(24)
+    train(ours, OffloadAdamW(ours.parameters(), lr=1e-2, accumulation_steps=3, max_grad_norm=0.05), data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False), data, accumulate=3, clip=0.05)
+    assert max_diff(ours, theirs) <= TOL
+
+
+def test_lr_scheduler_is_read_every_step():
+    ours, theirs = twin_models()
+    data = batches(20)
+    opt_a = OffloadAdamW(ours.parameters(), lr=1e-2)
+    opt_b = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    train(ours, opt_a, data, scheduler=torch.optim.lr_scheduler.StepLR(opt_a, step_size=3, gamma=0.5))
+    train(theirs, opt_b, data, scheduler=torch.optim.lr_scheduler.StepLR(opt_b, step_size=3, gamma=0.5))
+    assert max_diff(ours, theirs) <= TOL
+    assert opt_a.param_groups[0]["lr"] == pytest.approx(opt_b.param_groups[0]["lr"])
+
+
+def test_params_without_grad_are_skipped_like_torch():
+    ours, theirs = twin_models()
+    ours.c.weight.requires_grad_(False)
+    theirs.c.weight.requires_grad_(False)
+    data = batches(5)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    train(ours, opt, data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, foreach=False), data)
+    assert max_diff(ours, theirs) <= TOL
+    assert ours.c.weight not in opt.state
+
+
+def test_closure_is_called_and_its_loss_returned():
+    model, _ = twin_models()
+    opt = OffloadAdamW(model.parameters())
+    x, y = batches(1)[0]
+    before = model.a.weight.detach().clone()
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(model, x, y)
+        loss.backward()
+        calls.append(loss)
+        return loss
+
+    loss = opt.step(closure)
+    assert len(calls) == 1 and loss is calls[0]
+    assert not torch.equal(before, model.a.weight)
+
+
+def test_state_dict_loads_into_torch_adamw_and_continues_identically():
+    ours, theirs = twin_models()
+    data = batches(20)
+    opt = OffloadAdamW(groups_of(ours), lr=1e-2)
+    train(ours, opt, data[:10])
+    sd = copy.deepcopy(opt.state_dict())  # as a checkpoint would: state_dict() shares tensors
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert sd["state"][0]["step"].dtype == torch.float32 and sd["state"][0]["step"].item() == 10
+    # Continue in torch from our state, and in ours; both must agree.
+    theirs.load_state_dict(ours.state_dict())
+    torch_opt = torch.optim.AdamW(groups_of(theirs), lr=1e-2, foreach=False)
+    torch_opt.load_state_dict(sd)
+    train(ours, opt, data[10:])
+    train(theirs, torch_opt, data[10:])
+    assert max_diff(ours, theirs) <= TOL
+
+
+def test_loads_a_torch_adamw_state_dict():
+    ours, theirs = twin_models()
+    data = batches(20)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    train(theirs, torch_opt, data[:10])
+    ours.load_state_dict(theirs.state_dict())
+    opt = OffloadAdamW(ours.parameters(), lr=1.0)  # hyper-parameters come from the state dict
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
+    train(ours, opt, data[10:])
+    train(theirs, torch_opt, data[10:])
+    assert max_diff(ours, theirs) <= TOL
+
+
+def test_state_dict_round_trip_with_bf16_moments():
+    model, twin = twin_models()
+    data = batches(6)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, moment_dtype="bfloat16", seed=7)
+    train(model, opt, data[:3])
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["state"][0]["exp_avg"].dtype == torch.bfloat16
+    twin.load_state_dict(model.state_dict())
+    opt2 = OffloadAdamW(twin.parameters(), lr=1e-2, moment_dtype="bfloat16", seed=7)
+    opt2.load_state_dict(sd)
+    assert opt2.state[next(twin.parameters())]["exp_avg"].dtype == torch.bfloat16
+    train(model, opt, data[3:])
+    train(twin, opt2, data[3:])
+    assert max_diff(model, twin) == 0.0  # same seed and steps: the same bits
+
+
+def test_torch_adamw_can_load_bf16_moment_state():
+    model, twin = twin_models()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, moment_dtype="bf16")
+    train(model, opt, batches(3))
+    torch_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    state = torch_opt.state[next(twin.parameters())]
+    assert state["exp_avg"].dtype == torch.float32  # torch casts to the parameter's dtype
+
+
+def test_bf16_moments_train_like_fp32():
+    # A small linear regression: bf16 moments with stochastic rounding reach the same loss.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 64, generator=gen)
+    w_true = torch.randn(64, 1, generator=gen)
+    y = x @ w_true + 0.01 * torch.randn(512, 1, generator=gen)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(64, 1)
+        opt = OffloadAdamW(lin.parameters(), lr=3e-2, weight_decay=0.0, moment_dtype=dtype)
+        for _ in range(300):
+            loss = torch.nn.functional.mse_loss(lin(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses[dtype] = torch.nn.functional.mse_loss(lin(x), y).item()
+    start = torch.nn.functional.mse_loss(torch.zeros_like(y), y).item()
+    assert losses["float32"] < start * 1e-3
+    assert losses["bfloat16"] < start * 1e-3
+    assert abs(losses["bfloat16"] - losses["float32"]) < 0.5 * losses["float32"] + 1e-4
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_thread_count_does_not_change_results(threads):
+    model, twin = twin_models()
+    data = batches(5)
+    train(model, OffloadAdamW(model.parameters(), lr=1e-2, moment_dtype="bfloat16", seed=1, threads=1), data)
+    train(twin, OffloadAdamW(twin.parameters(), lr=1e-2, moment_dtype="bfloat16", seed=1, threads=threads), data)
+    assert max_diff(model, twin) == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(amsgrad=True), r"does not support amsgrad=True \(accepted: False\)"),
+    (dict(maximize=True), r"does not support maximize=True"),
+    (dict(capturable=True), r"does not support capturable=True"),
+    (dict(differentiable=True), r"does not support differentiable=True"),
+    (dict(lr=-1.0), r"lr must be a float >= 0"),
+    (dict(betas=(0.9, 1.0)), r"betas must be a pair of floats in \[0, 1\)"),
+    (dict(betas=(0.9,)), r"betas must be a pair"),
+    (dict(eps=-1e-8), r"eps must be a float >= 0"),
+    (dict(weight_decay=-0.1), r"weight_decay must be a float >= 0"),
+    (dict(mode="tpu"), r"mode must be one of \('cpu', 'gpu'\), got 'tpu'"),
+    (dict(mode="gpu"), r"mode='gpu' .* not built yet"),
+    (dict(moment_dtype="float16"), r"moment_dtype must be 'float32' or 'bfloat16'"),
+    (dict(max_grad_norm=0.0), r"max_grad_norm must be None or a float > 0"),
+    (dict(max_grad_norm="1"), r"max_grad_norm must be None or a float > 0"),
+    (dict(accumulation_steps=0), r"accumulation_steps must be an integer >= 1"),
+    (dict(accumulation_steps=2.0), r"accumulation_steps must be an integer >= 1"),
+    (dict(threads=0), r"threads must be None or an integer >= 1"),
+    (dict(threads=True), r"threads must be None or an integer >= 1"),
+])
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadAdamW(torch.nn.Linear(3, 3).parameters(), **kwargs)
+
+
+def test_parameter_errors():
+    with pytest.raises(ValueError, match="needs float32 parameters"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="contiguous"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(4, 4).t())])
+    with pytest.raises(ValueError, match=r"amsgrad=True"):
+        OffloadAdamW([{"params": torch.nn.Linear(2, 2).parameters(), "amsgrad": True}])
+    with pytest.raises(ValueError, match=r"lr must be a float >= 0"):
+        OffloadAdamW([{"params": torch.nn.Linear(2, 2).parameters(), "lr": -3.0}])
+
+
+def test_loading_an_amsgrad_state_dict_is_refused():
+    lin = torch.nn.Linear(2, 2)
+    torch_opt = torch.optim.AdamW(lin.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        OffloadAdamW(lin.parameters()).load_state_dict(torch_opt.state_dict())
+
+
+def test_sparse_gradients_are_refused():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse"):
+        OffloadAdamW(emb.parameters()).step()
+
+
+def test_exported_from_the_package():
+    assert trainstream.OffloadAdamW is OffloadAdamW
+    assert issubclass(OffloadAdamW, torch.optim.Optimizer)
+
+
+@pytest.mark.gpu
+def test_cuda_parameters_are_refused_until_the_engine_handles_them():
+    with pytest.raises(ValueError, match=r"updates parameters held in host memory; this one is on cuda:0"):
+        OffloadAdamW(torch.nn.Linear(2, 2).cuda().parameters())
