@@ -40,19 +40,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def import_seconds(repeats: int = 3) -> float:
-    """Median wall time of `import trainstream` in a fresh interpreter."""
-    code = "import time; t = time.perf_counter(); import trainstream; print(time.perf_counter() - t)"
-    times = []
+def import_seconds(repeats: int = 3) -> tuple[float, float]:
+    """Median wall times, in a fresh interpreter, of `import torch` and then of
+    `import trainstream` on top of it (what the package itself adds)."""
+    code = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+            "import trainstream; print(t1 - t0, time.perf_counter() - t1)")
+    torch_times, ours = [], []
     for _ in range(repeats):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        times.append(float(out.stdout.strip()))
-    return statistics.median(times)
+        a, b = out.stdout.split()
+        torch_times.append(float(a))
+        ours.append(float(b))
+    return statistics.median(torch_times), statistics.median(ours)
 
 
 def environment() -> dict:
     native = _native.lib()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    import_torch_s, import_trainstream_s = import_seconds()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
@@ -64,7 +69,8 @@ def environment() -> dict:
         "cores": native.available_cores(),
         "simd": native.simd_level(),
         "python": sys.version.split()[0],
-        "import_trainstream_s": round(import_seconds(), 3),
+        "import_torch_s": round(import_torch_s, 3),
+        "import_trainstream_s": round(import_trainstream_s, 3),  # after torch
     }
 
 
@@ -106,8 +112,12 @@ def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
 
 def env_line(env: dict) -> str:
     hw = env["gpu"] or "no GPU"
-    return (f"{hw}; {env['cpu']}, {env['cores']} cores ({env['simd']}); torch {env['torch']}; "
+    text = (f"{hw}; {env['cpu']}, {env['cores']} cores ({env['simd']}); torch {env['torch']}; "
             f"commit {env['commit']}; {env['date']}")
+    if "import_trainstream_s" in env:
+        text += (f"; `import trainstream` {env['import_trainstream_s']:.2f} s after "
+                 f"`import torch` {env.get('import_torch_s', float('nan')):.2f} s")
+    return text
 
 
 def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: str) -> Path:
