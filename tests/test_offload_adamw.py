@@ -275,7 +275,6 @@ def test_thread_count_does_not_change_results(threads):
     (dict(eps=-1e-8), r"eps must be a float >= 0"),
     (dict(weight_decay=-0.1), r"weight_decay must be a float >= 0"),
     (dict(mode="tpu"), r"mode must be one of \('cpu', 'gpu'\), got 'tpu'"),
-    (dict(mode="gpu"), r"mode='gpu' .* not built yet"),
     (dict(moment_dtype="float16"), r"moment_dtype must be 'float32' or 'bfloat16'"),
     (dict(max_grad_norm=0.0), r"max_grad_norm must be None or a float > 0"),
     (dict(max_grad_norm="1"), r"max_grad_norm must be None or a float > 0"),
@@ -319,7 +318,82 @@ def test_exported_from_the_package():
     assert issubclass(OffloadAdamW, torch.optim.Optimizer)
 
 
+def test_gpu_mode_without_a_usable_gpu_says_what_is_missing():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is usable here")
+    with pytest.raises(RuntimeError, match=r"OffloadAdamW\(mode='gpu'\) needs a CUDA GPU"):
+        OffloadAdamW(torch.nn.Linear(2, 2).parameters(), mode="gpu")
+
+
 @pytest.mark.gpu
-def test_cuda_parameters_are_refused_until_the_engine_handles_them():
-    with pytest.raises(ValueError, match=r"updates parameters held in host memory; this one is on cuda:0"):
+def test_mode_and_parameter_device_must_agree():
+    with pytest.raises(ValueError, match=r"this one is on cuda:0. For GPU parameters use mode='gpu'"):
         OffloadAdamW(torch.nn.Linear(2, 2).cuda().parameters())
+    with pytest.raises(ValueError, match=r"mode='gpu'\) updates parameters on a GPU; this one is on cpu"):
+        OffloadAdamW(torch.nn.Linear(2, 2).parameters(), mode="gpu")
+
+
+def cuda_twins():
+    model = OddModel().cuda()
+    return model, copy.deepcopy(model)
+
+
+def cuda_batches(n):
+    return [(x.cuda(), y.cuda()) for x, y in batches(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_gpu_mode_matches_torch_adamw_after_20_steps(weight_decay):
+    ours, theirs = cuda_twins()
+    data = cuda_batches(20)
+    opt = OffloadAdamW(groups_of(ours, wd_a=weight_decay), lr=1e-2, mode="gpu")
+    train(ours, opt, data)
+    train(theirs, torch.optim.AdamW(groups_of(theirs, wd_a=weight_decay), lr=1e-2, foreach=False), data)
+    assert max_diff(ours, theirs) <= TOL
+    state = opt.state[ours.a.weight]
+    assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].is_pinned()
+
+
+@pytest.mark.gpu
+def test_gpu_mode_equals_cpu_mode_bit_for_bit():
+    # The same update on the host and on the GPU: identical weights, bf16 moments included.
+    for moment_dtype in ("float32", "bfloat16"):
+        gpu_model, _ = cuda_twins()
+        cpu_model = copy.deepcopy(gpu_model).cpu()
+        gpu_opt = OffloadAdamW(gpu_model.parameters(), lr=1e-2, mode="gpu", moment_dtype=moment_dtype, seed=3)
+        cpu_opt = OffloadAdamW(cpu_model.parameters(), lr=1e-2, mode="cpu", moment_dtype=moment_dtype, seed=3)
+        for x, y in batches(8):
+            loss_of(gpu_model, x.cuda(), y.cuda()).backward()
+            for pg, pc in zip(gpu_model.parameters(), cpu_model.parameters()):
+                pc.grad = pg.grad.cpu()  # identical gradients on both sides
+            gpu_opt.step(); gpu_opt.zero_grad()
+            cpu_opt.step(); cpu_opt.zero_grad()
+        for pg, pc in zip(gpu_model.parameters(), cpu_model.parameters()):
+            assert torch.equal(pg.cpu(), pc), moment_dtype
+
+
+@pytest.mark.gpu
+def test_gpu_mode_clipping_and_accumulation_match_torch():
+    ours, theirs = cuda_twins()
+    data = cuda_batches(24)
+    train(ours, OffloadAdamW(ours.parameters(), lr=1e-2, mode="gpu", accumulation_steps=3, max_grad_norm=0.05), data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False), data, accumulate=3, clip=0.05)
+    assert max_diff(ours, theirs) <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_mode_state_dict_round_trip_with_torch():
+    ours, theirs = cuda_twins()
+    data = cuda_batches(20)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, mode="gpu")
+    train(ours, opt, data[:10])
+    sd = copy.deepcopy(opt.state_dict())
+    theirs.load_state_dict(ours.state_dict())
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    torch_opt.load_state_dict(sd)
+    train(ours, opt, data[10:])
+    train(theirs, torch_opt, data[10:])
+    assert max_diff(ours, theirs) <= TOL
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert opt.state[ours.a.weight]["exp_avg"].is_pinned()

@@ -10,19 +10,12 @@
 #include "trainstream/adamw.h"
 #include "trainstream/common.h"
 #include "trainstream/thread_pool.h"
-#ifdef TS_WITH_CUDA
-#include "trainstream/cuda_info.h"
-#endif
+#include "bindings.h"
 
 namespace py = pybind11;
 using namespace trainstream;
 
 namespace {
-
-template <typename T>
-T* as_ptr(int64_t address) {
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
-}
 
 SimdLevel simd_from_name(const std::string& name) {
   if (name == "avx512") return SimdLevel::kAVX512;
@@ -67,6 +60,28 @@ std::shared_ptr<Job> adamw_queue_py(ThreadPool& pool, const std::vector<int64_t>
   return adamw_queue(pool, cfg, std::move(tensors));
 }
 
+// The scalars one tensor's update uses (AdamWScalars), so the CUDA path packs exactly the
+// values the host path computes.
+py::tuple adamw_scalars_py(double lr, double beta1, double beta2, double eps, double weight_decay,
+                           double grad_scale, int64_t step, uint64_t seed) {
+  AdamWConfig cfg;
+  cfg.lr = lr;
+  cfg.beta1 = beta1;
+  cfg.beta2 = beta2;
+  cfg.eps = eps;
+  cfg.weight_decay = weight_decay;
+  cfg.grad_scale = grad_scale;
+  AdamWTensor t{};
+  t.step = step;
+  t.seed = seed;
+  AdamWScalars s = make_scalars(cfg, t);
+  py::list floats;
+  for (float f : {s.decay, s.weight_decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
+                  s.bias_correction2_sqrt, s.eps, s.neg_step_size, s.grad_scale})
+    floats.append(f);
+  return py::make_tuple(floats, s.rng_key);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -93,21 +108,16 @@ PYBIND11_MODULE(_C, m) {
         py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),
         py::arg("grad_dtype"), py::arg("moment_dtype"), py::arg("copy_dtype"));
 
+  m.def("adamw_scalars", &adamw_scalars_py, py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("step"), py::arg("seed"));
+
   py::dict build;
   build["compiler"] = TS_COMPILER_ID;
 #ifdef TS_WITH_CUDA
   build["cuda"] = true;
   build["cuda_version"] = TS_CUDA_VERSION;
   build["cuda_archs"] = TS_CUDA_ARCHS;
-  m.def("cuda_info", [] {
-    CudaInfo info = cuda_info();
-    py::dict d;
-    d["runtime_version"] = info.runtime_version;
-    d["driver_version"] = info.driver_version;
-    d["device_count"] = info.device_count;
-    d["error"] = info.error;
-    return d;
-  });
+  bind_cuda(m);
 #else
   build["cuda"] = false;
   build["cuda_version"] = py::none();

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "trainstream/adamw_kernel.h"
+#include "trainstream/numerics.h"
 
 #ifndef TS_ISA_FN
 #error "TS_ISA_FN must name the entry point of this ISA build"
@@ -25,47 +26,13 @@ struct NoCopy {};
 struct BF16 { uint16_t bits; };
 struct F16 { uint16_t bits; };
 
-static inline float bits_to_float(uint32_t u) { return __builtin_bit_cast(float, u); }
-static inline uint32_t float_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+using num::bf16_rne;
+using num::bf16_stochastic;
+using num::f16_rne;
+using num::mix32;
 
 static inline float load(const float* p, uint32_t j) { return p[j]; }
-static inline float load(const BF16* p, uint32_t j) { return bits_to_float(uint32_t(p[j].bits) << 16); }
-
-// fp32 -> bf16, round to nearest even; NaN becomes 0x7fc0 with its sign, as torch does.
-static inline uint16_t bf16_rne(float f) {
-  uint32_t u = float_to_bits(f);
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
-  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
-
-// fp32 -> bf16, rounding up with probability equal to the dropped fraction: adding 16
-// uniform random bits below the kept ones and truncating is unbiased in expectation.
-// Magnitudes round away from zero symmetrically because bf16 is sign-magnitude.
-static inline uint16_t bf16_stochastic(float f, uint32_t random16) {
-  uint32_t u = float_to_bits(f);
-  uint32_t rounded = (u + random16) >> 16;
-  uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
-  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
-
-// fp32 -> fp16, round to nearest even, branch-free so it vectorizes (after F. Giesen's
-// float_to_half_fast3_rtne). Matches torch's conversion, NaN included (0x7e00 | sign).
-static inline uint16_t f16_rne(float f) {
-  uint32_t u = float_to_bits(f);
-  uint32_t sign = u & 0x80000000u;
-  uint32_t a = u ^ sign;
-  // |f| >= 65536 (or inf/NaN): all exponent bits set.
-  uint32_t inf_nan = a > 0x7f800000u ? 0x7e00u : 0x7c00u;
-  // Subnormal or zero result: let an fp32 add align the mantissa, rounding to nearest even.
-  const uint32_t denorm_magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-  uint32_t sub = float_to_bits(bits_to_float(a) + bits_to_float(denorm_magic_bits)) - denorm_magic_bits;
-  // Normal result: rebias the exponent and round to nearest even by hand.
-  uint32_t mant_odd = (a >> 13) & 1u;
-  uint32_t normal = (a + (uint32_t(15 - 127) << 23) + 0xfffu + mant_odd) >> 13;
-  uint32_t out = a >= (143u << 23) ? inf_nan : (a < (113u << 23) ? sub : normal);
-  return uint16_t(out | (sign >> 16));
-}
+static inline float load(const BF16* p, uint32_t j) { return num::bf16_to_float(p[j].bits); }
 
 // `index` is the element's position in its tensor (low 32 bits): the counter the
 // stochastic-rounding hash consumes.

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "trainstream/dtype.h"
+#include "trainstream/numerics.h"
 
 namespace trainstream {
 
@@ -52,18 +53,10 @@ struct AdamWScalars {
   uint32_t rng_key;     // derived from (seed, step); see rng_key()
 };
 
-// Counter-based hash (Wellons' "lowbias32"): a bijection on 32 bits with good
-// avalanche, cheap enough to vectorize. The pure-torch twin is ops/reference.py.
-static inline uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-
+// The stochastic-rounding key of one tensor at one step; element i then draws
+// mix32(key ^ i). Twin: ops/reference.py's rng_key.
 static inline uint32_t rng_key(uint64_t seed, int64_t step) {
+  using num::mix32;
   uint32_t k = mix32(static_cast<uint32_t>(seed));
   k = mix32(k ^ static_cast<uint32_t>(seed >> 32));
   k = mix32(k ^ static_cast<uint32_t>(static_cast<uint64_t>(step)));

@@ -4,6 +4,6 @@ Each function checks dtypes, devices, contiguity and sizes in Python, then passe
 pointers to ``trainstream._C``; ``reference`` holds the pure-torch twin of each op.
 """
 from . import reference
-from .adamw import AdamWHandle, adamw_step, get_pool
+from .adamw import AdamWHandle, adamw_step, adamw_step_gpu, get_pool
 
-__all__ = ["AdamWHandle", "adamw_step", "get_pool", "reference"]
+__all__ = ["AdamWHandle", "adamw_step", "adamw_step_gpu", "get_pool", "reference"]

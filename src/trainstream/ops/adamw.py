@@ -144,3 +144,99 @@ def adamw_step(
         bool(decoupled), _dtypes.code(grad_dtype), _dtypes.code(moment_dtype), _dtypes.code(copy_dtype),
     )
     return AdamWHandle(job, held)
+
+
+def _check_pinned(kind: str, i: int, t: torch.Tensor, numel: int) -> None:
+    if t.device.type != "cpu" or not t.is_pinned():
+        raise ValueError(f"adamw_step_gpu: {kind}[{i}] must be in pinned host memory (tensor.pin_memory())")
+    _check_tensor(kind, i, t, numel)
+
+
+def _check_cuda(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"adamw_step_gpu: {kind}[{i}] must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"adamw_step_gpu: {kind}[{i}] must be contiguous")
+    if t.numel() != numel:
+        raise ValueError(f"adamw_step_gpu: {kind}[{i}] has {t.numel()} elements, params[{i}] has {numel}")
+
+
+def adamw_step_gpu(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[int],
+    *,
+    masters: Sequence[torch.Tensor] | None = None,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled: bool = True,
+    grad_scale: float = 1.0,
+    grad_scale_tensor: torch.Tensor | None = None,
+    seeds: Sequence[int] | None = None,
+) -> None:
+    """Queue the zero-copy CUDA AdamW on the current stream of the params' device.
+
+    params, grads: on one CUDA device. exp_avgs / exp_avg_sqs (float32 or bfloat16) and
+    masters (float32) live in pinned host memory and are read and written by the kernel
+    over PCIe. Without masters the float32 params are the master weights; with masters the
+    params (float32, bfloat16 or float16) receive the updated weights. `grad_scale_tensor`
+    (a float32 scalar on the device) multiplies every gradient without a host sync, for
+    clipping. Results equal :func:`adamw_step`'s bit for bit. The host tensors must not be
+    touched until the stream has finished the update.
+    """
+    from .._native import require_cuda
+
+    require_cuda("the GPU AdamW")
+    n = len(params)
+    if n == 0:
+        return
+    device = params[0].device
+    if device.type != "cuda":
+        raise ValueError(f"adamw_step_gpu: params must be CUDA tensors, got {device}")
+    param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
+                              (torch.float32, torch.bfloat16, torch.float16), n)
+    grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
+    moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
+    if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != moment_dtype:
+        raise ValueError("adamw_step_gpu: exp_avgs and exp_avg_sqs must have the same dtype")
+    if masters is not None:
+        _check_same("masters", masters, (torch.float32,), n)
+    if len(steps) != n or (seeds is not None and len(seeds) != n):
+        raise ValueError(f"adamw_step_gpu: steps and seeds need one entry per param ({n})")
+    if grad_scale_tensor is not None and (grad_scale_tensor.device != device or grad_scale_tensor.numel() != 1
+                                          or grad_scale_tensor.dtype != torch.float32):
+        raise ValueError(f"adamw_step_gpu: grad_scale_tensor must be one float32 value on {device}")
+    native = lib()
+    chunk = native.GPU_ADAMW_CHUNK
+    rows, scalars, first_chunk = [], [], 0
+    for i, p in enumerate(params):
+        numel = p.numel()
+        _check_cuda("params", i, p, numel, device)
+        _check_cuda("grads", i, grads[i], numel, device)
+        _check_pinned("exp_avgs", i, exp_avgs[i], numel)
+        _check_pinned("exp_avg_sqs", i, exp_avg_sqs[i], numel)
+        if masters is not None:
+            _check_pinned("masters", i, masters[i], numel)
+        step = int(steps[i])
+        if step < 1:
+            raise ValueError(f"adamw_step_gpu: steps[{i}] must be >= 1, got {step}")
+        floats, key = native.adamw_scalars(float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                                           float(grad_scale), step, int(seeds[i]) & 0xFFFF_FFFF_FFFF_FFFF if seeds else 0)
+        rows.append([masters[i].data_ptr() if masters is not None else 0, grads[i].data_ptr(),
+                     exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), p.data_ptr(), numel, first_chunk, key])
+        scalars.append(floats + [0.0])
+        first_chunk += -(-numel // chunk)
+    # The launch's tables travel H2D on the same stream as the kernel (pinned, non-blocking:
+    # no host sync); the caching allocators keep both alive until the stream is past them.
+    tensors_dev = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    scalars_dev = torch.tensor(scalars, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
+    native.adamw_gpu_launch(
+        tensors_dev.data_ptr(), scalars_dev.data_ptr(),
+        grad_scale_tensor.data_ptr() if grad_scale_tensor is not None else 0,
+        n, first_chunk, bool(decoupled), _dtypes.code(grad_dtype), _dtypes.code(moment_dtype),
+        _dtypes.code(param_dtype), device.index, torch.cuda.current_stream(device).cuda_stream)

@@ -56,8 +56,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (weight decay is decoupled).
-        mode: ``"cpu"`` (host AdamW). ``"gpu"`` (the zero-copy CUDA AdamW) is accepted by
-            the specification but not built yet: it raises ValueError.
+        mode: ``"cpu"``: the host AdamW, for parameters in host memory. ``"gpu"``: the
+            zero-copy CUDA AdamW, for float32 parameters on a GPU: the moments live in pinned
+            host memory and the kernel reads and writes them over PCIe, so they take no VRAM;
+            ``step()`` is asynchronous on the current CUDA stream, like torch's GPU optimizers.
         max_grad_norm: clip the global gradient norm to this value inside ``step()``; the
             same result as ``torch.nn.utils.clip_grad_norm_`` followed by ``step()``.
         accumulation_steps: backward passes per update. Each ``step()`` call adds the
@@ -86,7 +88,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "gpu":
-            raise ValueError("mode='gpu' (the zero-copy CUDA AdamW) is not built yet; use mode='cpu'")
+            from .._native import require_cuda
+            require_cuda("OffloadAdamW(mode='gpu')")
         if max_grad_norm is not None:
             _check_number("max_grad_norm", max_grad_norm,
                           isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0, "None or a float > 0")
@@ -116,7 +119,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for p in group["params"]:
-            _check_param(p)
+            _check_param(p, self.mode)
 
     def load_state_dict(self, state_dict: dict) -> None:
         for group in state_dict["param_groups"]:
@@ -130,18 +133,34 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if not state:
                     continue
                 for key in ("exp_avg", "exp_avg_sq"):
-                    state[key] = state[key].to(device="cpu", dtype=self.moment_dtype).contiguous()
+                    state[key] = self._host_buffer(state[key].to(device="cpu", dtype=self.moment_dtype))
                 state["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
         self._grad_sums.clear()
         self._grad_seen.clear()
         self._micro_step = 0
 
+    def state_dict(self) -> dict:
+        self._synchronize()  # the GPU kernel may still be writing the moments
+        return super().state_dict()
+
+    def _synchronize(self) -> None:
+        if self.mode == "gpu":
+            devices = {p.device for g in self.param_groups for p in g["params"]}
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
+
+    def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        """Moments live in host memory; pinned in gpu mode, where the kernel maps them."""
+        t = t.contiguous()
+        return t.pin_memory() if self.mode == "gpu" and not t.is_pinned() else t
+
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+            pin = self.mode == "gpu"
+            state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype, pin_memory=pin)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, pin_memory=pin)
         return state
 
     def _seed_for(self, index: int) -> int:
@@ -160,10 +179,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         if grads is None:
             return loss  # an accumulation micro-step: gradients were added to the host sums
         grad_scale = 1.0 / self.accumulation_steps
+        clip = None
         if self.max_grad_norm is not None and grads:
             total_norm = torch.nn.utils.get_total_norm(list(grads.values()), 2.0) * grad_scale
             clip = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
-            grad_scale = float(grad_scale * clip)
+            if self.mode == "cpu":
+                grad_scale, clip = float(grad_scale * clip), None
+            # gpu: the factor stays on the device and the kernel reads it (no host sync).
 
         handles = []
         index = 0
@@ -185,12 +207,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                 seeds.append(self._seed_for(index - 1))
             if not params:
                 continue
-            lr = group["lr"]
-            handles.append(ops.adamw_step(
-                params, g_list, m_list, v_list, steps,
-                lr=float(lr), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                grad_scale=grad_scale, seeds=seeds, threads=self.threads))
+            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                         grad_scale=grad_scale, seeds=seeds)
+            if self.mode == "gpu":
+                ops.adamw_step_gpu(params, g_list, m_list, v_list, steps, grad_scale_tensor=clip, **hyper)
+            else:
+                handles.append(ops.adamw_step(params, g_list, m_list, v_list, steps, threads=self.threads, **hyper))
         for handle in handles:
             handle.wait()
         for p in self._grad_seen:
@@ -212,8 +235,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             return current
         for p, g in current.items():
             total = self._grad_sums.get(p)
-            if total is None:
-                total = self._grad_sums[p] = torch.zeros(p.shape, dtype=torch.float32)
+            if total is None:  # on the gradient's device: host sums in cpu mode, VRAM in gpu mode
+                total = self._grad_sums[p] = torch.zeros(p.shape, dtype=torch.float32, device=g.device)
             total.add_(g)
             self._grad_seen.add(p)
         self._micro_step += 1
@@ -228,13 +251,14 @@ def _reject_unsupported(options: dict) -> None:
             raise ValueError(f"OffloadAdamW does not support {name}={value!r} (accepted: {UNSUPPORTED[name]})")
 
 
-def _check_param(p: torch.Tensor) -> None:
-    if p.device.type != "cpu":
+def _check_param(p: torch.Tensor, mode: str) -> None:
+    if mode == "cpu" and p.device.type != "cpu":
         raise ValueError(
             f"OffloadAdamW(mode='cpu') updates parameters held in host memory; this one is on "
-            f"{p.device}. Streaming a GPU model's optimizer state through host RAM is the job of "
-            "the offload engine (trainstream.wrap), which is not built yet."
+            f"{p.device}. For GPU parameters use mode='gpu' (the moments then stay in host memory)."
         )
+    if mode == "gpu" and p.device.type != "cuda":
+        raise ValueError(f"OffloadAdamW(mode='gpu') updates parameters on a GPU; this one is on {p.device}")
     if p.dtype != torch.float32:
         raise ValueError(f"OffloadAdamW needs float32 parameters (the master weights), got {p.dtype}")
     if not p.is_contiguous():

@@ -1,0 +1,49 @@
+// Bindings of the CUDA side: device queries and kernel launchers. Pointers and the stream
+// arrive as integers; the launch is asynchronous on that stream.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "trainstream/adamw_gpu.h"
+#include "trainstream/cuda_info.h"
+
+namespace py = pybind11;
+
+namespace trainstream {
+
+void bind_cuda(py::module_& m) {
+  m.def("cuda_info", [] {
+    CudaInfo info = cuda_info();
+    py::dict d;
+    d["runtime_version"] = info.runtime_version;
+    d["driver_version"] = info.driver_version;
+    d["device_count"] = info.device_count;
+    d["error"] = info.error;
+    return d;
+  });
+
+  m.def(
+      "adamw_gpu_launch",
+      [](int64_t tensors, int64_t scalars, int64_t grad_scale, int num_tensors, int64_t num_chunks,
+         bool decoupled, int grad_dtype, int moment_dtype, int param_dtype, int device, int64_t stream) {
+        GpuAdamWLaunch L;
+        L.tensors = as_ptr<const GpuAdamWTensor>(tensors);
+        L.scalars = as_ptr<const float>(scalars);
+        L.grad_scale = as_ptr<const float>(grad_scale);
+        L.num_tensors = num_tensors;
+        L.num_chunks = num_chunks;
+        L.decoupled = decoupled;
+        L.grad_dtype = static_cast<DType>(grad_dtype);
+        L.moment_dtype = static_cast<DType>(moment_dtype);
+        L.param_dtype = static_cast<DType>(param_dtype);
+        L.device = device;
+        L.stream = stream;
+        adamw_gpu_launch(L);
+      },
+      py::arg("tensors"), py::arg("scalars"), py::arg("grad_scale"), py::arg("num_tensors"),
+      py::arg("num_chunks"), py::arg("decoupled"), py::arg("grad_dtype"), py::arg("moment_dtype"),
+      py::arg("param_dtype"), py::arg("device"), py::arg("stream"));
+  m.attr("GPU_ADAMW_CHUNK") = kGpuAdamWChunk;
+}
+
+}  // namespace trainstream
