@@ -14,12 +14,12 @@ function(ts_apply_common_flags target)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${TS_COMMON_FLAGS}>)
 endfunction()
 
-# One object library per SIMD level for a kernel source that is written once.
-#   ts_add_simd_kernel(<target> <source> scalar|avx2|avx512 <entry point name>)
-function(ts_add_simd_kernel target source level entry)
-  add_library(${target} OBJECT ${source})
+# One object library per SIMD level for kernel sources that are written once.
+#   ts_add_simd_kernels(<target> scalar|avx2|avx512 <sources>...)
+function(ts_add_simd_kernels target level)
+  add_library(${target} OBJECT ${ARGN})
   target_include_directories(${target} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/native/include)
-  target_compile_definitions(${target} PRIVATE TS_ISA_FN=${entry})
+  target_compile_definitions(${target} PRIVATE TS_ISA=${level})
   set_target_properties(${target} PROPERTIES CXX_VISIBILITY_PRESET hidden)
   ts_apply_common_flags(${target})
   if(level STREQUAL "avx2")

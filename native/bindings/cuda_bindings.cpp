@@ -6,6 +6,7 @@
 #include "bindings.h"
 #include "trainstream/adamw_gpu.h"
 #include "trainstream/cuda_info.h"
+#include "trainstream/grad_gpu.h"
 
 namespace py = pybind11;
 
@@ -44,6 +45,18 @@ void bind_cuda(py::module_& m) {
       py::arg("num_chunks"), py::arg("decoupled"), py::arg("grad_dtype"), py::arg("moment_dtype"),
       py::arg("param_dtype"), py::arg("device"), py::arg("stream"));
   m.attr("GPU_ADAMW_CHUNK") = kGpuAdamWChunk;
+
+  m.def(
+      "grad_sq_norms_launch",
+      [](int64_t tensors, int num_tensors, int64_t num_chunks, int dtype, int64_t partials, int64_t out,
+         int device, int64_t stream) {
+        grad_sq_norms_launch(as_ptr<const SqNormTensor>(tensors), num_tensors, num_chunks,
+                             static_cast<DType>(dtype), as_ptr<float>(partials), as_ptr<float>(out), device,
+                             stream);
+      },
+      py::arg("tensors"), py::arg("num_tensors"), py::arg("num_chunks"), py::arg("dtype"),
+      py::arg("partials"), py::arg("out"), py::arg("device"), py::arg("stream"));
+  m.attr("SQ_NORM_CHUNK") = kSqNormChunk;
 }
 
 }  // namespace trainstream

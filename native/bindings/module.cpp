@@ -9,6 +9,7 @@
 
 #include "trainstream/adamw.h"
 #include "trainstream/common.h"
+#include "trainstream/grad.h"
 #include "trainstream/thread_pool.h"
 #include "bindings.h"
 
@@ -107,6 +108,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("seeds"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),
         py::arg("grad_dtype"), py::arg("moment_dtype"), py::arg("copy_dtype"));
+
+  m.def(
+      "accumulate_queue",
+      [](ThreadPool& pool, const std::vector<int64_t>& dsts, const std::vector<int64_t>& srcs,
+         const std::vector<int64_t>& numels, int src_dtype) {
+        std::vector<float*> d;
+        std::vector<const void*> s;
+        for (int64_t p : dsts) d.push_back(as_ptr<float>(p));
+        for (int64_t p : srcs) s.push_back(as_ptr<const void>(p));
+        return accumulate_queue(pool, d, s, numels, static_cast<DType>(src_dtype));
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("pool"), py::arg("dsts"), py::arg("srcs"),
+      py::arg("numels"), py::arg("src_dtype"));
 
   m.def("adamw_scalars", &adamw_scalars_py, py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("step"), py::arg("seed"));

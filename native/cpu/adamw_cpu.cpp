@@ -8,56 +8,9 @@
 
 namespace trainstream {
 
-// Entry points of the three builds of adamw_simd.cpp (see CMakeLists.txt).
-void adamw_range_scalar(const AdamWConfig&, const AdamWScalars&, const AdamWTensor&, int64_t, int64_t);
-#ifdef TS_HAVE_X86_SIMD
-void adamw_range_avx2(const AdamWConfig&, const AdamWScalars&, const AdamWTensor&, int64_t, int64_t);
-void adamw_range_avx512(const AdamWConfig&, const AdamWScalars&, const AdamWTensor&, int64_t, int64_t);
-#endif
-
-SimdLevel best_simd_level() {
-#ifdef TS_HAVE_X86_SIMD
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return SimdLevel::kAVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return SimdLevel::kAVX2;
-#endif
-  return SimdLevel::kScalar;
-}
-
-static std::atomic<int>& active_level_storage() {
-  static std::atomic<int> level{static_cast<int>(best_simd_level())};
-  return level;
-}
-
-SimdLevel active_simd_level() { return static_cast<SimdLevel>(active_level_storage().load()); }
-
-void set_simd_level(SimdLevel level) {
-  TS_CHECK_ARG(static_cast<int>(level) <= static_cast<int>(best_simd_level()),
-               std::string("this CPU does not support SIMD level ") + simd_name(level) +
-                   " (best available: " + simd_name(best_simd_level()) + ")");
-  active_level_storage().store(static_cast<int>(level));
-}
-
-const char* simd_name(SimdLevel level) {
-  switch (level) {
-    case SimdLevel::kAVX512: return "avx512";
-    case SimdLevel::kAVX2: return "avx2";
-    default: return "scalar";
-  }
-}
-
-static AdamWRangeFn kernel_for(SimdLevel level) {
-#ifdef TS_HAVE_X86_SIMD
-  if (level == SimdLevel::kAVX512) return adamw_range_avx512;
-  if (level == SimdLevel::kAVX2) return adamw_range_avx2;
-#endif
-  (void)level;
-  return adamw_range_scalar;
-}
+// Entry points of the builds of adamw_simd.cpp.
+using AdamWRangeSig = void(const AdamWConfig&, const AdamWScalars&, const AdamWTensor&, int64_t, int64_t);
+TS_DECLARE_SIMD(AdamWRangeSig, adamw_range);
 
 AdamWScalars make_scalars(const AdamWConfig& cfg, const AdamWTensor& t) {
   // Same arithmetic as torch's single-tensor AdamW: bias corrections in double
@@ -118,7 +71,7 @@ std::shared_ptr<Job> adamw_queue(ThreadPool& pool, const AdamWConfig& cfg,
     keys.push_back(t.exp_avg_sq);
     if (t.param_copy) keys.push_back(t.param_copy);
   }
-  AdamWRangeFn fn = kernel_for(active_simd_level());
+  AdamWRangeFn fn = TS_PICK_SIMD(adamw_range);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   return pool.submit(
       [cfg, fn, tensors = std::move(tensors), scalars = std::move(scalars),

@@ -1,6 +1,6 @@
 // The AdamW element loop. CMake compiles this file three times, with -mavx512f..., with
-// -mavx2 -mfma -mf16c, and with the baseline flags, defining TS_ISA_FN to a different
-// name each time; adamw_cpu.cpp picks one at run time.
+// -mavx2 -mfma -mf16c, and with the baseline flags (see simd.h); adamw_cpu.cpp picks one
+// build at run time.
 //
 // Why one source and auto-vectorization instead of intrinsics: with -ffp-contract=off
 // (no FMA fusing) and IEEE sqrt and division, every ISA build computes the same bits,
@@ -14,9 +14,10 @@
 
 #include "trainstream/adamw_kernel.h"
 #include "trainstream/numerics.h"
+#include "trainstream/simd.h"
 
-#ifndef TS_ISA_FN
-#error "TS_ISA_FN must name the entry point of this ISA build"
+#ifndef TS_ISA
+#error "TS_ISA must name this build's SIMD level"
 #endif
 
 namespace trainstream {
@@ -127,7 +128,7 @@ void dispatch_moments(const AdamWConfig& cfg, const AdamWScalars& s, const AdamW
 
 }  // namespace
 
-void TS_ISA_FN(const AdamWConfig& cfg, const AdamWScalars& s, const AdamWTensor& t, int64_t begin,
+void TS_ISA_FN(adamw_range)(const AdamWConfig& cfg, const AdamWScalars& s, const AdamWTensor& t, int64_t begin,
                int64_t end) {
   // Element indices beyond 2^32 fold their high half into the key, so the stream of
   // random bits never repeats within a tensor.

@@ -8,18 +8,12 @@
 
 #include "trainstream/adamw_kernel.h"
 #include "trainstream/common.h"
+#include "trainstream/simd.h"
 #include "trainstream/thread_pool.h"
 
 namespace trainstream {
 
 AdamWScalars make_scalars(const AdamWConfig& cfg, const AdamWTensor& t);
-
-// SIMD levels, best last. "scalar" still lets the compiler use the baseline SSE2.
-enum class SimdLevel : int { kScalar = 0, kAVX2 = 1, kAVX512 = 2 };
-SimdLevel best_simd_level();          // what this CPU supports
-SimdLevel active_simd_level();        // what the kernels use now
-void set_simd_level(SimdLevel level); // for tests: force a lower level; ArgumentError if unsupported
-const char* simd_name(SimdLevel level);
 
 // Queues the update of every tensor on the pool and returns at once.
 std::shared_ptr<Job> adamw_queue(ThreadPool& pool, const AdamWConfig& cfg,

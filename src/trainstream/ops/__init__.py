@@ -5,5 +5,6 @@ pointers to ``trainstream._C``; ``reference`` holds the pure-torch twin of each 
 """
 from . import reference
 from .adamw import AdamWHandle, adamw_step, adamw_step_gpu, get_pool
+from .grad import accumulate_, grad_sq_norms
 
-__all__ = ["AdamWHandle", "adamw_step", "adamw_step_gpu", "get_pool", "reference"]
+__all__ = ["AdamWHandle", "accumulate_", "adamw_step", "adamw_step_gpu", "get_pool", "grad_sq_norms", "reference"]

@@ -123,3 +123,15 @@ def adamw_step(
             exp_avg_sqs[i].copy_(v)
         if param_copies is not None:
             param_copies[i].copy_(w_new)  # torch's conversion: round to nearest even
+
+
+def accumulate_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Twin of :func:`trainstream.ops.accumulate_`."""
+    for d, s in zip(dsts, srcs):
+        d.add_(s)
+
+
+def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Twin of :func:`trainstream.ops.grad_sq_norms` (float32 accumulation; the order of
+    the sum differs from the CUDA kernel's, so results agree to rounding, not bits)."""
+    return torch.stack([t.float().pow(2).sum() for t in tensors]) if tensors else torch.zeros(0)

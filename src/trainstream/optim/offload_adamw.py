@@ -233,12 +233,18 @@ class OffloadAdamW(torch.optim.Optimizer):
                     current[p] = p.grad.detach().contiguous()
         if self.accumulation_steps == 1:
             return current
+        totals = []
         for p, g in current.items():
             total = self._grad_sums.get(p)
             if total is None:  # on the gradient's device: host sums in cpu mode, VRAM in gpu mode
                 total = self._grad_sums[p] = torch.zeros(p.shape, dtype=torch.float32, device=g.device)
-            total.add_(g)
+            totals.append(total)
             self._grad_seen.add(p)
+        if self.mode == "cpu":
+            # Wait before returning: the caller's zero_grad() may clear the gradients next.
+            ops.accumulate_(totals, list(current.values()), threads=self.threads).wait()
+        else:
+            torch._foreach_add_(totals, list(current.values()))
         self._micro_step += 1
         if self._micro_step % self.accumulation_steps:
             return None

@@ -1,0 +1,71 @@
+// Squared-norm reduction kernels. Both passes reduce in a fixed order (per-thread strided
+// sums, then a warp-shuffle tree, then warp 0 over the warp sums), so the same inputs give
+// the same bits on every run.
+#pragma once
+
+#include <cstdint>
+
+#include "trainstream/grad_gpu.h"
+#include "trainstream/numerics.h"
+
+namespace trainstream {
+namespace grad_gpu {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(uint16_t bits) { return num::bf16_to_float(bits); }
+struct Half { uint16_t bits; };
+__device__ __forceinline__ float to_float(Half h) { return num::f16_to_float(h.bits); }
+
+// Sum over the block's 256 threads; the result is valid in thread 0.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[8];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = threadIdx.x < 8 ? warp_sums[threadIdx.x] : 0.0f;
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+__device__ __forceinline__ int find_tensor(const SqNormTensor* t, int n, int64_t chunk) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (t[mid].first_chunk <= chunk) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) chunk_sq_sums(const SqNormTensor* tensors, int n, float* partials) {
+  const int64_t chunk = blockIdx.x;
+  const SqNormTensor t = tensors[find_tensor(tensors, n, chunk)];
+  const T* x = reinterpret_cast<const T*>(t.data);
+  const int64_t begin = (chunk - t.first_chunk) * kSqNormChunk;
+  const int64_t end = min(t.numel, begin + kSqNormChunk);
+  float acc = 0.0f;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    float v = to_float(x[i]);
+    acc += v * v;
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partials[chunk] = acc;
+}
+
+__global__ void __launch_bounds__(256) tensor_sums(const SqNormTensor* tensors, int n, int64_t num_chunks,
+                                                  const float* partials, float* out) {
+  const int ti = blockIdx.x;
+  const int64_t first = tensors[ti].first_chunk;
+  const int64_t last = ti + 1 < n ? tensors[ti + 1].first_chunk : num_chunks;
+  float acc = 0.0f;
+  for (int64_t c = first + threadIdx.x; c < last; c += blockDim.x) acc += partials[c];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) out[ti] = acc;
+}
+
+}  // namespace grad_gpu
+}  // namespace trainstream

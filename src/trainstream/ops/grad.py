@@ -1,0 +1,65 @@
+"""Gradient helpers: host accumulation of micro-batch gradients, and per-tensor squared
+norms on the GPU for global-norm clipping."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .._native import lib
+from . import _dtypes, reference
+from .adamw import AdamWHandle, get_pool
+
+
+def accumulate_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
+                threads: int | None = None) -> AdamWHandle:
+    """Queue ``dst += src`` on the host thread pool for each pair (dst float32, src float32
+    or bfloat16, both contiguous host tensors of equal size) and return a handle at once.
+    The same result as ``dst.add_(src)``; ordered after earlier queued work on these buffers."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"accumulate_: {len(dsts)} destinations but {len(srcs)} sources")
+    src_dtypes = {s.dtype for s in srcs}
+    if len(src_dtypes) > 1 or not src_dtypes <= {torch.float32, torch.bfloat16}:
+        raise ValueError(f"accumulate_: sources must all be float32 or all bfloat16, got {sorted(map(str, src_dtypes))}")
+    for i, (d, s) in enumerate(zip(dsts, srcs)):
+        if d.dtype != torch.float32:
+            raise ValueError(f"accumulate_: dsts[{i}] must be float32, got {d.dtype}")
+        for kind, t in (("dsts", d), ("srcs", s)):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"accumulate_: {kind}[{i}] must be a contiguous host tensor")
+        if d.numel() != s.numel():
+            raise ValueError(f"accumulate_: dsts[{i}] has {d.numel()} elements, srcs[{i}] has {s.numel()}")
+    job = lib().accumulate_queue(get_pool(threads), [d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs],
+                                 [d.numel() for d in dsts], _dtypes.code(src_dtypes.pop() if srcs else torch.float32))
+    return AdamWHandle(job, [*dsts, *srcs])
+
+
+def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor sums of squares (float32, one per tensor) of float32 / bfloat16 / float16
+    tensors on one device, accumulated in float32. On CUDA a deterministic two-pass kernel
+    on the current stream, without a host sync; on the CPU the pure-torch twin.
+    ``sqrt(result.sum())`` is the global L2 norm that ``clip_grad_norm_`` uses."""
+    if not tensors:
+        return torch.zeros(0)
+    device = tensors[0].device
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+        raise ValueError(f"grad_sq_norms: tensors must share one of float32, bfloat16, float16; got {sorted(map(str, dtypes))}")
+    for i, t in enumerate(tensors):
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"grad_sq_norms: tensors[{i}] must be contiguous and on {device}")
+    if device.type != "cuda":
+        return reference.grad_sq_norms(tensors)
+    native = lib()
+    chunk = native.SQ_NORM_CHUNK
+    rows, first = [], 0
+    for t in tensors:
+        rows.append([t.data_ptr(), t.numel(), first])
+        first += -(-t.numel() // chunk)
+    table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    partials = torch.empty(max(first, 1), dtype=torch.float32, device=device)
+    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    native.grad_sq_norms_launch(table.data_ptr(), len(tensors), first, _dtypes.code(dtypes.pop()),
+                                partials.data_ptr(), out.data_ptr(), device.index,
+                                torch.cuda.current_stream(device).cuda_stream)
+    return out
