@@ -7,6 +7,7 @@
 #include "trainstream/adamw_gpu.h"
 #include "trainstream/cuda_info.h"
 #include "trainstream/grad_gpu.h"
+#include "trainstream/quant.h"
 
 namespace py = pybind11;
 
@@ -57,6 +58,18 @@ void bind_cuda(py::module_& m) {
       py::arg("tensors"), py::arg("num_tensors"), py::arg("num_chunks"), py::arg("dtype"),
       py::arg("partials"), py::arg("out"), py::arg("device"), py::arg("stream"));
   m.attr("SQ_NORM_CHUNK") = kSqNormChunk;
+
+  m.def(
+      "quant_cuda",
+      [](bool dequantize, int format, int64_t numel, int64_t block_size, int dtype, int64_t values,
+         int64_t codes, int64_t absmax, int device, int64_t stream) {
+        QuantArgs a{static_cast<QuantFormat>(format), numel, block_size, static_cast<DType>(dtype),
+                    as_ptr<void>(values), as_ptr<void>(codes), as_ptr<float>(absmax)};
+        if (dequantize) dequantize_cuda(a, device, stream);
+        else quantize_cuda(a, device, stream);
+      },
+      py::arg("dequantize"), py::arg("format"), py::arg("numel"), py::arg("block_size"), py::arg("dtype"),
+      py::arg("values"), py::arg("codes"), py::arg("absmax"), py::arg("device"), py::arg("stream"));
 }
 
 }  // namespace trainstream

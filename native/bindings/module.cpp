@@ -10,6 +10,7 @@
 #include "trainstream/adamw.h"
 #include "trainstream/common.h"
 #include "trainstream/grad.h"
+#include "trainstream/quant.h"
 #include "trainstream/thread_pool.h"
 #include "bindings.h"
 
@@ -121,6 +122,18 @@ PYBIND11_MODULE(_C, m) {
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("pool"), py::arg("dsts"), py::arg("srcs"),
       py::arg("numels"), py::arg("src_dtype"));
+
+  m.def(
+      "quant_queue",
+      [](ThreadPool& pool, bool dequantize, int format, int64_t numel, int64_t block_size, int dtype,
+         int64_t values, int64_t codes, int64_t absmax) {
+        QuantArgs a{static_cast<QuantFormat>(format), numel, block_size, static_cast<DType>(dtype),
+                    as_ptr<void>(values), as_ptr<void>(codes), as_ptr<float>(absmax)};
+        return dequantize ? dequantize_queue(pool, a) : quantize_queue(pool, a);
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("pool"), py::arg("dequantize"), py::arg("format"),
+      py::arg("numel"), py::arg("block_size"), py::arg("dtype"), py::arg("values"), py::arg("codes"),
+      py::arg("absmax"));
 
   m.def("adamw_scalars", &adamw_scalars_py, py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("step"), py::arg("seed"));

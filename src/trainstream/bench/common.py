@@ -96,6 +96,22 @@ def median_seconds(fn, *, iters: int, warmup: int = 1, sync_cuda: bool = False) 
     return statistics.median(times)
 
 
+def cuda_median_seconds(fn, *, iters: int, warmup: int = 3) -> float:
+    """Median time of fn() on the current CUDA stream, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
     """columns: (key, header) pairs; floats print with 3 significant digits."""
     def cell(v):

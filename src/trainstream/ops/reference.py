@@ -135,3 +135,91 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Twin of :func:`trainstream.ops.grad_sq_norms` (float32 accumulation; the order of
     the sum differs from the CUDA kernel's, so results agree to rounding, not bits)."""
     return torch.stack([t.float().pow(2).sum() for t in tensors]) if tensors else torch.zeros(0)
+
+
+# -- quantization ------------------------------------------------------------------------
+#
+# NF4 is bitsandbytes' format: 16 NormalFloat levels, an fp32 absmax per block of
+# `block_size` values, two codes per byte with the first element in the high nibble. The
+# code of a normalized value s = x * (1 / absmax) is the number of decision thresholds
+# below it (strict `>`, so a value exactly on a threshold takes the lower code; NaN takes
+# code 0), the thresholds being the fp32 constants bitsandbytes' CUDA kernel compiles.
+# Like that kernel, denormal fp32/bf16 inputs count as zero (its arithmetic flushes them).
+
+NF4_LEVELS = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], dtype=torch.float32)
+
+# fp32 bit patterns: four of them differ by one ulp from the exact midpoints of the levels.
+NF4_THRESHOLD_BITS = [0xBF591CD9, 0xBF1C5270, 0xBEEB8480, 0xBEADEA76, 0xBE703CEC, 0xBE0D38BC,
+                      0xBD3A7871, 0x3D22FAFF, 0x3DF64863, 0x3E5067E0, 0x3E9582D4, 0x3EC753F9,
+                      0x3F006D03, 0x3F248DAF, 0x3F5C89D9]
+NF4_THRESHOLDS = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in NF4_THRESHOLD_BITS],
+                              dtype=torch.int32).view(torch.float32)
+
+_FLT_MIN = 1.1754943508222875e-38
+_FLT_MAX = 3.4028234663852886e38
+
+
+def _blocks(x: torch.Tensor, block_size: int, *, flush_denormals: bool) -> tuple[torch.Tensor, int]:
+    """x as fp32 blocks [num_blocks, block_size], zero-padded; and the true length."""
+    flat = x.reshape(-1).float()
+    if flush_denormals:
+        flat = torch.where(flat.abs() < _FLT_MIN, flat * 0.0, flat)
+    n = flat.numel()
+    num_blocks = -(-n // block_size)
+    padded = torch.zeros(num_blocks * block_size, dtype=torch.float32)
+    padded[:n] = flat
+    return padded.view(num_blocks, block_size), n
+
+
+def _absmax(blocks: torch.Tensor, n: int, block_size: int, start: float) -> torch.Tensor:
+    """Max |x| of each block over its real elements, ignoring NaN (as fmaxf does), from `start`."""
+    mag = blocks.abs()
+    valid = torch.arange(blocks.numel()).view_as(blocks) < n
+    mag = torch.where(valid & ~mag.isnan(), mag, torch.tensor(start))
+    return mag.amax(dim=1)
+
+
+def quantize_nf4(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`trainstream.ops.quantize_nf4` on the CPU (exactly rounded 1/absmax)."""
+    blocks, n = _blocks(x, block_size, flush_denormals=x.dtype != torch.float16)
+    absmax = _absmax(blocks, n, block_size, -_FLT_MAX)
+    scaled = blocks * (torch.ones(()) / absmax).unsqueeze(1)
+    codes = (scaled.unsqueeze(-1) > NF4_THRESHOLDS).sum(-1).to(torch.uint8).reshape(-1)
+    packed = (codes[0::2] << 4) | codes[1::2]
+    return packed[: -(-n // 2)].contiguous(), absmax
+
+
+def _ftz(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x.abs() < _FLT_MIN, x * 0.0, x)
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype,
+                   block_size: int = 64) -> torch.Tensor:
+    """Twin of :func:`trainstream.ops.dequantize_nf4`: LUT[code] * absmax in fp32 (flushed
+    to zero below FLT_MIN, as bitsandbytes' kernel does), then rounded to `dtype`."""
+    n = math.prod(shape)
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n].long()
+    scale = absmax.float().repeat_interleave(block_size)[:n]
+    return _ftz(NF4_LEVELS[codes] * scale).to(dtype).view(shape)
+
+
+def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`trainstream.ops.quantize_int8`: q = rint(x * (127 / absmax)), round
+    half to even, clamped to [-127, 127]; NaN (and 0 * inf in an all-zero block) gives 0."""
+    blocks, n = _blocks(x, block_size, flush_denormals=False)
+    absmax = _absmax(blocks, n, block_size, 0.0)
+    scaled = blocks * (torch.tensor(127.0) / absmax).unsqueeze(1)
+    q = torch.where(scaled.isnan(), torch.zeros(()), torch.round(scaled).clamp(-127, 127))
+    return q.to(torch.int8).reshape(-1)[:n].contiguous(), absmax
+
+
+def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype,
+                    block_size: int = 64) -> torch.Tensor:
+    """Twin of :func:`trainstream.ops.dequantize_int8`: q * (absmax / 127) in fp32."""
+    n = math.prod(shape)
+    scale = (absmax.float() / torch.tensor(127.0)).repeat_interleave(block_size)[:n]
+    return (codes.reshape(-1)[:n].float() * scale).to(dtype).view(shape)

@@ -1,0 +1,156 @@
+// NF4 and int8 element loops, compiled once per SIMD level (see simd.h). The numerics are
+// quant_numerics.h's, shared with the CUDA kernels.
+#include <cstdint>
+#include <type_traits>
+
+#include "trainstream/dtype.h"
+#include "trainstream/numerics.h"
+#include "trainstream/quant.h"
+#include "trainstream/quant_numerics.h"
+#include "trainstream/simd.h"
+
+namespace trainstream {
+namespace {
+
+struct BF16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const BF16* p, int64_t i) { return num::bf16_to_float(p[i].bits); }
+inline float load(const F16* p, int64_t i) { return num::f16_to_float(p[i].bits); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(BF16* p, int64_t i, float v) { p[i].bits = num::bf16_rne(v); }
+inline void store(F16* p, int64_t i, float v) { p[i].bits = num::f16_rne(v); }
+
+// NF4 inputs follow bitsandbytes' flush-to-zero; fp16 has no fp32 denormals to flush.
+template <typename T, bool kFlush>
+inline float load_q(const T* p, int64_t i) {
+  float v = load(p, i);
+  return kFlush ? quant::flush_denormal(v) : v;
+}
+
+// Max |x| over [start, end), ignoring NaN (a comparison with NaN keeps the running max, as
+// fmaxf does), from `init`. Sixteen running maxima keep the loop vectorizable.
+template <typename T, bool kFlush>
+float block_absmax(const T* x, int64_t start, int64_t end, float init) {
+  float acc[16];
+  for (int k = 0; k < 16; ++k) acc[k] = init;
+  int64_t i = start;
+  for (; i + 16 <= end; i += 16) {
+    for (int k = 0; k < 16; ++k) {
+      const float v = __builtin_fabsf(load_q<T, kFlush>(x, i + k));
+      acc[k] = v > acc[k] ? v : acc[k];
+    }
+  }
+  for (; i < end; ++i) {
+    const float v = __builtin_fabsf(load_q<T, kFlush>(x, i));
+    acc[0] = v > acc[0] ? v : acc[0];
+  }
+  float m = acc[0];
+  for (int k = 1; k < 16; ++k) m = acc[k] > m ? acc[k] : m;
+  return m;
+}
+
+// Three flat passes over pieces of at most kPiece values (L1-resident scratch), so every
+// loop is long and vectorizes whatever the block size: scale by the block's reciprocal,
+// code, pack pairs.
+constexpr int64_t kPiece = 4096;
+
+template <typename T>
+void nf4_quantize(const QuantArgs& a, int64_t b0, int64_t b1) {
+  constexpr bool kFlush = !std::is_same<T, F16>::value;
+  const T* x = static_cast<const T*>(a.values);
+  uint8_t* packed = static_cast<uint8_t*>(a.codes);
+  const int64_t bs = a.block_size;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * bs;
+    const int64_t end = start + bs < a.numel ? start + bs : a.numel;
+    // bitsandbytes reduces from -FLT_MAX, so an all-NaN block keeps that value.
+    a.absmax[b] = block_absmax<T, kFlush>(x, start, end, -3.40282347e38f);
+  }
+  float scaled[kPiece + 2];
+  uint8_t codes[kPiece + 2];
+  const int64_t e1 = b1 * bs < a.numel ? b1 * bs : a.numel;
+  for (int64_t p0 = b0 * bs; p0 < e1; p0 += kPiece) {
+    const int64_t p1 = p0 + kPiece < e1 ? p0 + kPiece : e1;
+    float r = 0.0f;
+    for (int64_t seg = p0; seg < p1;) {
+      const int64_t b = seg / bs;
+      const int64_t seg_end = (b + 1) * bs < p1 ? (b + 1) * bs : p1;
+      r = 1.0f / a.absmax[b];  // +inf for an all-zero block: 0 * inf = NaN -> code 0
+      for (int64_t i = seg; i < seg_end; ++i) scaled[i - p0] = load_q<T, kFlush>(x, i) * r;
+      seg = seg_end;
+    }
+    int64_t len = p1 - p0;
+    if (len & 1) scaled[len++] = 0.0f * r;  // odd total length: a zero pads the last byte
+    for (int64_t k = 0; k < len; ++k) codes[k] = static_cast<uint8_t>(quant::nf4_code(scaled[k]));
+    uint8_t* dst = packed + p0 / 2;
+    for (int64_t j = 0; j < len / 2; ++j) dst[j] = static_cast<uint8_t>((codes[2 * j] << 4) | codes[2 * j + 1]);
+  }
+}
+
+template <typename T>
+void nf4_dequantize(const QuantArgs& a, int64_t e0, int64_t e1) {
+  static const float kLevels[16] = TS_NF4_LEVELS;
+  T* out = static_cast<T*>(a.values);
+  const uint8_t* packed = static_cast<const uint8_t*>(a.codes);
+  for (int64_t start = e0; start < e1; start += a.block_size) {
+    const int64_t end = start + a.block_size < e1 ? start + a.block_size : e1;
+    const float scale = a.absmax[start / a.block_size];
+    const int64_t pair_end = end / 2;
+    for (int64_t j = start / 2; j < pair_end; ++j) {
+      const uint32_t byte = packed[j];
+      // bitsandbytes' kernel flushes a denormal product to zero.
+      store(out, 2 * j, quant::flush_denormal(kLevels[byte >> 4] * scale));
+      store(out, 2 * j + 1, quant::flush_denormal(kLevels[byte & 15u] * scale));
+    }
+    if (end & 1) store(out, end - 1, quant::flush_denormal(kLevels[packed[pair_end] >> 4] * scale));
+  }
+}
+
+template <typename T>
+void int8_quantize(const QuantArgs& a, int64_t b0, int64_t b1) {
+  const T* x = static_cast<const T*>(a.values);
+  int8_t* q = static_cast<int8_t*>(a.codes);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * a.block_size;
+    const int64_t end = start + a.block_size < a.numel ? start + a.block_size : a.numel;
+    const float amax = block_absmax<T, false>(x, start, end, 0.0f);
+    a.absmax[b] = amax;
+    const float r = 127.0f / amax;
+    for (int64_t i = start; i < end; ++i) q[i] = quant::int8_code(load(x, i) * r);
+  }
+}
+
+template <typename T>
+void int8_dequantize(const QuantArgs& a, int64_t e0, int64_t e1) {
+  T* out = static_cast<T*>(a.values);
+  const int8_t* q = static_cast<const int8_t*>(a.codes);
+  for (int64_t start = e0; start < e1; start += a.block_size) {
+    const int64_t end = start + a.block_size < e1 ? start + a.block_size : e1;
+    const float scale = a.absmax[start / a.block_size] / 127.0f;
+    for (int64_t i = start; i < end; ++i) store(out, i, static_cast<float>(q[i]) * scale);
+  }
+}
+
+}  // namespace
+
+void TS_ISA_FN(quantize_blocks)(const QuantArgs& a, int64_t b0, int64_t b1) {
+  const bool nf4 = a.format == QuantFormat::kNF4;
+  switch (a.dtype) {
+    case DType::kBFloat16: return nf4 ? nf4_quantize<BF16>(a, b0, b1) : int8_quantize<BF16>(a, b0, b1);
+    case DType::kFloat16: return nf4 ? nf4_quantize<F16>(a, b0, b1) : int8_quantize<F16>(a, b0, b1);
+    default: return nf4 ? nf4_quantize<float>(a, b0, b1) : int8_quantize<float>(a, b0, b1);
+  }
+}
+
+void TS_ISA_FN(dequantize_range)(const QuantArgs& a, int64_t e0, int64_t e1) {
+  const bool nf4 = a.format == QuantFormat::kNF4;
+  switch (a.dtype) {
+    case DType::kBFloat16: return nf4 ? nf4_dequantize<BF16>(a, e0, e1) : int8_dequantize<BF16>(a, e0, e1);
+    case DType::kFloat16: return nf4 ? nf4_dequantize<F16>(a, e0, e1) : int8_dequantize<F16>(a, e0, e1);
+    default: return nf4 ? nf4_dequantize<float>(a, e0, e1) : int8_dequantize<float>(a, e0, e1);
+  }
+}
+
+}  // namespace trainstream

@@ -1,0 +1,97 @@
+// Launchers of the quantization kernels (kernels_quant.cuh).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "kernels_quant.cuh"
+#include "trainstream/common.h"
+#include "trainstream/cuda_check.h"
+#include "trainstream/quant.h"
+
+namespace trainstream {
+namespace {
+
+using quant_gpu::BF16;
+using quant_gpu::Half;
+
+void check(const QuantArgs& a) {
+  TS_CHECK_ARG(a.block_size >= 2 && a.block_size % 2 == 0, "block_size must be an even integer >= 2");
+  TS_CHECK_ARG(a.dtype == DType::kFloat32 || a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat16,
+               "dtype must be float32, bfloat16 or float16");
+}
+
+// Enough resident blocks to fill the GPU; kernels loop grid-stride over the rest.
+unsigned grid_for(int64_t threads_wanted, int device) {
+  int sms = 0;
+  TS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t blocks = (threads_wanted + 255) / 256;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * 8)));
+}
+
+}  // namespace
+
+void quantize_cuda(const QuantArgs& a, int device, int64_t stream_int) {
+  check(a);
+  if (a.numel == 0) return;
+  TS_CUDA_CHECK(cudaSetDevice(device));
+  auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
+  const int64_t blocks = (a.numel + a.block_size - 1) / a.block_size;
+  const unsigned grid = grid_for(blocks * 32, device);  // one warp per block
+  const bool nf4 = a.format == QuantFormat::kNF4;
+  switch (a.dtype) {
+    case DType::kBFloat16:
+      if (nf4) quant_gpu::nf4_quantize_kernel<BF16><<<grid, 256, 0, stream>>>(a, blocks);
+      else quant_gpu::int8_quantize_kernel<BF16><<<grid, 256, 0, stream>>>(a, blocks);
+      break;
+    case DType::kFloat16:
+      if (nf4) quant_gpu::nf4_quantize_kernel<Half><<<grid, 256, 0, stream>>>(a, blocks);
+      else quant_gpu::int8_quantize_kernel<Half><<<grid, 256, 0, stream>>>(a, blocks);
+      break;
+    default:
+      if (nf4) quant_gpu::nf4_quantize_kernel<float><<<grid, 256, 0, stream>>>(a, blocks);
+      else quant_gpu::int8_quantize_kernel<float><<<grid, 256, 0, stream>>>(a, blocks);
+  }
+  TS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+static void dequantize_typed(const QuantArgs& a, int device, cudaStream_t stream) {
+  const bool nf4 = a.format == QuantFormat::kNF4;
+  const int64_t bs = a.block_size;
+  const bool pow2 = bs >= 16 && (bs & (bs - 1)) == 0;
+  const bool aligned = reinterpret_cast<uintptr_t>(a.values) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(a.codes) % (nf4 ? 8 : 16) == 0;
+  int64_t first_general = 0;
+  if (pow2 && aligned) {
+    const int64_t groups = a.numel / 16;
+    int log2 = 0;
+    while ((int64_t(16) << log2) < bs) ++log2;
+    if (groups > 0) {
+      const unsigned grid = grid_for(groups, device);
+      if (nf4) quant_gpu::nf4_dequantize_fast<T><<<grid, 256, 0, stream>>>(a, groups, log2);
+      else quant_gpu::int8_dequantize_fast<T><<<grid, 256, 0, stream>>>(a, groups, log2);
+      TS_CUDA_CHECK(cudaGetLastError());
+    }
+    first_general = groups * 16;
+  }
+  if (first_general < a.numel) {
+    const unsigned grid = grid_for(nf4 ? (a.numel - first_general + 1) / 2 : a.numel - first_general, device);
+    if (nf4) quant_gpu::nf4_dequantize_any<T><<<grid, 256, 0, stream>>>(a, first_general);
+    else quant_gpu::int8_dequantize_any<T><<<grid, 256, 0, stream>>>(a, first_general);
+    TS_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+void dequantize_cuda(const QuantArgs& a, int device, int64_t stream_int) {
+  check(a);
+  if (a.numel == 0) return;
+  TS_CUDA_CHECK(cudaSetDevice(device));
+  auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
+  switch (a.dtype) {
+    case DType::kBFloat16: return dequantize_typed<BF16>(a, device, stream);
+    case DType::kFloat16: return dequantize_typed<Half>(a, device, stream);
+    default: return dequantize_typed<float>(a, device, stream);
+  }
+}
+
+}  // namespace trainstream

@@ -1,0 +1,162 @@
+"""NF4 and int8 blockwise quantization of frozen weights, on CPU and CUDA tensors.
+
+NF4 is bitsandbytes' format, bit for bit: 16 NormalFloat levels, one float32 absmax per
+block, two codes per byte with the first element in the high nibble. int8 is symmetric:
+``q = rint(x * 127 / absmax)`` per block, dequantized as ``q * (absmax / 127)``.
+
+On CUDA, NF4 codes equal bitsandbytes' CUDA kernel's, which normalizes with the GPU's
+approximate reciprocal of absmax; the CPU uses the exactly rounded reciprocal (as
+bitsandbytes' CPU backend does), so a code can differ between the two devices only for a
+value within one ulp of a decision threshold. Dequantizing the same codes gives the same
+bits on both.
+
+Non-finite input: a NaN quantizes to code 0 and does not affect its block's absmax (NF4:
+it dequantizes to -absmax; int8: to 0). An infinity makes its block's absmax infinite,
+and that whole block then dequantizes to NaN or infinities. An all-zero block (or, for
+NF4, one of denormals only, which count as zero as in bitsandbytes) has absmax 0 and
+dequantizes to zeros. Frozen weights are expected to be finite.
+
+Each op is a ``torch.library`` custom op with a fake implementation, so ``torch.compile``
+can trace it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .._native import lib
+from . import _dtypes
+from .adamw import get_pool
+
+NF4, INT8 = 0, 1  # native QuantFormat
+VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FORMAT_NAMES = {NF4: "nf4", INT8: "int8"}
+
+
+def check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
+        raise ValueError(f"block_size must be an even integer >= 2, got {block_size!r}")
+    return block_size
+
+
+def code_numel(fmt: int, n: int) -> int:
+    return -(-n // 2) if fmt == NF4 else n
+
+
+def _run(dequantize: bool, fmt: int, values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
+         block_size: int) -> None:
+    native = lib()
+    args = (dequantize, fmt, values.numel(), block_size, _dtypes.code(values.dtype),
+            values.data_ptr(), codes.data_ptr(), absmax.data_ptr())
+    if values.device.type == "cuda":
+        from .._native import require_cuda
+        require_cuda("GPU quantization")
+        native.quant_cuda(*args, values.device.index, torch.cuda.current_stream(values.device).cuda_stream)
+    else:
+        native.quant_queue(get_pool(), *args).wait()
+
+
+def _make_ops(fmt: int, code_dtype: torch.dtype):
+    name = _FORMAT_NAMES[fmt]
+
+    @torch.library.custom_op(f"trainstream::quantize_{name}", mutates_args=())
+    def quantize_op(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        codes = torch.empty(code_numel(fmt, x.numel()), dtype=code_dtype, device=x.device)
+        absmax = torch.empty(-(-x.numel() // block_size), dtype=torch.float32, device=x.device)
+        _run(False, fmt, x, codes, absmax, block_size)
+        return codes, absmax
+
+    @quantize_op.register_fake
+    def _(x, block_size):
+        n = x.numel()
+        return (x.new_empty(code_numel(fmt, n), dtype=code_dtype),
+                x.new_empty((n + block_size - 1) // block_size, dtype=torch.float32))
+
+    @torch.library.custom_op(f"trainstream::dequantize_{name}", mutates_args=())
+    def dequantize_op(codes: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+                      block_size: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=codes.device)
+        _run(True, fmt, out, codes, absmax, block_size)
+        return out
+
+    @dequantize_op.register_fake
+    def _(codes, absmax, shape, dtype, block_size):
+        return codes.new_empty(shape, dtype=dtype)
+
+    @torch.library.custom_op(f"trainstream::dequantize_{name}_out", mutates_args=("out",))
+    def dequantize_out_op(codes: torch.Tensor, absmax: torch.Tensor, block_size: int, out: torch.Tensor) -> None:
+        _run(True, fmt, out, codes, absmax, block_size)
+
+    @dequantize_out_op.register_fake
+    def _(codes, absmax, block_size, out):
+        return None
+
+    return quantize_op, dequantize_op, dequantize_out_op
+
+
+_nf4_ops = _make_ops(NF4, torch.uint8)
+_int8_ops = _make_ops(INT8, torch.int8)
+
+
+def _check_values(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in VALUE_DTYPES:
+        raise ValueError(f"{what} dtype must be one of {[str(d) for d in VALUE_DTYPES]}, got {x.dtype}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} must be a CPU or CUDA tensor, got {x.device}")
+
+
+def _quantize(fmt: int, x: torch.Tensor, block_size: int):
+    _check_values(x, "x")
+    return (_nf4_ops if fmt == NF4 else _int8_ops)[0](x, check_block_size(block_size))
+
+
+def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
+    name = _FORMAT_NAMES[fmt]
+    block_size = check_block_size(block_size)
+    shape = tuple(int(s) for s in shape)
+    n = math.prod(shape)
+    code_dtype = torch.uint8 if fmt == NF4 else torch.int8
+    if codes.dtype != code_dtype or codes.numel() != code_numel(fmt, n) or not codes.is_contiguous():
+        raise ValueError(f"dequantize_{name}: codes must be a contiguous {code_dtype} tensor of "
+                         f"{code_numel(fmt, n)} elements for shape {shape}, got {codes.dtype} with {codes.numel()}")
+    blocks = -(-n // block_size)
+    if absmax.dtype != torch.float32 or absmax.numel() != blocks or not absmax.is_contiguous():
+        raise ValueError(f"dequantize_{name}: absmax must be a contiguous float32 tensor of {blocks} elements "
+                         f"(one per block of {block_size}), got {absmax.dtype} with {absmax.numel()}")
+    if absmax.device != codes.device:
+        raise ValueError(f"dequantize_{name}: codes on {codes.device} but absmax on {absmax.device}")
+    if dtype not in VALUE_DTYPES:
+        raise ValueError(f"dequantize_{name}: dtype must be one of {[str(d) for d in VALUE_DTYPES]}, got {dtype}")
+    ops = _nf4_ops if fmt == NF4 else _int8_ops
+    if out is None:
+        return ops[1](codes, absmax, list(shape), dtype, block_size)
+    if out.shape != torch.Size(shape) or out.dtype != dtype or out.device != codes.device or not out.is_contiguous():
+        raise ValueError(f"dequantize_{name}: out must be a contiguous {dtype} tensor of shape {shape} on "
+                         f"{codes.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    ops[2](codes, absmax, block_size, out)
+    return out
+
+
+def quantize_nf4(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32 / bfloat16 / float16, any shape) -> (packed uint8[ceil(n/2)], absmax float32[ceil(n/block_size)])."""
+    return _quantize(NF4, x, block_size)
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, block_size: int = 64,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The values of :func:`quantize_nf4`'s output, as `dtype` in `shape` (into `out` if given)."""
+    return _dequantize(NF4, packed, absmax, shape, dtype, block_size, out)
+
+
+def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32 / bfloat16 / float16, any shape) -> (codes int8[n], absmax float32[ceil(n/block_size)])."""
+    return _quantize(INT8, x, block_size)
+
+
+def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, block_size: int = 64,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The values of :func:`quantize_int8`'s output, as `dtype` in `shape` (into `out` if given)."""
+    return _dequantize(INT8, codes, absmax, shape, dtype, block_size, out)

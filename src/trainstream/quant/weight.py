@@ -1,0 +1,67 @@
+"""QuantizedWeight: one frozen weight held as NF4 or int8 codes plus per-block absmax."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ops import quant as qops
+
+FORMATS = ("nf4", "int8")
+
+
+class QuantizedWeight:
+    """Codes, absmax, and what is needed to rebuild the weight: shape, dtype, format and
+    block size. ``dequantize()`` gives the weight back in its dtype on the codes' device."""
+
+    __slots__ = ("codes", "absmax", "shape", "dtype", "format", "block_size")
+
+    def __init__(self, codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, format: str,
+                 block_size: int = 64):
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        self.codes = codes
+        self.absmax = absmax
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.format = format
+        self.block_size = qops.check_block_size(block_size)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, format: str = "nf4", block_size: int = 64) -> "QuantizedWeight":
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        quantize = qops.quantize_nf4 if format == "nf4" else qops.quantize_int8
+        codes, absmax = quantize(weight.detach(), block_size)
+        return cls(codes, absmax, weight.shape, weight.dtype, format, block_size)
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        dequantize = qops.dequantize_nf4 if self.format == "nf4" else qops.dequantize_int8
+        return dequantize(self.codes, self.absmax, self.shape, self.dtype, self.block_size, out=out)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes plus absmax."""
+        return self.codes.numel() * self.codes.element_size() + self.absmax.numel() * 4
+
+    def _with(self, codes: torch.Tensor, absmax: torch.Tensor) -> "QuantizedWeight":
+        return QuantizedWeight(codes, absmax, self.shape, self.dtype, self.format, self.block_size)
+
+    def to(self, device, non_blocking: bool = False) -> "QuantizedWeight":
+        return self._with(self.codes.to(device, non_blocking=non_blocking),
+                          self.absmax.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "QuantizedWeight":
+        return self._with(self.codes.pin_memory(), self.absmax.pin_memory())
+
+    def is_pinned(self) -> bool:
+        return self.codes.is_pinned() and self.absmax.is_pinned()
+
+    def __repr__(self) -> str:
+        full = math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return (f"QuantizedWeight({self.format}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"block_size={self.block_size}, {self.nbytes} bytes vs {full} unquantized, device={self.device})")

@@ -1,0 +1,297 @@
+"""NF4 and int8 quantization: native vs the pure-torch twin vs bitsandbytes, CPU and CUDA."""
+import math
+
+import pytest
+import torch
+
+from trainstream import QuantizedWeight, ops
+from trainstream.ops import reference
+
+FORMATS = {
+    "nf4": (ops.quantize_nf4, ops.dequantize_nf4, reference.quantize_nf4, reference.dequantize_nf4),
+    "int8": (ops.quantize_int8, ops.dequantize_int8, reference.quantize_int8, reference.dequantize_int8),
+}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(bits(a), bits(b)), f"{(bits(a) != bits(b)).sum().item()} of {a.numel()} differ"
+
+
+def sample(n, dtype, seed=0, zero_block=None):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.02
+    if zero_block is not None:
+        x[zero_block] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [2, 6, 64, 100, 256, 4096])
+@pytest.mark.parametrize("n", [1, 7, 64, 1001, 70_003])
+def test_native_matches_reference(fmt, dtype, block_size, n):
+    quantize, dequantize, ref_quantize, ref_dequantize = FORMATS[fmt]
+    x = sample(n, dtype, seed=n + block_size, zero_block=slice(0, min(n, block_size)))
+    codes, absmax = quantize(x, block_size)
+    ref_codes, ref_absmax = ref_quantize(x, block_size)
+    assert_same_bits(codes, ref_codes)
+    assert_same_bits(absmax, ref_absmax)
+    assert codes.numel() == (math.ceil(n / 2) if fmt == "nf4" else n)
+    assert absmax.numel() == math.ceil(n / block_size)
+    for out_dtype in DTYPES:
+        got = dequantize(codes, absmax, x.shape, out_dtype, block_size)
+        assert_same_bits(got, ref_dequantize(ref_codes, ref_absmax, x.shape, out_dtype, block_size))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_blocks_dequantize_to_zeros(fmt):
+    quantize, dequantize = FORMATS[fmt][:2]
+    x = torch.zeros(300, dtype=torch.bfloat16)
+    x[128:192] = torch.randn(64).to(torch.bfloat16)
+    codes, absmax = quantize(x, 64)
+    y = dequantize(codes, absmax, x.shape, torch.bfloat16, 64)
+    assert not y.isnan().any()
+    assert (y[:128] == 0).all() and (y[192:] == 0).all()
+    assert (absmax[[0, 1, 3, 4]] == 0).all()
+
+
+def test_nf4_denormals_count_as_zero_like_bitsandbytes():
+    tiny = torch.full((64,), 1e-40)  # fp32 denormals: bitsandbytes' kernel flushes them
+    codes, absmax = ops.quantize_nf4(tiny, 64)
+    assert absmax.item() == 0.0
+    assert (ops.dequantize_nf4(codes, absmax, tiny.shape, torch.float32) == 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_inputs_behave_as_documented(fmt):
+    quantize, dequantize = FORMATS[fmt][:2]
+    x = torch.randn(192)
+    x[5] = float("nan")            # block 0: NaN ignored by absmax, code 0
+    x[64 + 7] = float("inf")       # block 1: absmax inf, the block dequantizes to non-finite
+    codes, absmax = quantize(x, 64)
+    assert absmax[0] == x[:64].nan_to_num(0).abs().max()
+    assert absmax[1] == float("inf")
+    assert torch.isfinite(absmax[2])
+    y = dequantize(codes, absmax, x.shape, torch.float32, 64)
+    if fmt == "nf4":
+        assert y[5] == -absmax[0]
+    else:
+        assert y[5] == 0
+    assert not torch.isfinite(y[64:128]).any()
+    assert torch.isfinite(y[128:]).all() and torch.isfinite(y[:5]).all()
+    # matches the twin on these values too
+    ref_codes, ref_absmax = FORMATS[fmt][2](x, 64)
+    assert_same_bits(codes, ref_codes)
+
+
+def test_nf4_packing_first_element_in_high_nibble():
+    # Values chosen on NF4 levels: with absmax 1, each maps to its own code.
+    x = torch.tensor([-1.0, 1.0, 0.0, 0.0795802995, 0.7229568362], dtype=torch.float32)
+    packed, absmax = ops.quantize_nf4(x, 2 * 3)  # one block of 6 holds all five (and a pad)
+    assert absmax.item() == 1.0
+    assert packed.tolist() == [0x0F, 0x78, 0xE7]  # (-1, 1), (0, level 8), (level 14, zero pad)
+
+
+def test_nf4_threshold_values_take_the_lower_code():
+    # A value exactly on a threshold takes the lower code; one ulp above takes the upper.
+    t = reference.NF4_THRESHOLDS
+    above = torch.nextafter(t, torch.tensor(2.0))
+    x = torch.cat([t, above, torch.tensor([1.0])])  # the 1.0 makes absmax exactly 1
+    packed, _ = ops.quantize_nf4(x, 32)
+    codes = torch.stack([packed >> 4, packed & 15], 1).reshape(-1)[: x.numel()]
+    assert codes[:15].tolist() == list(range(15))
+    assert codes[15:30].tolist() == list(range(1, 16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mean_relative_error_on_random_weights(fmt):
+    quantize, dequantize = FORMATS[fmt][:2]
+    x = torch.randn(1 << 18, dtype=torch.bfloat16)
+    y = dequantize(*quantize(x, 64), x.shape, torch.bfloat16, 64)
+    err = ((y.float() - x.float()).abs().mean() / x.float().abs().mean()).item()
+    assert err == pytest.approx({"nf4": 0.091, "int8": 0.0065}[fmt], rel=0.1)
+
+
+def test_thread_count_and_simd_level_do_not_change_codes():
+    from trainstream import _native
+    C = _native.lib()
+    x = sample(300_001, torch.bfloat16, seed=3)
+    expected = ops.quantize_nf4(x, 64)
+    for level in ("scalar", C.best_simd_level()):
+        C.set_simd_level(level)
+        try:
+            got = ops.quantize_nf4(x, 64)
+        finally:
+            C.set_simd_level(C.best_simd_level())
+        assert_same_bits(got[0], expected[0])
+
+
+def test_out_argument_and_shapes():
+    x = sample(37 * 11, torch.float16).view(37, 11)
+    packed, absmax = ops.quantize_nf4(x, 64)
+    out = torch.empty(37, 11, dtype=torch.bfloat16)
+    assert ops.dequantize_nf4(packed, absmax, (37, 11), torch.bfloat16, out=out) is out
+    assert_same_bits(out, ops.dequantize_nf4(packed, absmax, (37, 11), torch.bfloat16))
+    noncontig = sample(40 * 8, torch.float32).view(40, 8).t()  # quantize reads it as contiguous values
+    assert_same_bits(ops.quantize_int8(noncontig)[0], ops.quantize_int8(noncontig.contiguous())[0])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.quantize_nf4(torch.zeros(8), 3), "block_size must be an even integer >= 2, got 3"),
+    (lambda: ops.quantize_nf4(torch.zeros(8), 0), "block_size must be an even integer >= 2"),
+    (lambda: ops.quantize_int8(torch.zeros(8), True), "block_size must be an even integer >= 2"),
+    (lambda: ops.quantize_nf4(torch.zeros(8, dtype=torch.float64)), "x dtype must be one of"),
+    (lambda: ops.dequantize_nf4(torch.zeros(3, dtype=torch.uint8), torch.zeros(1), (8,), torch.float32),
+     "codes must be a contiguous torch.uint8 tensor of 4 elements"),
+    (lambda: ops.dequantize_nf4(torch.zeros(4, dtype=torch.uint8), torch.zeros(2), (8,), torch.float32),
+     "absmax must be a contiguous float32 tensor of 1 elements"),
+    (lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.uint8), torch.zeros(1), (8,), torch.float32),
+     "codes must be a contiguous torch.int8 tensor"),
+    (lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.int8), torch.zeros(1), (8,), torch.int32),
+     "dtype must be one of"),
+    (lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.int8), torch.zeros(1), (8,), torch.float32,
+                                 out=torch.empty(4)), "out must be a contiguous torch.float32 tensor of shape"),
+])
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_opcheck(fmt):
+    x = sample(333, torch.bfloat16)
+    name = fmt
+    codes, absmax = getattr(ops, f"quantize_{name}")(x, 64)
+    torch.library.opcheck(getattr(torch.ops.trainstream, f"quantize_{name}").default, (x, 64))
+    torch.library.opcheck(getattr(torch.ops.trainstream, f"dequantize_{name}").default,
+                          (codes, absmax, [333], torch.bfloat16, 64))
+    torch.library.opcheck(getattr(torch.ops.trainstream, f"dequantize_{name}_out").default,
+                          (codes, absmax, 64, torch.empty(333, dtype=torch.bfloat16)))
+
+
+def test_quantized_weight_holder():
+    w = sample(96 * 40, torch.bfloat16).view(96, 40)
+    for fmt in ("nf4", "int8"):
+        q = QuantizedWeight.quantize(w, fmt, block_size=128)
+        assert q.shape == w.shape and q.dtype == w.dtype and q.format == fmt and q.block_size == 128
+        deq = q.dequantize()
+        assert deq.shape == w.shape and deq.dtype == w.dtype
+        expected_bytes = (w.numel() // 2 if fmt == "nf4" else w.numel()) + math.ceil(w.numel() / 128) * 4
+        assert q.nbytes == expected_bytes
+        out = torch.empty_like(w)
+        assert q.dequantize(out=out) is out and torch.equal(out, deq)
+        assert_same_bits(q.to("cpu").dequantize(), deq)
+    with pytest.raises(ValueError, match="format must be one of"):
+        QuantizedWeight.quantize(w, "fp4")
+
+
+# -- bitsandbytes (a test-only dependency) ------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [64, 128, 4096])
+def test_nf4_bit_identical_to_bitsandbytes_on_cpu(dtype, block_size):
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    x = sample(3 * 4096 + 1000, dtype, seed=block_size)  # a partial last block
+    q, state = bnb.quantize_4bit(x, blocksize=block_size, quant_type="nf4", compress_statistics=False)
+    packed, absmax = ops.quantize_nf4(x, block_size)
+    assert_same_bits(packed, q.view(-1))
+    assert_same_bits(absmax, state.absmax)
+    theirs = bnb.dequantize_4bit(q, state, quant_type="nf4").view(x.shape)
+    assert_same_bits(ops.dequantize_nf4(packed, absmax, x.shape, dtype, block_size), theirs)
+
+
+# -- CUDA ------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [2, 6, 64, 128, 100, 4096])
+@pytest.mark.parametrize("n", [1, 7, 64, 1001, 70_003, 1 << 20])
+def test_cuda_matches_cpu(fmt, dtype, block_size, n):
+    quantize, dequantize = FORMATS[fmt][:2]
+    x = sample(n, dtype, seed=n + block_size, zero_block=slice(0, min(n, block_size)))
+    cpu_codes, cpu_absmax = quantize(x, block_size)
+    codes, absmax = quantize(x.cuda(), block_size)
+    assert_same_bits(absmax.cpu(), cpu_absmax)
+    if fmt == "int8":
+        assert_same_bits(codes.cpu(), cpu_codes)
+    else:
+        # The GPU normalizes with the approximate reciprocal (as bitsandbytes' CUDA kernel
+        # does): a code may differ only where x / absmax is within 2 ulp of a threshold.
+        _assert_nf4_codes_agree(x, block_size, codes.cpu(), cpu_codes, cpu_absmax)
+    for out_dtype in DTYPES:  # the same codes dequantize to the same bits on both devices
+        got = dequantize(codes, absmax, x.shape, out_dtype, block_size).cpu()
+        assert_same_bits(got, dequantize(codes.cpu(), absmax.cpu(), x.shape, out_dtype, block_size))
+
+
+def _unpack(packed, n):
+    return torch.stack([packed >> 4, packed & 15], 1).reshape(-1)[:n]
+
+
+def _assert_nf4_codes_agree(x, block_size, gpu_packed, cpu_packed, absmax):
+    n = x.numel()
+    differ = (_unpack(gpu_packed, n) != _unpack(cpu_packed, n)).nonzero().flatten()
+    if differ.numel() == 0:
+        return
+    s = x.float()[differ] / absmax.repeat_interleave(block_size)[:n][differ]
+    gap = (s.unsqueeze(1) - reference.NF4_THRESHOLDS).abs().min(1).values
+    assert (gap <= 2 * torch.finfo(torch.float32).eps * s.abs().clamp(min=1e-3)).all(), differ[:10]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [64, 128, 4096])
+def test_cuda_nf4_bit_identical_to_bitsandbytes_cuda(dtype, block_size):
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    x = sample((1 << 20) + 1001, dtype, seed=block_size, zero_block=slice(0, block_size)).cuda()
+    x[block_size + 3] = float("nan")
+    x[2 * block_size + 5] = 3e-39 if dtype != torch.float16 else 0.0  # flushed like bitsandbytes
+    q, state = bnb.quantize_4bit(x, blocksize=block_size, quant_type="nf4", compress_statistics=False)
+    packed, absmax = ops.quantize_nf4(x, block_size)
+    assert_same_bits(packed, q.view(-1))
+    assert_same_bits(absmax, state.absmax)
+    theirs = bnb.dequantize_4bit(q, state, quant_type="nf4").view(x.shape)
+    ours = ops.dequantize_nf4(packed, absmax, x.shape, dtype, block_size)
+    nan = theirs.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert_same_bits(ours[~nan], theirs[~nan])
+
+
+@pytest.mark.gpu
+def test_cuda_ops_run_on_the_current_stream_and_opcheck():
+    x = sample(1 << 22, torch.bfloat16).cuda()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        packed, absmax = ops.quantize_nf4(x)
+        y = ops.dequantize_nf4(packed, absmax, x.shape, torch.bfloat16)
+        total = y.float().sum()  # same stream: must see the finished output
+    torch.cuda.synchronize()
+    ref = ops.dequantize_nf4(*ops.quantize_nf4(x.cpu()), x.shape, torch.bfloat16)
+    assert torch.allclose(total.cpu(), ref.float().sum(), rtol=1e-4)
+    torch.library.opcheck(torch.ops.trainstream.quantize_nf4.default, (x[:1000], 64))
+
+
+@pytest.mark.gpu
+def test_cuda_unaligned_views_use_the_general_path():
+    x = sample(10_000, torch.bfloat16).cuda()
+    packed, absmax = ops.quantize_nf4(x[2:], 64)  # still contiguous, offset by 4 bytes
+    out = torch.empty(10_000, dtype=torch.bfloat16, device="cuda")[2:]
+    ops.dequantize_nf4(packed, absmax, (9998,), torch.bfloat16, out=out)
+    expected = ops.dequantize_nf4(packed.cpu(), absmax.cpu(), (9998,), torch.bfloat16)
+    assert_same_bits(out.cpu(), expected)
+
+
+@pytest.mark.gpu
+def test_quantized_weight_moves_between_host_and_gpu():
+    w = sample(4096 * 8, torch.bfloat16).view(4096, 8)
+    q = QuantizedWeight.quantize(w, "nf4").pin_memory()
+    assert q.is_pinned()
+    g = q.to("cuda", non_blocking=True)
+    assert g.device.type == "cuda"
+    assert_same_bits(g.dequantize().cpu(), q.dequantize())
