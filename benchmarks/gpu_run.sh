@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One full run on a GPU machine: build, every test (gpu ones included), the bench.
 # Usage: OUT=/path/for/logs TRAINSTREAM_COMMIT=<sha> bash benchmarks/gpu_run.sh [bench args...]
+# Leaves $OUT/run.log (everything) and $OUT/results/ (the bench's JSON and markdown).
 # Peers (DeepSpeed, ...) are installed from ./.whl when present (../shared/device/peer-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/trainstream-gpu-run}
@@ -19,19 +20,19 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 log "build"
-python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+python3 -m pip install --no-build-isolation --no-deps . > /tmp/build.log 2>&1 || { cp /tmp/build.log "$OUT/"; tail -40 /tmp/build.log; exit 1; }
 (cd /tmp && python3 -m trainstream) 2>&1 | tee -a "$OUT/run.log"
 
 log "tests (gpu tests included), one process per file: a CUDA fault in one cannot hide the others"
 test_rc=0
 for f in tests/test_*.py; do
-  python3 -m pytest "$f" -q -rs 2>&1 | tee -a "$OUT/tests.log" | tail -4
+  python3 -m pytest "$f" -q -rs 2>&1 | tee -a "$OUT/run.log" | tail -4
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || test_rc=$rc
 done
 
 log "bench"
-python3 -m trainstream.bench --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log"
+python3 -m trainstream.bench --out "$OUT/results" "$@" 2>&1 | tee -a "$OUT/run.log"
 bench_rc=${PIPESTATUS[0]}
 log "tests rc=$test_rc bench rc=$bench_rc"
 [ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

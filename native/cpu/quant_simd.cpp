@@ -46,14 +46,15 @@ float block_absmax(const T* x, int64_t start, int64_t end, float init) {
     const float v = __builtin_fabsf(load_q<T, kFlush>(x, i));
     acc[0] = v > acc[0] ? v : acc[0];
   }
-  float m = acc[0];
-  for (int k = 1; k < 16; ++k) m = acc[k] > m ? acc[k] : m;
-  return m;
+  // Tree reduction: each halving step is one vector max.
+  for (int w = 8; w > 0; w >>= 1)
+    for (int k = 0; k < w; ++k) acc[k] = acc[k + w] > acc[k] ? acc[k + w] : acc[k];
+  return acc[0];
 }
 
-// Three flat passes over pieces of at most kPiece values (L1-resident scratch), so every
-// loop is long and vectorizes whatever the block size: scale by the block's reciprocal,
-// code, pack pairs.
+// Two passes over pieces of at most kPiece values (L1-resident scratch) keep every loop
+// vectorizable whatever the block size: code each value with its block's reciprocal, then
+// pack pairs of codes into bytes.
 constexpr int64_t kPiece = 4096;
 
 template <typename T>
@@ -68,22 +69,22 @@ void nf4_quantize(const QuantArgs& a, int64_t b0, int64_t b1) {
     // bitsandbytes reduces from -FLT_MAX, so an all-NaN block keeps that value.
     a.absmax[b] = block_absmax<T, kFlush>(x, start, end, -3.40282347e38f);
   }
-  float scaled[kPiece + 2];
-  uint8_t codes[kPiece + 2];
+  // 32-bit codes: a narrower scratch makes the compiler narrow every comparison's result
+  // to bytes before adding (a pack per threshold); the pack pass narrows once.
+  uint32_t codes[kPiece + 2];
   const int64_t e1 = b1 * bs < a.numel ? b1 * bs : a.numel;
   for (int64_t p0 = b0 * bs; p0 < e1; p0 += kPiece) {
     const int64_t p1 = p0 + kPiece < e1 ? p0 + kPiece : e1;
     float r = 0.0f;
-    for (int64_t seg = p0; seg < p1;) {
-      const int64_t b = seg / bs;
+    uint32_t* c = codes - p0;
+    for (int64_t seg = p0, b = p0 / bs; seg < p1; ++b) {
       const int64_t seg_end = (b + 1) * bs < p1 ? (b + 1) * bs : p1;
       r = 1.0f / a.absmax[b];  // +inf for an all-zero block: 0 * inf = NaN -> code 0
-      for (int64_t i = seg; i < seg_end; ++i) scaled[i - p0] = load_q<T, kFlush>(x, i) * r;
+      for (int64_t i = seg; i < seg_end; ++i) c[i] = quant::nf4_code(load_q<T, kFlush>(x, i) * r);
       seg = seg_end;
     }
     int64_t len = p1 - p0;
-    if (len & 1) scaled[len++] = 0.0f * r;  // odd total length: a zero pads the last byte
-    for (int64_t k = 0; k < len; ++k) codes[k] = static_cast<uint8_t>(quant::nf4_code(scaled[k]));
+    if (len & 1) codes[len++] = quant::nf4_code(0.0f * r);  // odd length: a zero pads the last byte
     uint8_t* dst = packed + p0 / 2;
     for (int64_t j = 0; j < len / 2; ++j) dst[j] = static_cast<uint8_t>((codes[2 * j] << 4) | codes[2 * j + 1]);
   }

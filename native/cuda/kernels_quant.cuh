@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "trainstream/numerics.h"
 #include "trainstream/quant.h"
@@ -42,16 +43,18 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ uint16_t to_bits(BF16, float v) { return num::bf16_rne(v); }
 __device__ __forceinline__ uint16_t to_bits(Half, float v) { return num::f16_rne(v); }
 
-// ---- quantize: one warp per block (grid-stride over blocks) ----------------------------
+// ---- quantize --------------------------------------------------------------------------
+//
+// General path: one warp per block (grid-stride over blocks), any even block size.
 
 template <typename T>
-__global__ void __launch_bounds__(256) nf4_quantize_kernel(QuantArgs a, int64_t num_blocks) {
+__global__ void __launch_bounds__(256) nf4_quantize_kernel(QuantArgs a, int64_t first_block, int64_t num_blocks) {
   constexpr bool kFlush = !std::is_same<T, Half>::value;
   const T* x = static_cast<const T*>(a.values);
   uint8_t* packed = static_cast<uint8_t*>(a.codes);
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t b = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; b < num_blocks; b += warps) {
+  for (int64_t b = first_block + ((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5); b < num_blocks; b += warps) {
     const int64_t start = b * a.block_size;
     const int64_t end = min(a.numel, start + a.block_size);
     float m = -3.40282347e38f;  // bitsandbytes reduces from -FLT_MAX; fmaxf skips NaN
@@ -74,12 +77,12 @@ __global__ void __launch_bounds__(256) nf4_quantize_kernel(QuantArgs a, int64_t 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) int8_quantize_kernel(QuantArgs a, int64_t num_blocks) {
+__global__ void __launch_bounds__(256) int8_quantize_kernel(QuantArgs a, int64_t first_block, int64_t num_blocks) {
   const T* x = static_cast<const T*>(a.values);
   int8_t* q = static_cast<int8_t*>(a.codes);
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t b = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; b < num_blocks; b += warps) {
+  for (int64_t b = first_block + ((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5); b < num_blocks; b += warps) {
     const int64_t start = b * a.block_size;
     const int64_t end = min(a.numel, start + a.block_size);
     float m = 0.0f;
@@ -91,64 +94,165 @@ __global__ void __launch_bounds__(256) int8_quantize_kernel(QuantArgs a, int64_t
   }
 }
 
+// Fast path, for power-of-two block sizes 8..256 and aligned buffers: each lane loads 8
+// consecutive values with 16-byte loads (two slices of 256 values per warp step, so two
+// loads in flight), the bs/8 lanes of a block reduce its absmax with shuffles, and each
+// lane stores its 8 codes in one 4-byte (NF4) or 8-byte (int8) store.
+
+__device__ __forceinline__ void load8(const float* x, int64_t i, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(x + i);
+  const float4 b = *reinterpret_cast<const float4*>(x + i + 4);
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* x, int64_t i, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(x + i);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = load(reinterpret_cast<const T*>(&w[k >> 1]) + (k & 1), 0);
+}
+
+constexpr int kQuantSlices = 2;
+constexpr int64_t kQuantWarpStep = 256 * kQuantSlices;
+
+__device__ __forceinline__ float group_max(float m, int lanes_per_block) {
+  for (int o = 1; o < lanes_per_block; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// `steps` = numel / kQuantWarpStep; the caller quantizes the remaining blocks with the general path.
+template <typename T, bool kNF4>
+__global__ void __launch_bounds__(256) quantize_fast(QuantArgs a, int64_t steps, int log2_block) {
+  constexpr bool kFlush = kNF4 && !std::is_same<T, Half>::value;
+  const T* x = static_cast<const T*>(a.values);
+  const int lane = threadIdx.x & 31;
+  const int lanes_per_block = int(a.block_size >> 3);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; w < steps; w += warps) {
+    float v[kQuantSlices][8];
+#pragma unroll
+    for (int k = 0; k < kQuantSlices; ++k) load8(x, w * kQuantWarpStep + k * 256 + lane * 8, v[k]);
+#pragma unroll
+    for (int k = 0; k < kQuantSlices; ++k) {
+      const int64_t first = w * kQuantWarpStep + k * 256 + lane * 8;
+      float m = kNF4 ? -3.40282347e38f : 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (kFlush) v[k][e] = quant::flush_denormal(v[k][e]);
+        m = fmaxf(m, fabsf(v[k][e]));
+      }
+      m = group_max(m, lanes_per_block);
+      if ((lane & (lanes_per_block - 1)) == 0) a.absmax[first >> log2_block] = m;
+      if (kNF4) {
+        const float r = rcp_approx_ftz(m);
+        uint32_t word = 0;
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+          const uint32_t byte = (quant::nf4_code(mul_ftz(v[k][e], r)) << 4) | quant::nf4_code(mul_ftz(v[k][e + 1], r));
+          word |= byte << (4 * e);
+        }
+        static_cast<uint32_t*>(a.codes)[first >> 3] = word;
+      } else {
+        const float r = __fdiv_rn(127.0f, m);
+        uint32_t lo = 0, hi = 0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const uint32_t q = uint8_t(quant::int8_code(__fmul_rn(v[k][e], r)));
+          if (e < 4) lo |= q << (8 * e); else hi |= q << (8 * (e - 4));
+        }
+        static_cast<uint2*>(a.codes)[first >> 3] = make_uint2(lo, hi);
+      }
+    }
+  }
+}
+
 // ---- dequantize ------------------------------------------------------------------------
+//
+// Fast path, for power-of-two block sizes >= 8 and aligned buffers: a warp covers 1024
+// values per step; lane l owns values [8l, 8l + 8) of each of the step's four 256-value
+// slices, so every load (4 bytes of NF4 codes or 8 of int8 per lane) and every 16-byte
+// store is coalesced across the warp, and each lane has four independent loads in flight.
+// Eight values never straddle a block, so each needs one absmax.
 
-__device__ __forceinline__ void store16(float* out, int64_t base, const float (&v)[16]) {
+constexpr int kSlices = 4;           // 256-value slices per warp step
+constexpr int64_t kWarpStep = 1024;  // values per warp step
+
+__device__ __forceinline__ void store8(float* out, int64_t base, const float (&v)[8]) {
   float4* o = reinterpret_cast<float4*>(out + base);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) o[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+  o[0] = make_float4(v[0], v[1], v[2], v[3]);
+  o[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
 template <typename T>
-__device__ __forceinline__ void store16(T* out, int64_t base, const float (&v)[16]) {
-  uint32_t w[8];
+__device__ __forceinline__ void store8(T* out, int64_t base, const float (&v)[8]) {
+  uint32_t w[4];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) w[k] = uint32_t(to_bits(T{}, v[2 * k])) | (uint32_t(to_bits(T{}, v[2 * k + 1])) << 16);
-  uint4* o = reinterpret_cast<uint4*>(out + base);
-  o[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  for (int k = 0; k < 4; ++k) w[k] = uint32_t(to_bits(T{}, v[2 * k])) | (uint32_t(to_bits(T{}, v[2 * k + 1])) << 16);
+  *reinterpret_cast<uint4*>(out + base) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Fast path: 16 values per thread per step, for power-of-two block sizes >= 16 (one absmax
-// per 16 values) and 16-byte-aligned output; `groups` = numel / 16.
+// `steps` = numel / 1024 whole warp steps; the caller handles the rest with the general path.
 template <typename T>
-__global__ void __launch_bounds__(256) nf4_dequantize_fast(QuantArgs a, int64_t groups, int log2_groups_per_block) {
+__global__ void __launch_bounds__(256) nf4_dequantize_fast(QuantArgs a, int64_t steps, int log2_block) {
   __shared__ float lut[16];
   if (threadIdx.x < 16) {
     const float levels[16] = TS_NF4_LEVELS;
     lut[threadIdx.x] = levels[threadIdx.x];
   }
   __syncthreads();
-  const uint2* packed = static_cast<const uint2*>(a.codes);
+  const uint32_t* packed = static_cast<const uint32_t*>(a.codes);
   T* out = static_cast<T*>(a.values);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const uint2 p = packed[g];
-    const float s = a.absmax[g >> log2_groups_per_block];
-    float v[16];
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; w < steps; w += warps) {
+    uint32_t p[kSlices];
+    float s[kSlices];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t byte = ((k < 4 ? p.x : p.y) >> (8 * (k & 3))) & 0xffu;
-      v[2 * k] = mul_ftz(lut[byte >> 4], s);
-      v[2 * k + 1] = mul_ftz(lut[byte & 15u], s);
+    for (int k = 0; k < kSlices; ++k) {
+      const int64_t first = w * kWarpStep + k * 256 + lane * 8;  // first of this lane's 8 values
+      p[k] = packed[first >> 3];
+      s[k] = a.absmax[first >> log2_block];
     }
-    store16(out, g * 16, v);
+#pragma unroll
+    for (int k = 0; k < kSlices; ++k) {
+      float v[8];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const uint32_t byte = (p[k] >> (8 * b)) & 0xffu;
+        v[2 * b] = mul_ftz(lut[byte >> 4], s[k]);
+        v[2 * b + 1] = mul_ftz(lut[byte & 15u], s[k]);
+      }
+      store8(out, w * kWarpStep + k * 256 + lane * 8, v);
+    }
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) int8_dequantize_fast(QuantArgs a, int64_t groups, int log2_groups_per_block) {
-  const uint4* codes = static_cast<const uint4*>(a.codes);
+__global__ void __launch_bounds__(256) int8_dequantize_fast(QuantArgs a, int64_t steps, int log2_block) {
+  const uint2* codes = static_cast<const uint2*>(a.codes);
   T* out = static_cast<T*>(a.values);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    const uint4 c = codes[g];
-    const float s = __fdiv_rn(a.absmax[g >> log2_groups_per_block], 127.0f);
-    const uint32_t w[4] = {c.x, c.y, c.z, c.w};
-    float v[16];
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; w < steps; w += warps) {
+    uint2 c[kSlices];
+    float s[kSlices];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = __fmul_rn(float(int8_t((w[k >> 2] >> (8 * (k & 3))) & 0xffu)), s);
-    store16(out, g * 16, v);
+    for (int k = 0; k < kSlices; ++k) {
+      const int64_t first = w * kWarpStep + k * 256 + lane * 8;
+      c[k] = codes[first >> 3];
+      s[k] = __fdiv_rn(a.absmax[first >> log2_block], 127.0f);
+    }
+#pragma unroll
+    for (int k = 0; k < kSlices; ++k) {
+      float v[8];
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        const uint32_t word = b < 4 ? c[k].x : c[k].y;
+        v[b] = __fmul_rn(float(int8_t((word >> (8 * (b & 3))) & 0xffu)), s[k]);
+      }
+      store8(out, w * kWarpStep + k * 256 + lane * 8, v);
+    }
   }
 }
 

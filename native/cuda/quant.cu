@@ -30,49 +30,66 @@ unsigned grid_for(int64_t threads_wanted, int device) {
 
 }  // namespace
 
+template <typename T>
+static void quantize_typed(const QuantArgs& a, int device, cudaStream_t stream) {
+  const bool nf4 = a.format == QuantFormat::kNF4;
+  const int64_t bs = a.block_size;
+  const int64_t blocks = (a.numel + bs - 1) / bs;
+  const bool fast = bs >= 8 && bs <= 256 && (bs & (bs - 1)) == 0 &&
+                    reinterpret_cast<uintptr_t>(a.values) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(a.codes) % (nf4 ? 4 : 8) == 0;
+  int64_t first_block = 0;
+  if (fast) {
+    const int64_t steps = a.numel / quant_gpu::kQuantWarpStep;
+    int log2 = 0;
+    while ((int64_t(1) << log2) < bs) ++log2;
+    if (steps > 0) {
+      const unsigned grid = grid_for(steps * 32, device);
+      if (nf4) quant_gpu::quantize_fast<T, true><<<grid, 256, 0, stream>>>(a, steps, log2);
+      else quant_gpu::quantize_fast<T, false><<<grid, 256, 0, stream>>>(a, steps, log2);
+      TS_CUDA_CHECK(cudaGetLastError());
+    }
+    first_block = steps * quant_gpu::kQuantWarpStep / bs;  // a warp step holds whole blocks
+  }
+  if (first_block < blocks) {
+    const unsigned grid = grid_for((blocks - first_block) * 32, device);  // one warp per block
+    if (nf4) quant_gpu::nf4_quantize_kernel<T><<<grid, 256, 0, stream>>>(a, first_block, blocks);
+    else quant_gpu::int8_quantize_kernel<T><<<grid, 256, 0, stream>>>(a, first_block, blocks);
+    TS_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
 void quantize_cuda(const QuantArgs& a, int device, int64_t stream_int) {
   check(a);
   if (a.numel == 0) return;
   TS_CUDA_CHECK(cudaSetDevice(device));
   auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
-  const int64_t blocks = (a.numel + a.block_size - 1) / a.block_size;
-  const unsigned grid = grid_for(blocks * 32, device);  // one warp per block
-  const bool nf4 = a.format == QuantFormat::kNF4;
   switch (a.dtype) {
-    case DType::kBFloat16:
-      if (nf4) quant_gpu::nf4_quantize_kernel<BF16><<<grid, 256, 0, stream>>>(a, blocks);
-      else quant_gpu::int8_quantize_kernel<BF16><<<grid, 256, 0, stream>>>(a, blocks);
-      break;
-    case DType::kFloat16:
-      if (nf4) quant_gpu::nf4_quantize_kernel<Half><<<grid, 256, 0, stream>>>(a, blocks);
-      else quant_gpu::int8_quantize_kernel<Half><<<grid, 256, 0, stream>>>(a, blocks);
-      break;
-    default:
-      if (nf4) quant_gpu::nf4_quantize_kernel<float><<<grid, 256, 0, stream>>>(a, blocks);
-      else quant_gpu::int8_quantize_kernel<float><<<grid, 256, 0, stream>>>(a, blocks);
+    case DType::kBFloat16: return quantize_typed<BF16>(a, device, stream);
+    case DType::kFloat16: return quantize_typed<Half>(a, device, stream);
+    default: return quantize_typed<float>(a, device, stream);
   }
-  TS_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
 static void dequantize_typed(const QuantArgs& a, int device, cudaStream_t stream) {
   const bool nf4 = a.format == QuantFormat::kNF4;
   const int64_t bs = a.block_size;
-  const bool pow2 = bs >= 16 && (bs & (bs - 1)) == 0;
+  const bool pow2 = bs >= 8 && (bs & (bs - 1)) == 0;
   const bool aligned = reinterpret_cast<uintptr_t>(a.values) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(a.codes) % (nf4 ? 8 : 16) == 0;
+                       reinterpret_cast<uintptr_t>(a.codes) % (nf4 ? 4 : 8) == 0;
   int64_t first_general = 0;
   if (pow2 && aligned) {
-    const int64_t groups = a.numel / 16;
+    const int64_t steps = a.numel / quant_gpu::kWarpStep;
     int log2 = 0;
-    while ((int64_t(16) << log2) < bs) ++log2;
-    if (groups > 0) {
-      const unsigned grid = grid_for(groups, device);
-      if (nf4) quant_gpu::nf4_dequantize_fast<T><<<grid, 256, 0, stream>>>(a, groups, log2);
-      else quant_gpu::int8_dequantize_fast<T><<<grid, 256, 0, stream>>>(a, groups, log2);
+    while ((int64_t(1) << log2) < bs) ++log2;
+    if (steps > 0) {
+      const unsigned grid = grid_for(steps * 32, device);
+      if (nf4) quant_gpu::nf4_dequantize_fast<T><<<grid, 256, 0, stream>>>(a, steps, log2);
+      else quant_gpu::int8_dequantize_fast<T><<<grid, 256, 0, stream>>>(a, steps, log2);
       TS_CUDA_CHECK(cudaGetLastError());
     }
-    first_general = groups * 16;
+    first_general = steps * quant_gpu::kWarpStep;
   }
   if (first_general < a.numel) {
     const unsigned grid = grid_for(nf4 ? (a.numel - first_general + 1) / 2 : a.numel - first_general, device);
