@@ -71,3 +71,28 @@ def test_sq_norms_on_gpu(dtype):
     # Exactly representable sums catch any element counted twice or missed.
     ones = [torch.ones(n, device="cuda", dtype=dtype) for n in sizes]
     assert ops.grad_sq_norms(ones).tolist() == [float(n) for n in sizes]
+
+
+def test_dropping_a_handle_waits_for_the_work():
+    # The handle is the only owner of the source tensor here; dropping it must not free
+    # memory a worker still reads.
+    d = torch.zeros(1 << 22)
+    ops.accumulate_([d], [torch.ones(1 << 22)], threads=2)  # handle dropped at once
+    assert torch.equal(d, torch.ones(1 << 22))
+
+
+def _quantize_in_child(queue):
+    x = torch.randn(100_000)
+    queue.put(torch.equal(ops.quantize_int8(x)[0], reference.quantize_int8(x)[0]))
+
+
+def test_host_ops_work_in_a_forked_child():
+    import multiprocessing as mp
+    ops.quantize_int8(torch.randn(1000))  # the parent's pool exists and has run work
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_quantize_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, "the child hung or crashed"
+    assert queue.get(timeout=5) is True

@@ -397,3 +397,36 @@ def test_gpu_mode_state_dict_round_trip_with_torch():
     assert max_diff(ours, theirs) <= TOL
     opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     assert opt.state[ours.a.weight]["exp_avg"].is_pinned()
+
+
+def test_loading_a_state_dict_without_the_decay_flag_keeps_the_constructors_choice():
+    ours, theirs = twin_models()
+    data = batches(6)
+    torch_opt = torch.optim.Adam(theirs.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+    train(theirs, torch_opt, data[:3])
+    sd = copy.deepcopy(torch_opt.state_dict())
+    for g in sd["param_groups"]:
+        g.pop("decoupled_weight_decay", None)  # as older torch versions wrote it
+    ours.load_state_dict(theirs.state_dict())
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.05, decoupled_weight_decay=False)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is False
+    train(ours, opt, data[3:])
+    train(theirs, torch_opt, data[3:])
+    assert max_diff(ours, theirs) <= TOL
+
+
+@pytest.mark.gpu
+def test_gpu_mode_with_an_empty_parameter_and_a_side_stream():
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "empty": torch.nn.Linear(8, 0)}).cuda()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, mode="gpu")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x = torch.randn(4, 8, device="cuda")
+        (model["a"](x).sum() + model["empty"](x).sum()).backward()
+        opt.step()
+    sd = opt.state_dict()  # must wait for the side stream's kernel, not only the current stream
+    s.synchronize()
+    assert torch.equal(sd["state"][0]["exp_avg"], opt.state[model["a"].weight]["exp_avg"])
+    assert sd["state"][0]["exp_avg"].abs().sum() > 0

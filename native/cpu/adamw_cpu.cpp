@@ -59,7 +59,7 @@ std::shared_ptr<Job> adamw_queue(ThreadPool& pool, const AdamWConfig& cfg,
     TS_CHECK_ARG(t.step >= 1, "step must be >= 1");
     TS_CHECK_ARG(t.numel == 0 || (t.param && t.grad && t.exp_avg && t.exp_avg_sq),
                  "null pointer for a non-empty tensor");
-    TS_CHECK_ARG((cfg.copy_dtype == DType::kNone) == (t.param_copy == nullptr),
+    TS_CHECK_ARG(t.numel == 0 || (cfg.copy_dtype == DType::kNone) == (t.param_copy == nullptr),
                  "param_copy must be given exactly when a copy dtype is set");
     scalars.push_back(make_scalars(cfg, t));
     for (int64_t b = 0; b < t.numel; b += kAdamWChunk)

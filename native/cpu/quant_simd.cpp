@@ -76,11 +76,10 @@ void nf4_quantize(const QuantArgs& a, int64_t b0, int64_t b1) {
   for (int64_t p0 = b0 * bs; p0 < e1; p0 += kPiece) {
     const int64_t p1 = p0 + kPiece < e1 ? p0 + kPiece : e1;
     float r = 0.0f;
-    uint32_t* c = codes - p0;
     for (int64_t seg = p0, b = p0 / bs; seg < p1; ++b) {
       const int64_t seg_end = (b + 1) * bs < p1 ? (b + 1) * bs : p1;
       r = 1.0f / a.absmax[b];  // +inf for an all-zero block: 0 * inf = NaN -> code 0
-      for (int64_t i = seg; i < seg_end; ++i) c[i] = quant::nf4_code(load_q<T, kFlush>(x, i) * r);
+      for (int64_t i = seg; i < seg_end; ++i) codes[i - p0] = quant::nf4_code(load_q<T, kFlush>(x, i) * r);
       seg = seg_end;
     }
     int64_t len = p1 - p0;

@@ -33,7 +33,19 @@ int ThreadPool::available_cores() {
 ThreadPool::ThreadPool(int threads) {
   if (threads < 1) throw std::invalid_argument("threads must be >= 1");
   workers_.reserve(threads);
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  try {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (...) {
+    // Out of threads part-way: stop the ones that started, so the error reaches Python
+    // instead of std::terminate on joinable threads.
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    throw;
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -35,7 +35,8 @@ TS_HD static uint32_t float_to_bits(float f) {
 
 TS_HD static float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
-// fp32 -> bf16, round to nearest even; NaN becomes 0x7fc0 with its sign, as torch does.
+// fp32 -> bf16, round to nearest even; NaN becomes a quiet NaN (0x7fc0 with its sign;
+// NaN payloads are the one thing not kept bit-identical anywhere in this project).
 TS_HD static uint16_t bf16_rne(float f) {
   uint32_t u = float_to_bits(f);
   uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;

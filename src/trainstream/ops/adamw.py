@@ -6,6 +6,7 @@ a handle at once; the work runs on a persistent C++ thread pool without the GIL.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Sequence
 
@@ -20,6 +21,19 @@ COPY_DTYPES = (torch.bfloat16, torch.float16)
 
 _pools: dict[int, object] = {}
 _pools_lock = threading.Lock()
+
+
+def _forget_pools_in_child() -> None:
+    # A forked child has the pool objects but none of their threads (and maybe a held
+    # lock): start afresh. The old objects are leaked on purpose; destroying them would
+    # join threads that do not exist in this process.
+    global _pools, _pools_lock
+    _leaked.append(_pools)
+    _pools, _pools_lock = {}, threading.Lock()
+
+
+_leaked: list = []
+os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def get_pool(threads: int | None = None):
@@ -39,11 +53,20 @@ def get_pool(threads: int | None = None):
 
 
 class AdamWHandle:
-    """A queued host AdamW update. Holds the tensors alive until the work is done."""
+    """Queued host work (an AdamW update, an accumulation). Holds the tensors alive until
+    the work is done; dropping the handle waits for it, so memory is never freed under a
+    running job."""
 
     def __init__(self, job, tensors: list):
         self._job = job
         self._tensors = tensors
+
+    def __del__(self):
+        if getattr(self, "_tensors", None) is not None and not self._job.done():
+            try:
+                self._job.wait()
+            except Exception:
+                pass  # the error belongs to whoever waits; here only the memory matters
 
     def done(self) -> bool:
         return self._job.done()
@@ -66,13 +89,13 @@ def _check_same(kind: str, tensors: Sequence[torch.Tensor], allowed: tuple, n: i
     return dtype
 
 
-def _check_tensor(kind: str, i: int, t: torch.Tensor, numel: int) -> None:
+def _check_tensor(kind: str, i: int, t: torch.Tensor, numel: int, op: str = "adamw_step") -> None:
     if t.device.type != "cpu":
-        raise ValueError(f"adamw_step: {kind}[{i}] must be in host memory (cpu), got {t.device}")
+        raise ValueError(f"{op}: {kind}[{i}] must be in host memory (cpu), got {t.device}")
     if not t.is_contiguous():
-        raise ValueError(f"adamw_step: {kind}[{i}] must be contiguous")
+        raise ValueError(f"{op}: {kind}[{i}] must be contiguous")
     if t.numel() != numel:
-        raise ValueError(f"adamw_step: {kind}[{i}] has {t.numel()} elements, params[{i}] has {numel}")
+        raise ValueError(f"{op}: {kind}[{i}] has {t.numel()} elements, params[{i}] has {numel}")
 
 
 def adamw_step(
@@ -147,9 +170,10 @@ def adamw_step(
 
 
 def _check_pinned(kind: str, i: int, t: torch.Tensor, numel: int) -> None:
-    if t.device.type != "cpu" or not t.is_pinned():
+    # An empty tensor is never pinned (nothing to pin) and the kernel never touches it.
+    if t.device.type != "cpu" or not (t.is_pinned() or t.numel() == 0):
         raise ValueError(f"adamw_step_gpu: {kind}[{i}] must be in pinned host memory (tensor.pin_memory())")
-    _check_tensor(kind, i, t, numel)
+    _check_tensor(kind, i, t, numel, "adamw_step_gpu")
 
 
 def _check_cuda(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:

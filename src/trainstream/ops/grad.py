@@ -50,6 +50,8 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             raise ValueError(f"grad_sq_norms: tensors[{i}] must be contiguous and on {device}")
     if device.type != "cuda":
         return reference.grad_sq_norms(tensors)
+    from .._native import require_cuda
+    require_cuda("grad_sq_norms on the GPU")
     native = lib()
     chunk = native.SQ_NORM_CHUNK
     rows, first = [], 0

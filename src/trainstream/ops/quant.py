@@ -7,8 +7,10 @@ block, two codes per byte with the first element in the high nibble. int8 is sym
 On CUDA, NF4 codes equal bitsandbytes' CUDA kernel's, which normalizes with the GPU's
 approximate reciprocal of absmax; the CPU uses the exactly rounded reciprocal (as
 bitsandbytes' CPU backend does), so a code can differ between the two devices only for a
-value within one ulp of a decision threshold. Dequantizing the same codes gives the same
-bits on both.
+value within one ulp of a decision threshold, or in a float32 block whose absmax exceeds
+2^126, where the GPU's reciprocal flushes to zero and every finite value gets code 7 (as
+in bitsandbytes). Dequantizing the same codes gives the same values on both (NaN payloads
+aside).
 
 Non-finite input: a NaN quantizes to code 0 and does not affect its block's absmax (NF4:
 it dequantizes to -absmax; int8: to 0). An infinity makes its block's absmax infinite,
@@ -126,6 +128,8 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
     if absmax.dtype != torch.float32 or absmax.numel() != blocks or not absmax.is_contiguous():
         raise ValueError(f"dequantize_{name}: absmax must be a contiguous float32 tensor of {blocks} elements "
                          f"(one per block of {block_size}), got {absmax.dtype} with {absmax.numel()}")
+    if codes.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"dequantize_{name}: codes must be a CPU or CUDA tensor, got {codes.device}")
     if absmax.device != codes.device:
         raise ValueError(f"dequantize_{name}: codes on {codes.device} but absmax on {absmax.device}")
     if dtype not in VALUE_DTYPES:

@@ -106,6 +106,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._micro_step = 0
         self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}  # host fp32 sums (accumulation)
         self._grad_seen: set[torch.Tensor] = set()  # parameters with a gradient this window
+        self._inflight: list = []  # gpu mode: an event after the last step's kernels, per device
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         **_TORCH_GROUP_DEFAULTS, decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults)
@@ -124,30 +125,45 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         for group in state_dict["param_groups"]:
             _reject_unsupported({k: group[k] for k in UNSUPPORTED if k in group})
-        super().load_state_dict(state_dict)
-        # torch casts loaded moments to the parameter's dtype; keep ours.
+        self._synchronize()  # a kernel in flight may still write the moments being replaced
+        # torch would cast every moment to its parameter's device and dtype first (all of
+        # them in VRAM at once in gpu mode): load the rest through torch, the moments here.
+        moments = {pid: {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
+                   for pid, st in state_dict["state"].items()}
+        slim = dict(state_dict)
+        slim["state"] = {pid: {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
+                         for pid, st in state_dict["state"].items()}
+        super().load_state_dict(slim)
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            if pid not in moments:
+                continue
+            state = self.state[p]
+            for key, value in moments[pid].items():
+                state[key] = self._host_buffer(value.detach().to(device="cpu", dtype=self.moment_dtype))
+            state["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
         for group in self.param_groups:
-            group.setdefault("decoupled_weight_decay", True)
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
-                    continue
-                for key in ("exp_avg", "exp_avg_sq"):
-                    state[key] = self._host_buffer(state[key].to(device="cpu", dtype=self.moment_dtype))
-                state["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
+            group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])
         self._grad_sums.clear()
         self._grad_seen.clear()
         self._micro_step = 0
 
     def state_dict(self) -> dict:
-        self._synchronize()  # the GPU kernel may still be writing the moments
-        return super().state_dict()
+        self._synchronize()
+        sd = super().state_dict()
+        if self.mode == "gpu":
+            # The live pinned moments are written by the next step's kernel while the caller
+            # may still be saving them: hand out copies, as consistent as torch's checkpoints.
+            sd["state"] = {pid: {k: (v.clone() if k in ("exp_avg", "exp_avg_sq") else v) for k, v in st.items()}
+                           for pid, st in sd["state"].items()}
+        return sd
 
     def _synchronize(self) -> None:
-        if self.mode == "gpu":
-            devices = {p.device for g in self.param_groups for p in g["params"]}
-            for d in devices:
-                torch.cuda.current_stream(d).synchronize()
+        """Wait for the kernels of the last gpu-mode step, whatever stream they ran on."""
+        for event in self._inflight:
+            event.synchronize()
+        self._inflight = []
 
     def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
         """Moments live in host memory; pinned in gpu mode, where the kernel maps them."""
@@ -189,37 +205,48 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         handles = []
         index = 0
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            params, g_list, m_list, v_list, steps, seeds = [], [], [], [], [], []
-            for p in group["params"]:
-                index += 1
-                g = grads.get(p)
-                if g is None:
+        try:
+            for group in self.param_groups:
+                beta1, beta2 = group["betas"]
+                params, g_list, m_list, v_list, steps, seeds = [], [], [], [], [], []
+                for p in group["params"]:
+                    index += 1
+                    g = grads.get(p)
+                    if g is None:
+                        continue
+                    state = self._state_for(p)
+                    state["step"] += 1
+                    params.append(p.data)
+                    g_list.append(g)
+                    m_list.append(state["exp_avg"])
+                    v_list.append(state["exp_avg_sq"])
+                    steps.append(int(state["step"].item()))
+                    seeds.append(self._seed_for(index - 1))
+                if not params:
                     continue
-                state = self._state_for(p)
-                state["step"] += 1
-                params.append(p.data)
-                g_list.append(g)
-                m_list.append(state["exp_avg"])
-                v_list.append(state["exp_avg_sq"])
-                steps.append(int(state["step"].item()))
-                seeds.append(self._seed_for(index - 1))
-            if not params:
-                continue
-            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                         grad_scale=grad_scale, seeds=seeds)
-            if self.mode == "gpu":
-                ops.adamw_step_gpu(params, g_list, m_list, v_list, steps, grad_scale_tensor=clip, **hyper)
-            else:
-                handles.append(ops.adamw_step(params, g_list, m_list, v_list, steps, threads=self.threads, **hyper))
-        for handle in handles:
-            handle.wait()
+                hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                             grad_scale=grad_scale, seeds=seeds)
+                if self.mode == "gpu":
+                    ops.adamw_step_gpu(params, g_list, m_list, v_list, steps, grad_scale_tensor=clip, **hyper)
+                    self._record_inflight(params[0].device)
+                else:
+                    handles.append(ops.adamw_step(params, g_list, m_list, v_list, steps, threads=self.threads,
+                                                  **hyper))
+        finally:
+            # Never return (or raise) while host work still writes the weights.
+            for handle in handles:
+                handle.wait()
         for p in self._grad_seen:
             self._grad_sums[p].zero_()
         self._grad_seen.clear()
         return loss
+
+    def _record_inflight(self, device: torch.device) -> None:
+        self._inflight = [e for e in self._inflight if not e.query()]  # drop finished ones
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        self._inflight.append(event)
 
     def _gradients_for_update(self) -> dict | None:
         """The gradient each parameter's update reads, or None on a micro-step that only
