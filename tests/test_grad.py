@@ -82,6 +82,7 @@ def test_dropping_a_handle_waits_for_the_work():
 
 
 def _quantize_in_child(queue):
+    torch.set_num_threads(1)  # torch's own OpenMP pool is not fork-safe; DataLoader workers do this too
     x = torch.randn(100_000)
     queue.put(torch.equal(ops.quantize_int8(x)[0], reference.quantize_int8(x)[0]))
 
@@ -93,6 +94,10 @@ def test_host_ops_work_in_a_forked_child():
     queue = ctx.Queue()
     child = ctx.Process(target=_quantize_in_child, args=(queue,))
     child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 0, "the child hung or crashed"
-    assert queue.get(timeout=5) is True
+    try:
+        child.join(timeout=60)
+        assert child.exitcode == 0, "the child hung or crashed"
+        assert queue.get(timeout=5) is True
+    finally:
+        if child.is_alive():
+            child.kill()
