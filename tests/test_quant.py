@@ -32,7 +32,7 @@ def sample(n, dtype, seed=0, zero_block=None):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [2, 6, 64, 100, 256, 4096])
+@pytest.mark.parametrize("block_size", [2, 6, 64, 100, 128, 256, 4096, 8192])
 @pytest.mark.parametrize("n", [1, 7, 64, 1001, 70_003])
 def test_native_matches_reference(fmt, dtype, block_size, n):
     quantize, dequantize, ref_quantize, ref_dequantize = FORMATS[fmt]
