@@ -96,8 +96,10 @@ def median_seconds(fn, *, iters: int, warmup: int = 1, sync_cuda: bool = False) 
     return statistics.median(times)
 
 
-def cuda_median_seconds(fn, *, iters: int, warmup: int = 3) -> float:
-    """Median time of fn() on the current CUDA stream, measured with CUDA events."""
+def cuda_median_seconds(fn, *, iters: int, warmup: int = 3, reps: int = 10) -> float:
+    """Median time per call of fn() on the current CUDA stream, from CUDA events around
+    `reps` back-to-back calls: the Python cost of launching a short kernel then overlaps
+    with the previous call's GPU work instead of being counted as GPU time."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -105,10 +107,11 @@ def cuda_median_seconds(fn, *, iters: int, warmup: int = 3) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / reps)
     return statistics.median(times)
 
 
