@@ -13,7 +13,7 @@ from .common import env_line, environment, write_result
 # suite name -> (needs a GPU, runner(args) -> result dict)
 SUITES = {
     "optimizer": (False, lambda a: optimizer.run(params=a.params or (1 << 24 if a.quick else 1 << 28),
-                                                 threads=a.threads, iters=3 if a.quick else 5)),
+                                                 threads=a.threads, iters=3 if a.quick else 9)),
     "quant": (False, lambda a: quant.run(threads=a.threads, quick=a.quick)),
     "optimizer_gpu": (True, lambda a: optimizer_gpu.run(params=a.params or (1 << 24 if a.quick else 1 << 28),
                                                         iters=5 if a.quick else 10)),

@@ -7,6 +7,9 @@ gradient read 4 (bf16: 2), each moment read+write 8 (bf16: 4), optional bf16 cop
 from __future__ import annotations
 
 import gc
+import os
+import statistics
+import time
 
 import torch
 
@@ -93,27 +96,53 @@ def host_copy_GBps(n: int) -> float:
     return 2 * n * 4 / t / 1e9
 
 
+def _fit_params(params: int) -> int:
+    """Every implementation's state is alive at once (about 90 bytes per parameter in
+    all): halve the size until that fits in half of the available RAM."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return params
+    while params > (1 << 20) and params * 90 > available // 2:
+        params //= 2
+    return params
+
+
 def run(*, params: int, threads: int, iters: int) -> dict:
+    """Steps the implementations in turn, round after round, and takes each one's median:
+    on a shared host a slow spell then hits every implementation alike instead of
+    whichever happened to be measured during it."""
     torch.set_num_threads(threads)
-    rows = []
+    params = _fit_params(params)
     copy_bw = host_copy_GBps(params)
-    for name, kind, bytes_per_param, make in implementations(threads):
-        row = {"name": name, "kind": kind, "bytes_per_param": bytes_per_param, "params": params}
+    rows, steps = [], {}
+    impls = implementations(threads)
+    for name, kind, bytes_per_param, make in impls:
+        rows.append({"name": name, "kind": kind, "bytes_per_param": bytes_per_param, "params": params})
         if make is not None:
-            step, _, _ = make(params)
-            t = median_seconds(step, iters=iters)
-            row.update(s_per_step=t, Gparams_per_s=params / t / 1e9, GBps=params * bytes_per_param / t / 1e9)
-            row["max_abs_diff_vs_torch_20_steps"] = _max_diff_vs_torch(make)
-            del step
-            gc.collect()
-        rows.append(row)
-        print(f"  {name}: {row.get('Gparams_per_s', 0):.3f} G params/s", flush=True)
+            steps[name] = make(params)[0]
+            steps[name]()  # warm-up: first touch of the state, JIT builds
+    times = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    steps.clear()
+    gc.collect()
+    for row, (name, _, _, make) in zip(rows, impls):
+        if make is None:
+            continue
+        t = statistics.median(times[name])
+        row.update(s_per_step=t, Gparams_per_s=params / t / 1e9, GBps=params * row["bytes_per_param"] / t / 1e9)
+        row["max_abs_diff_vs_torch_20_steps"] = _max_diff_vs_torch(make)
+        print(f"  {name}: {row['Gparams_per_s']:.3f} G params/s", flush=True)
     _add_ratios(rows)
     columns = [("name", "implementation"), ("bytes_per_param", "B/param"), ("s_per_step", "s/step"),
                ("Gparams_per_s", "G params/s"), ("GBps", "GB/s"), ("vs_torch_fused", "x torch fused"),
                ("vs_deepspeed", "x DeepSpeed"), ("max_abs_diff_vs_torch_20_steps", "max diff vs torch (20 steps)")]
-    note = (f"{params / 1e6:.0f}M fp32 parameters, {threads} threads, median of {iters} steps; host copy "
-            f"bandwidth in the same run {copy_bw:.1f} GB/s (read + write).")
+    note = (f"{params / 1e6:.0f}M fp32 parameters, {threads} threads; the implementations stepped in turn, "
+            f"median of {iters} rounds; host copy bandwidth in the same run {copy_bw:.1f} GB/s (read + write).")
     skipped = [r for r in rows if r["kind"] not in ("ours", "peer")]
     for r in skipped:
         note += f" {r['name']}: {r['kind']}."
