@@ -26,6 +26,18 @@ SimdLevel simd_from_name(const std::string& name) {
   throw ArgumentError("SIMD level must be 'scalar', 'avx2' or 'avx512', got '" + name + "'");
 }
 
+AdamWConfig hyper_config(double lr, double beta1, double beta2, double eps, double weight_decay,
+                         double grad_scale) {
+  AdamWConfig cfg;
+  cfg.lr = lr;
+  cfg.beta1 = beta1;
+  cfg.beta2 = beta2;
+  cfg.eps = eps;
+  cfg.weight_decay = weight_decay;
+  cfg.grad_scale = grad_scale;
+  return cfg;
+}
+
 std::shared_ptr<Job> adamw_queue_py(ThreadPool& pool, const std::vector<int64_t>& params,
                                     const std::vector<int64_t>& grads,
                                     const std::vector<int64_t>& exp_avgs,
@@ -42,13 +54,7 @@ std::shared_ptr<Job> adamw_queue_py(ThreadPool& pool, const std::vector<int64_t>
                    copies.size() == n && numels.size() == n && steps.size() == n &&
                    seeds.size() == n,
                "adamw_queue: every per-tensor list must have the same length");
-  AdamWConfig cfg;
-  cfg.lr = lr;
-  cfg.beta1 = beta1;
-  cfg.beta2 = beta2;
-  cfg.eps = eps;
-  cfg.weight_decay = weight_decay;
-  cfg.grad_scale = grad_scale;
+  AdamWConfig cfg = hyper_config(lr, beta1, beta2, eps, weight_decay, grad_scale);
   cfg.decoupled = decoupled;
   cfg.grad_dtype = static_cast<DType>(grad_dtype);
   cfg.moment_dtype = static_cast<DType>(moment_dtype);
@@ -66,13 +72,7 @@ std::shared_ptr<Job> adamw_queue_py(ThreadPool& pool, const std::vector<int64_t>
 // values the host path computes.
 py::tuple adamw_scalars_py(double lr, double beta1, double beta2, double eps, double weight_decay,
                            double grad_scale, int64_t step, uint64_t seed) {
-  AdamWConfig cfg;
-  cfg.lr = lr;
-  cfg.beta1 = beta1;
-  cfg.beta2 = beta2;
-  cfg.eps = eps;
-  cfg.weight_decay = weight_decay;
-  cfg.grad_scale = grad_scale;
+  AdamWConfig cfg = hyper_config(lr, beta1, beta2, eps, weight_decay, grad_scale);
   AdamWTensor t{};
   t.step = step;
   t.seed = seed;

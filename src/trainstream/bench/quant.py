@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import _native, ops
+from ..ops import _dtypes
+from ..ops import quant as qops
 from .common import cuda_median_seconds, markdown_table, median_seconds
 
 SHAPES = [(3584, 18944), (5120, 13824), (8192, 28672)]
@@ -77,20 +79,20 @@ def _ratios(rows):
 
 
 def cpu_rows(threads: int, numel: int) -> list[dict]:
+    """Host quantize throughput on one thread and on all of them (the native call, to pick
+    the pool size; ops.quantize_* always use the all-cores pool)."""
+    native = _native.lib()
     x = torch.randn(numel, dtype=torch.bfloat16)
+    absmax = torch.empty(-(-numel // BLOCK))
     rows = []
-    for fmt, fn in (("NF4", ops.quantize_nf4), ("int8", ops.quantize_int8)):
+    for fmt, code, codes in (("NF4", qops.NF4, torch.empty(numel // 2, dtype=torch.uint8)),
+                             ("int8", qops.INT8, torch.empty(numel, dtype=torch.int8))):
         for t in sorted({1, threads}):
-            pool_threads = t
+            pool = ops.get_pool(t)
 
             def run():
-                # ops use the default pool; a one-thread pool needs the native call directly
-                from .. import _native
-                from ..ops import quant as q
-                codes = torch.empty(numel // 2 if fmt == "NF4" else numel, dtype=torch.uint8)
-                absmax = torch.empty(-(-numel // BLOCK))
-                _native.lib().quant_queue(ops.get_pool(pool_threads), False, q.NF4 if fmt == "NF4" else q.INT8,
-                                          numel, BLOCK, 1, x.data_ptr(), codes.data_ptr(), absmax.data_ptr()).wait()
+                native.quant_queue(pool, False, code, numel, BLOCK, _dtypes.code(torch.bfloat16), x.data_ptr(),
+                                   codes.data_ptr(), absmax.data_ptr()).wait()
             s = median_seconds(run, iters=5)
             rows.append({"op": f"CPU quantize {fmt}", "threads": t, "GBps_bf16_in": numel * 2 / s / 1e9,
                          "GBps_per_thread": numel * 2 / s / 1e9 / t})
@@ -116,6 +118,9 @@ def run(*, threads: int, quick: bool) -> dict:
     result["cpu_rows"] = rows
     parts.append(markdown_table([("op", "op"), ("threads", "threads"), ("GBps_bf16_in", "GB/s (bf16 in)"),
                                  ("GBps_per_thread", "GB/s per thread")], rows))
-    parts.append(f"Block size {BLOCK}; bytes = bf16 values + codes + fp32 absmax; CUDA events around 10 back-to-back calls, median of 30.")
+    note = f"Block size {BLOCK}; bytes = bf16 values + codes + fp32 absmax."
+    if torch.cuda.is_available():
+        note += " GPU times: CUDA events around 10 back-to-back calls, median of 30."
+    parts.append(note)
     result["markdown"] = "\n\n".join(parts)
     return result

@@ -89,6 +89,14 @@ def _check_same(kind: str, tensors: Sequence[torch.Tensor], allowed: tuple, n: i
     return dtype
 
 
+def _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n: int) -> tuple[torch.dtype, torch.dtype]:
+    grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
+    moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
+    if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != moment_dtype:
+        raise ValueError("adamw_step: exp_avgs and exp_avg_sqs must have the same dtype")
+    return grad_dtype, moment_dtype
+
+
 def _check_tensor(kind: str, i: int, t: torch.Tensor, numel: int, op: str = "adamw_step") -> None:
     if t.device.type != "cpu":
         raise ValueError(f"{op}: {kind}[{i}] must be in host memory (cpu), got {t.device}")
@@ -128,10 +136,7 @@ def adamw_step(
     """
     n = len(params)
     _check_same("params", params, (torch.float32,), n)
-    grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
-    moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
-    if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != moment_dtype:
-        raise ValueError("adamw_step: exp_avgs and exp_avg_sqs must have the same dtype")
+    grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n)
     copy_dtype = None
     if param_copies is not None:
         copy_dtype = _check_same("param_copies", param_copies, COPY_DTYPES, n)
@@ -224,10 +229,7 @@ def adamw_step_gpu(
         raise ValueError(f"adamw_step_gpu: params must be CUDA tensors, got {device}")
     param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
                               (torch.float32, torch.bfloat16, torch.float16), n)
-    grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
-    moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
-    if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != moment_dtype:
-        raise ValueError("adamw_step_gpu: exp_avgs and exp_avg_sqs must have the same dtype")
+    grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n)
     if masters is not None:
         _check_same("masters", masters, (torch.float32,), n)
     if len(steps) != n or (seeds is not None and len(seeds) != n):
