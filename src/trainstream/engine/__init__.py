@@ -1,0 +1,1 @@
+"""What trainstream.wrap() installs on a model (the offload engine; being built)."""

@@ -1,0 +1,65 @@
+"""Finding the repeated block stack."""
+import pytest
+import torch
+from torch import nn
+
+from trainstream.engine.blocks import find_blocks, named_stack
+
+
+class Block(nn.Module):
+    def __init__(self, d, experts=0):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attn = nn.Linear(d, 3 * d)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts)) if experts else None
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, d=16, layers=4, experts=0):
+        super().__init__()
+        self.embed = nn.Embedding(100, d)
+        self.layers = nn.ModuleList(Block(d, experts) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 100)
+
+
+def test_finds_a_transformers_layers():
+    model = TinyGPT()
+    stack = find_blocks(model)
+    assert stack.name == "layers"
+    assert stack.blocks == list(model.layers)
+    assert stack.params_in_blocks == sum(p.numel() for p in model.layers.parameters())
+    assert stack.params_total == sum(p.numel() for p in model.parameters())
+    assert "4 x Block" in stack.describe()
+
+
+def test_prefers_the_layers_over_more_numerous_experts_inside_them():
+    model = TinyGPT(layers=3, experts=8)
+    assert find_blocks(model).name == "layers"
+
+
+def test_a_sequential_mlp_is_a_stack():
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(6)])
+    stack = find_blocks(model)
+    assert stack.name == "" and len(stack.blocks) == 6  # the model itself
+
+
+def test_mixed_or_parameterless_lists_are_not_stacks():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert find_blocks(model).blocks == []
+    model = nn.ModuleDict({"drop": nn.Sequential(nn.Dropout(), nn.Dropout()), "lin": nn.Linear(2, 2)})
+    stack = find_blocks(model)
+    assert stack.blocks == [] and "no repeated block stack found" in stack.describe()
+
+
+def test_named_stack_checks_what_the_caller_gave():
+    model = TinyGPT()
+    stack = named_stack(model, list(model.layers)[:2])
+    assert stack.name == "layers" and len(stack.blocks) == 2
+    with pytest.raises(ValueError, match=r"blocks\[0\] is not a submodule"):
+        named_stack(model, [nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="same module twice"):
+        named_stack(model, [model.layers[0], model.layers[0]])
+    with pytest.raises(ValueError, match=r"blocks\[0\] \('layers.0'\) contains another listed block \('layers.0.attn'\)"):
+        named_stack(model, [model.layers[0], model.layers[0].attn])
