@@ -106,11 +106,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._micro_step = 0
         self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}  # host fp32 sums (accumulation)
         self._grad_seen: set[torch.Tensor] = set()  # parameters with a gradient this window
-        self._inflight: list = []  # gpu mode: an event after the last step's kernels, per device
+        self._inflight: list = []  # gpu mode: events after step kernels not yet known to be done
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         **_TORCH_GROUP_DEFAULTS, decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults)
-        self._pool = ops.get_pool(threads)
 
     # -- groups and state ------------------------------------------------------------------
 
