@@ -362,3 +362,16 @@ def test_gpu_adamw_argument_errors_need_no_gpu_to_explain():
     else:
         with pytest.raises(RuntimeError, match="the GPU AdamW needs a CUDA GPU"):
             ops.adamw_step_gpu([torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4)], [1], lr=1e-3)
+
+
+def test_scalars_the_gpu_path_packs_are_the_host_paths():
+    # adamw_scalars feeds the CUDA kernel; it must be make_scalars itself, which the bit-exact
+    # host tests above already pin to the reference arithmetic.
+    import math
+    lr, b1, b2, eps, wd, gs, step = 3e-3, 0.9, 0.999, 1e-8, 0.05, 0.75, 7
+    floats, key = C.adamw_scalars(lr, b1, b2, eps, wd, gs, step, 12345)
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()
+    expected = [f32(1 - lr * wd), f32(wd), f32(1 - b1), f32(b2), f32(1 - b2),
+                f32(math.sqrt(1 - b2**step)), f32(eps), f32(-(lr / (1 - b1**step))), f32(gs)]
+    assert floats == expected
+    assert key == reference.rng_key(12345, step)

@@ -89,11 +89,12 @@ def _check_same(kind: str, tensors: Sequence[torch.Tensor], allowed: tuple, n: i
     return dtype
 
 
-def _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n: int) -> tuple[torch.dtype, torch.dtype]:
+def _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n: int,
+                                  op: str = "adamw_step") -> tuple[torch.dtype, torch.dtype]:
     grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
     moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
     if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != moment_dtype:
-        raise ValueError("adamw_step: exp_avgs and exp_avg_sqs must have the same dtype")
+        raise ValueError(f"{op}: exp_avgs and exp_avg_sqs must have the same dtype")
     return grad_dtype, moment_dtype
 
 
@@ -229,7 +230,7 @@ def adamw_step_gpu(
         raise ValueError(f"adamw_step_gpu: params must be CUDA tensors, got {device}")
     param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
                               (torch.float32, torch.bfloat16, torch.float16), n)
-    grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n)
+    grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n, "adamw_step_gpu")
     if masters is not None:
         _check_same("masters", masters, (torch.float32,), n)
     if len(steps) != n or (seeds is not None and len(seeds) != n):
