@@ -1,11 +1,12 @@
 """TrainStream: train and fine-tune PyTorch models larger than GPU memory.
 
-Public API of this release: :class:`OffloadAdamW`, :class:`QuantizedWeight` and the
-low-level :mod:`trainstream.ops`.
+Public API of this release: :func:`wrap`, :func:`unwrap`, :func:`memory_report`,
+:class:`OffloadAdamW`, :class:`QuantizedWeight` and the low-level :mod:`trainstream.ops`.
 """
 from ._version import __version__
 from . import ops
 from .optim import OffloadAdamW
 from .quant import QuantizedWeight
+from .api import memory_report, unwrap, wrap
 
-__all__ = ["__version__", "OffloadAdamW", "QuantizedWeight", "ops"]
+__all__ = ["__version__", "wrap", "unwrap", "memory_report", "OffloadAdamW", "QuantizedWeight", "ops"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import optimizer, optimizer_gpu, quant, readme
+from . import engine, optimizer, optimizer_gpu, quant, readme
 from .common import env_line, environment, write_result
 
 # suite name -> (needs a GPU, runner(args) -> result dict)
@@ -17,6 +17,7 @@ SUITES = {
     "quant": (False, lambda a: quant.run(threads=a.threads, quick=a.quick)),
     "optimizer_gpu": (True, lambda a: optimizer_gpu.run(params=a.params or (1 << 24 if a.quick else 1 << 28),
                                                         iters=5 if a.quick else 10)),
+    "engine": (True, lambda a: engine.run(quick=a.quick)),
 }
 
 

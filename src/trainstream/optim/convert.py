@@ -10,18 +10,20 @@ ACCEPTED = "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW, None"
 
 
 def convert_optimizer(optimizer, params, *, lr: float = 1e-3, mode: str = "cpu", moment_dtype="float32",
-                      threads=None, max_grad_norm=None, accumulation_steps: int = 1) -> OffloadAdamW:
+                      threads=None, max_grad_norm=None, accumulation_steps: int = 1,
+                      optimizer_class=OffloadAdamW) -> OffloadAdamW:
     """An OffloadAdamW that continues exactly where `optimizer` left off.
 
     `optimizer` None builds one over `params` with `lr` (and torch AdamW's other defaults).
     torch.optim.Adam converts with its L2 weight decay (or decoupled decay when it was built
     with decoupled_weight_decay=True). The old optimizer should not be stepped afterwards;
-    create LR schedulers on the returned one.
+    create LR schedulers on the returned one. `optimizer_class` (OffloadAdamW or a subclass)
+    is what gets built.
     """
     common = dict(mode=mode, moment_dtype=moment_dtype, threads=threads, max_grad_norm=max_grad_norm,
                   accumulation_steps=accumulation_steps)
     if optimizer is None:
-        return OffloadAdamW(params, lr=lr, **common)
+        return optimizer_class(params, lr=lr, **common)
     if isinstance(optimizer, torch.optim.AdamW):
         decoupled = True
     elif isinstance(optimizer, torch.optim.Adam):
@@ -36,7 +38,7 @@ def convert_optimizer(optimizer, params, *, lr: float = 1e-3, mode: str = "cpu",
     groups = [{"params": list(g["params"]), "lr": g["lr"], "betas": g["betas"], "eps": g["eps"],
                "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
     defaults = optimizer.defaults
-    converted = OffloadAdamW(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
+    converted = optimizer_class(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
                              weight_decay=defaults["weight_decay"], decoupled_weight_decay=decoupled, **common)
     # Through the state dict: unsupported options (amsgrad, ...) are refused there, and the
     # moments move into host memory one tensor at a time.

@@ -119,14 +119,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for p in group["params"]:
-            _check_param(p, self.mode)
+            self._check_param(p)
+
+    def _check_param(self, p: torch.Tensor) -> None:
+        _check_param(p, self.mode)
 
     def load_state_dict(self, state_dict: dict) -> None:
         for group in state_dict["param_groups"]:
             _reject_unsupported({k: group[k] for k in UNSUPPORTED if k in group})
         self._synchronize()  # a kernel in flight may still write the moments being replaced
         # torch would cast every moment to its parameter's device and dtype first (all of
-        # them in VRAM at once in gpu mode): load the rest through torch, the moments here.
+        # them in VRAM at once in gpu mode): load the rest through torch, the moments here,
+        # as copies, so the caller's dict is never updated by later steps.
         moments = {pid: {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
                    for pid, st in state_dict["state"].items()}
         slim = dict(state_dict)
@@ -140,7 +144,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             for key, value in moments[pid].items():
-                state[key] = self._host_buffer(value.detach().to(device="cpu", dtype=self.moment_dtype))
+                state[key] = self._host_buffer(value.detach().to(device="cpu", dtype=self.moment_dtype, copy=True))
             state["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])

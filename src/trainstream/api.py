@@ -1,0 +1,148 @@
+"""wrap(), unwrap() and memory_report(): the public entry points of the offload engine."""
+from __future__ import annotations
+
+import torch
+
+from . import options as _options
+from .engine.blocks import find_blocks, named_stack
+from .engine.device import Backend
+from .engine.engine import Engine
+from .engine.layout import build_units
+from .engine.optimizer import StreamedAdamW
+from .engine.placement import check_fits, choose
+from .engine.report import build_report
+from .engine.state import StateHooks, unwrap as _unwrap
+from .optim.convert import convert_optimizer
+
+_ATTR = "_trainstream_engine"
+
+
+def _engine_of(model) -> Engine:
+    engine = getattr(model, _ATTR, None)
+    if engine is None:
+        raise ValueError("trainstream: this model is not wrapped (call trainstream.wrap(model, optimizer) first)")
+    return engine
+
+
+def _target_device(model, requested) -> torch.device:
+    if requested is not None:
+        if requested.type == "cuda":
+            from ._native import require_cuda
+            require_cuda("wrap(device='cuda')")
+            if requested.index is None:
+                requested = torch.device("cuda", torch.cuda.current_device())
+        return requested
+    on = {p.device for p in model.parameters()}
+    cuda = [d for d in on if d.type == "cuda"]
+    if len({d for d in cuda}) > 1:
+        raise ValueError(f"wrap(): the model's parameters are on several GPUs ({sorted(map(str, cuda))}); "
+                         "pass device= to choose one")
+    if cuda:
+        return cuda[0]
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _refuse_undelivered(opts) -> None:
+    """Options the specification accepts whose behaviour this release does not have yet:
+    a clear error instead of a silent fallback."""
+    if opts.optimizer_mode == "gpu":
+        raise NotImplementedError("wrap(): optimizer_mode='gpu' is not available in the engine yet; use 'cpu' "
+                                  "(or trainstream.OffloadAdamW(mode='gpu') on a model that fits in VRAM)")
+    if opts.quantize in ("int8", "nf4"):
+        raise NotImplementedError(f"wrap(): quantize={opts.quantize!r} is not available in the engine yet; "
+                                  "use quantize='none' (the kernels are in trainstream.ops)")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    if opts.distributed is True or (opts.distributed is None and distributed):
+        raise NotImplementedError("wrap(): data parallel is not available yet; run one process, or pass "
+                                  "distributed=False to train each rank on its own")
+
+
+def wrap(model: torch.nn.Module, optimizer=None, **options):
+    """Stream optimizer state, gradients, activations and (when asked) block weights of
+    `model` through host RAM. Returns ``(model, optimizer)``: the same model object, with
+    hooks installed, and an AdamW-compatible optimizer (see
+    :class:`trainstream.engine.optimizer.StreamedAdamW`).
+
+    Options and their defaults are those of the specification's table; a bad name or value
+    raises ValueError naming it and what is accepted. ``memory_report(model)`` explains
+    every decision; ``unwrap(model)`` gives the plain model back.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"wrap(): model must be a torch.nn.Module, got {type(model).__name__}")
+    opts = _options.parse(options)
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("wrap(): this model is already wrapped (unwrap() it first)")
+    _refuse_undelivered(opts)
+    device = _target_device(model, opts.device)
+    backend = Backend(device)
+    stack = named_stack(model, opts.blocks) if opts.blocks is not None else find_blocks(model)
+
+    moment_dtype = torch.float32 if opts.moment_dtype == "auto" else opts.moment_dtype
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = convert_optimizer(optimizer, params, lr=opts.lr, mode="cpu", moment_dtype=moment_dtype,
+                                  threads=opts.threads, optimizer_class=StreamedAdamW)
+    in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
+    in_model = set(model.parameters())
+    stray = [p for p in in_optimizer if p not in in_model]
+    if stray:
+        raise ValueError("wrap(): the optimizer holds parameters that are not in the model")
+
+    block_units, outside_units, unpageable = build_units(model, stack.blocks, in_optimizer)
+    on_device = sum(s.nbytes for u in block_units + outside_units for s in u.slots
+                    if s.param.device == device and device.type == "cuda")
+    placement = choose(opts, block_units, outside_units, unpageable, backend, on_device)
+    for u in block_units:
+        u.paged = u.block in placement.paged
+        u.act_paged = u.block in placement.act_paged
+    budget = check_fits(opts, block_units + outside_units, placement, backend, on_device,
+                        optimizer.moment_dtype.itemsize)
+
+    engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
+    engine.budget = budget
+    events = engine.events
+    events.add(f"device {device}; {stack.describe()}")
+    for note in placement.notes:
+        events.add(note)
+    events.add(f"weights: {len(placement.paged)} blocks paged {placement.paged}, "
+               f"{len(block_units) - len(placement.paged)} resident; activations paged for blocks {placement.act_paged}")
+    events.add(f"optimizer: host AdamW, moments {str(moment_dtype).replace('torch.', '')}"
+               + (" ('auto': float32 until the planner weighs RAM)" if opts.moment_dtype == "auto" else "")
+               + f", {len(in_optimizer)} trainable tensors")
+    if opts.offload == "auto":
+        events.add("offload='auto': staying in offload mode (the switch to fused GPU AdamW comes with the planner)")
+    if opts.optimizer_mode == "auto":
+        events.add("optimizer_mode='auto': host AdamW")
+    if opts.quantize == "auto":
+        events.add("quantize='auto': nothing quantized")
+    if opts.profile is not False:
+        events.add("profile: hardware is not measured yet; decisions use byte counts and free memory")
+    if not opts.guard_params:
+        events.add("guard_params=False: step() waits for every update to reach the device before returning")
+
+    engine.place_weights()
+    engine.install()
+    engine.state_hooks = StateHooks(engine)
+    engine.state_hooks.install()
+    optimizer._engine = engine
+    object.__setattr__(model, _ATTR, engine)
+    return model, optimizer
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Wait for every update, put every weight back on the device in the model's dtype,
+    remove every hook and return the plain model. The wrapped optimizer can still give its
+    state_dict() but no longer steps."""
+    engine = _engine_of(model)
+    _unwrap(engine)
+    object.__delattr__(model, _ATTR)
+    return model
+
+
+def memory_report(model: torch.nn.Module) -> dict:
+    """What the engine decided and measured: ``events`` (plain-text log), ``params``
+    (``paged_blocks``, ``resident_blocks``, ``quantize``), ``plan`` (with ``history``),
+    ``peaks``."""
+    return build_report(_engine_of(model))

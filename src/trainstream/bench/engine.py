@@ -1,0 +1,208 @@
+"""Suite `engine`: whole training steps, TrainStream against stock PyTorch and torchao's
+CPUOffloadOptimizer, on the anchors' 402M-parameter MLP and 1.9B GPT.
+
+Every case runs in its own process (``python -m trainstream.bench.engine CASE``): memory
+caps (``set_per_process_memory_fraction``), pinned memory and a peer's out-of-memory
+failure stay inside it. A case trains a few warm-up steps, then times K steps end to end,
+host work included (the optimizer's in-flight updates are waited for at the end), and
+reports the mean step time and the peak of ``torch.cuda.max_memory_allocated``.
+
+The paged target is set against two bounds measured in the same run: the compute time
+(forward + backward of the stock model, no optimizer) and the PCIe time of the weights'
+two crossings (forward and backward) at the measured pinned host-to-device bandwidth.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from .common import markdown_table
+
+GiB = 1 << 30
+MLP_BATCH = 2048
+GPT_BATCH, GPT_SEQ = 8, 512
+
+
+def _workload(model_name: str, build_on: str):
+    """(model, batch on cuda, loss function, autocast dtype or None). TrainStream's models
+    are built in host memory, as one larger than VRAM has to be; the others on the GPU."""
+    from .models import GPT, GPT_1_9B, mlp, mlp_loss
+    torch.manual_seed(0)
+    with torch.device(build_on):
+        model = mlp() if model_name == "mlp" else GPT(GPT_1_9B)
+    if model_name == "mlp":
+        x = torch.randn(MLP_BATCH, 4096, device="cuda")
+        return model, (x,), mlp_loss, None
+    idx = torch.randint(0, GPT_1_9B.vocab, (GPT_BATCH, GPT_SEQ), device="cuda")
+    return model, (idx, torch.roll(idx, -1, 1)), lambda m, b: m(*b), torch.bfloat16
+
+
+def _make(case: dict, model):
+    runner = case["runner"]
+    if runner == "stock":
+        model = model.cuda()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if runner.startswith("torchao"):
+        from torchao.optim import CPUOffloadOptimizer
+        model = model.cuda()
+        return model, CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True,
+                                          offload_gradients=runner == "torchao_grads")
+    if runner == "compute":
+        return model.cuda(), None
+    import trainstream
+    return trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), device="cuda", **case["wrap"])
+
+
+def run_case(case: dict) -> dict:
+    """One case, in this process."""
+    if case.get("cap_gib"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(case["cap_gib"] * GiB / total)
+    t0 = time.perf_counter()
+    try:
+        model, batch, loss_fn, autocast = _workload(case["model"], "cpu" if case["runner"] == "trainstream" else "cuda")
+        model, opt = _make(case, model)
+        setup_s = time.perf_counter() - t0
+
+        def step():
+            with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
+                loss = loss_fn(model, batch)
+            loss.backward()
+            if opt is None:
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+        def settle():
+            torch.cuda.synchronize()
+            if hasattr(opt, "_synchronize"):
+                opt._synchronize()  # TrainStream: host updates still in flight belong to the steps timed
+
+        for _ in range(case["warmup"]):
+            loss = step()
+        settle()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        for _ in range(case["steps"]):
+            loss = step()
+        settle()
+        elapsed = (time.perf_counter() - t) / case["steps"]
+        out = {"s_per_step": elapsed, "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "oom": False,
+               "loss": float(loss), "setup_s": setup_s}
+        if hasattr(model, "_trainstream_engine"):
+            import trainstream
+            report = trainstream.memory_report(model)
+            out["paged_blocks"] = len(report["params"]["paged_blocks"])
+            out["activation_paged_blocks"] = len(report["params"]["activation_paged_blocks"])
+        return out
+    except torch.OutOfMemoryError as e:
+        return {"oom": True, "error": str(e).split("\n")[0][:200]}
+
+
+def _run_in_subprocess(case: dict) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "trainstream.bench.engine", json.dumps(case)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"oom": False, "error": (proc.stderr or proc.stdout)[-600:]}
+    return json.loads(lines[-1])
+
+
+def _weight_bytes_per_crossing(model_name: str) -> int:
+    """Bytes of block weights one crossing moves: fp32 for the MLP; for the GPT under bf16
+    autocast the Linear weights travel as bf16 and the LayerNorms as fp32."""
+    from .models import GPT_1_9B
+    if model_name == "mlp":
+        return 24 * 4096 * 4096 * 4
+    d, layers = GPT_1_9B.dim, GPT_1_9B.layers
+    return layers * (12 * d * d * 2 + 4 * d * 4)
+
+
+def run(*, quick: bool = False) -> dict:
+    from .optimizer_gpu import pcie_GBps
+    bw = pcie_GBps(1 << 30)
+    gc.collect()
+    torch.cuda.empty_cache()
+    resident = dict(param_offload=False, activation_offload=False)
+    paged = dict(param_offload=True, activation_offload=False)
+    paged_acts = dict(param_offload=True, activation_offload=True)
+    mlp_steps = dict(warmup=3, steps=4 if quick else 10)
+    gpt_steps = dict(warmup=2, steps=2 if quick else 4)
+    cases = [
+        ("mlp", "compute", None, {}, mlp_steps, "forward + backward only (the compute bound)"),
+        ("mlp", "stock", None, {}, mlp_steps, "torch.optim.AdamW(fused=True) on the GPU"),
+        ("mlp", "torchao", None, {}, mlp_steps, "torchao CPUOffloadOptimizer"),
+        ("mlp", "torchao_grads", None, {}, mlp_steps, "torchao, offload_gradients=True"),
+        ("mlp", "trainstream", None, resident, mlp_steps, "TrainStream, weights resident"),
+        ("mlp", "trainstream", None, paged, mlp_steps, "TrainStream, every block paged"),
+        ("gpt", "compute", None, {}, gpt_steps, "forward + backward only (the compute bound)"),
+        ("gpt", "stock", None, {}, gpt_steps, "torch.optim.AdamW(fused=True) on the GPU"),
+        ("gpt", "torchao_grads", None, {}, gpt_steps, "torchao, offload_gradients=True"),
+        ("gpt", "trainstream", None, resident, gpt_steps, "TrainStream, weights resident"),
+        ("gpt", "trainstream", None, paged_acts, gpt_steps, "TrainStream, every block and its activations paged"),
+        ("gpt", "stock", 24, {}, gpt_steps, "stock under a 24 GiB cap"),
+        ("gpt", "trainstream", 24, resident, gpt_steps, "TrainStream under a 24 GiB cap, weights resident"),
+        ("gpt", "trainstream", 4, paged_acts, gpt_steps, "TrainStream under a 4 GiB cap, everything paged"),
+    ]
+    rows = []
+    for model_name, runner, cap, wrap_opts, steps, label in cases:
+        case = dict(model=model_name, runner=runner, cap_gib=cap, wrap=wrap_opts, **steps)
+        print(f"  {model_name} {label} ...", flush=True)
+        r = _run_in_subprocess(case)
+        rows.append(dict(model=model_name, run=label, runner=runner, cap_GiB=cap, wrap=wrap_opts, **r))
+        print(f"    {r}", flush=True)
+
+    def find(model_name, runner, cap=None, wrap=None):
+        for r in rows:
+            if r["model"] == model_name and r["runner"] == runner and r["cap_GiB"] == cap and \
+                    (wrap is None or r["wrap"] == wrap) and not r.get("oom") and "s_per_step" in r:
+                return r
+        return None
+
+    checks = []
+    for model_name in ("mlp", "gpt"):
+        stock, compute = find(model_name, "stock"), find(model_name, "compute")
+        ts_res, ts_paged = find(model_name, "trainstream", wrap=resident), \
+            find(model_name, "trainstream", wrap=paged if model_name == "mlp" else paged_acts)
+        pcie_s = 2 * _weight_bytes_per_crossing(model_name) / (bw["h2d"] * 1e9)
+        for r in rows:
+            if r["model"] == model_name and stock and "s_per_step" in r:
+                r["vs_stock"] = r["s_per_step"] / stock["s_per_step"]
+        if stock and ts_res:
+            checks.append(dict(model=model_name, check="weights resident: step time / stock", value=ts_res["vs_stock"],
+                               target="<= 1.15"))
+        ao = find(model_name, "torchao") or find(model_name, "torchao_grads")
+        if ao and ts_res:
+            checks.append(dict(model=model_name, check=f"weights resident: {ao['run']} time / ours",
+                               value=ao["s_per_step"] / ts_res["s_per_step"], target=">= 1.5"))
+        aog = find(model_name, "torchao_grads")
+        if aog and ts_res:
+            checks.append(dict(model=model_name, check="weights resident: peak GiB (torchao+grads peak)",
+                               value=ts_res["peak_GiB"], target=f"<= {aog['peak_GiB']:.2f}"))
+        if compute and ts_paged:
+            bound = max(compute["s_per_step"], pcie_s)
+            checks.append(dict(model=model_name, check=f"every block paged: step / max(compute {compute['s_per_step']:.3f} s, "
+                               f"PCIe {pcie_s:.3f} s)", value=ts_paged["s_per_step"] / bound, target="<= 1.25"))
+    table = markdown_table(
+        [("model", "model"), ("run", "run"), ("cap_GiB", "VRAM cap GiB"), ("s_per_step", "s/step"),
+         ("vs_stock", "x stock"), ("peak_GiB", "peak GiB"), ("setup_s", "setup s"), ("oom", "out of memory")],
+        rows)
+    check_table = markdown_table([("model", "model"), ("check", "check"), ("value", "measured"), ("target", "target")],
+                                 checks)
+    md = (f"Pinned host->device {bw['h2d']:.1f} GB/s, device->host {bw['d2h']:.1f} GB/s (same run).\n\n"
+          + table + "\n\n" + check_table)
+    return {"pcie_GBps": bw, "rows": rows, "checks": checks, "markdown": md}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_case(json.loads(sys.argv[1]))), flush=True)

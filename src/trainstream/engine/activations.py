@@ -1,0 +1,111 @@
+"""Activation paging: tensors a block saves for backward go to pinned host memory during
+forward and come back ahead of their use in backward.
+
+Paging works on whole storages, not on the saved tensors: q, k and v split from one qkv
+projection are three views of one storage; they are copied out once and come back as the
+same views (same strides, same offsets) of one restored storage. Backward then runs the
+very kernels it would have run on the original tensors, which is what makes paging
+bit-exact. A storage is recognised again only while it is alive and unmodified (a weak
+reference and the tensor version counter), so a recycled address is never confused with
+an earlier tensor.
+"""
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+class PagedStorage:
+    __slots__ = ("host", "d2h_event", "device_copy", "h2d_event", "ref", "version", "nbytes", "ahead")
+
+    def __init__(self, host, d2h_event, ref, version, nbytes):
+        self.host, self.d2h_event, self.ref, self.version, self.nbytes = host, d2h_event, ref, version, nbytes
+        self.device_copy = None
+        self.h2d_event = None
+        self.ahead = False
+
+
+class PagedTensor:
+    """What autograd holds instead of a saved tensor: where its bytes are and how to view them."""
+    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+
+    def __init__(self, storage, t: torch.Tensor):
+        self.storage = storage
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+def _bytes_of(storage, device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class ActivationPager:
+    def __init__(self, engine):
+        self.engine = engine
+        self.backend = engine.backend
+        self._recent: dict = {}   # storage pointer -> PagedStorage, this forward pass
+        self.paged_bytes = 0      # bytes copied out since wrap (for the report)
+
+    def pack(self, t: torch.Tensor, unit):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        rec = self._recent.get(ptr)
+        if rec is None or rec.ref.expired() or rec.version != t._version:
+            backend = self.backend
+            src = _bytes_of(storage, t.device)
+            host = backend.host_empty(src.shape, torch.uint8)
+            with backend.on(backend.copy_out):
+                backend.follow_compute(backend.copy_out)
+                host.copy_(src, non_blocking=True)
+                backend.keep_until(src, backend.copy_out)
+            rec = PagedStorage(host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version,
+                               storage.nbytes())
+            self._recent[ptr] = rec
+            unit.acts.append(rec)
+            self.paged_bytes += rec.nbytes
+        return PagedTensor(rec, t)
+
+    def fetch(self, rec: PagedStorage, *, ahead: bool = False) -> None:
+        if rec.device_copy is not None:
+            return
+        engine, backend = self.engine, self.backend
+        if ahead and engine.weights.ahead_bytes + rec.nbytes > engine.max_inflight_bytes \
+                and engine.weights.ahead_bytes:
+            return
+        backend.wait(rec.d2h_event, backend.copy_in)
+        with backend.on(backend.copy_in):
+            dev = torch.empty(rec.nbytes, dtype=torch.uint8, device=backend.device)
+            dev.copy_(rec.host, non_blocking=True)
+        rec.device_copy = dev
+        rec.h2d_event = backend.record(backend.copy_in)
+        if ahead:
+            rec.ahead = True
+            engine.weights.ahead_bytes += rec.nbytes
+
+    def prefetch(self, unit) -> None:
+        for rec in unit.acts:
+            self.fetch(rec, ahead=True)
+
+    def unpack(self, packed: PagedTensor) -> torch.Tensor:
+        rec = packed.storage
+        self.fetch(rec)
+        backend = self.backend
+        backend.wait(rec.h2d_event)
+        backend.keep_until(rec.device_copy, backend.compute_stream())
+        if rec.ahead:
+            rec.ahead = False
+            self.engine.weights.ahead_bytes -= rec.nbytes
+        return torch.empty(0, dtype=packed.dtype, device=backend.device).set_(
+            rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+    def drop(self, unit) -> None:
+        """The unit's backward is over: let go of its restored storages (autograd's own
+        references, if any, keep them alive as long as it needs them)."""
+        for rec in unit.acts:
+            if rec.ahead:
+                rec.ahead = False
+                self.engine.weights.ahead_bytes -= rec.nbytes
+            rec.device_copy = None
+        unit.acts = []
+
+    def new_pass(self) -> None:
+        self._recent.clear()

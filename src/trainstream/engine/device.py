@@ -1,0 +1,107 @@
+"""Streams, events and host buffers for the engine's compute device.
+
+On a GPU, weights come in on one copy stream (H2D) and gradients and activations go out on
+another (D2H), so both PCIe directions run at once and neither waits behind compute. On the
+CPU backend every stream operation is a no-op and a copy is finished when it returns: the
+engine's bookkeeping (hooks, hand-offs, paging decisions) then runs unchanged in CI, where
+there is no GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _DoneEvent:
+    """The CPU backend's event: the work it marks finished when it was recorded."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+DONE = _DoneEvent()
+
+
+class Backend:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.copy_in = torch.cuda.Stream(device)   # host -> device: weights, activations
+            self.copy_out = torch.cuda.Stream(device)  # device -> host: gradients, activations
+        else:
+            self.copy_in = self.copy_out = None
+
+    def compute_stream(self):
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def on(self, stream):
+        """Context: queue work on `stream` (a no-op on the CPU)."""
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def record(self, stream=None):
+        """An event marking the work queued so far on `stream` (default: compute)."""
+        if not self.is_cuda:
+            return DONE
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else self.compute_stream())
+        return event
+
+    def wait(self, event, stream=None) -> None:
+        """Make `stream` (default: compute) wait on the GPU for `event`; the host goes on."""
+        if self.is_cuda and event is not DONE:
+            (stream if stream is not None else self.compute_stream()).wait_event(event)
+
+    def follow_compute(self, stream) -> None:
+        """Order `stream` after everything compute has queued so far (a copy of a tensor
+        compute just produced)."""
+        if self.is_cuda:
+            stream.wait_stream(self.compute_stream())
+
+    def keep_until(self, tensor: torch.Tensor, stream) -> None:
+        """Keep `tensor`'s device memory out of reuse until `stream` has passed its current
+        work (the caching allocator would otherwise hand it out while a copy still reads it)."""
+        if self.is_cuda:
+            tensor.record_stream(stream)
+
+    def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for transfers: pinned on a GPU machine, so copies are asynchronous."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of `t` in transfer memory (its own storage, never an alias)."""
+        host = self.host_empty(t.shape, t.dtype)
+        host.copy_(t)
+        return host
+
+
+class HostArena:
+    """One transfer-memory allocation carved into tensors. Pinning costs about a second per
+    GiB and the caching host allocator rounds every request up to a power of two, so the
+    engine pins once, at wrap(), exactly what it needs."""
+
+    ALIGN = 64
+
+    def __init__(self, backend: Backend, nbytes: int):
+        self.buffer = backend.host_empty((max(nbytes, 1),), torch.uint8)
+        self.used = 0
+
+    @staticmethod
+    def size_of(numel: int, dtype: torch.dtype) -> int:
+        n = numel * dtype.itemsize
+        return -(-n // HostArena.ALIGN) * HostArena.ALIGN
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        n = self.size_of(numel, dtype)
+        if self.used + n > self.buffer.numel():
+            raise RuntimeError("trainstream: host arena exhausted (a sizing bug)")
+        region = self.buffer[self.used:self.used + numel * dtype.itemsize]
+        self.used += n
+        return region.view(dtype).view(shape)

@@ -1,0 +1,308 @@
+"""The engine wrap() installs: who holds which bytes, and the hooks that move them.
+
+One training step, as the hooks see it:
+- the model's forward pre-hook waits for the outside modules' updates; each block's
+  forward (wrapped) waits for exactly its own update or fetches its paged weights, and
+  saves large activations to host memory;
+- backward: each block's output gradient hook marks the block's backward start: the block
+  before it is prefetched (weights and activations) and the one after it is released; each
+  gradient goes to host memory as it is produced, and a unit's update is queued as soon as
+  all of its gradients have landed (grads.py);
+- optimizer.step() queues what is left and returns; new weights travel to the device as
+  each update finishes (params.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .activations import ActivationPager, PagedTensor
+from .device import Backend, HostArena
+from .grads import GradStreamer
+from .params import WeightPager
+from .report import EventLog
+
+GiB = 1 << 30
+
+
+class SavedWeight:
+    """What autograd holds instead of a saved paged weight: which param, which view."""
+    __slots__ = ("slot", "dtype", "size", "stride", "offset")
+
+    def __init__(self, slot, t: torch.Tensor):
+        self.slot = slot
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+def _tensors_in(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors_in(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors_in(o)
+
+
+class Engine:
+    def __init__(self, model, optimizer, opts, backend: Backend, stack, block_units, outside_units):
+        self.model = model
+        self.optimizer = optimizer
+        self.opts = opts
+        self.backend = backend
+        self.stack = stack
+        self.block_units = block_units
+        self.outside_units = outside_units
+        self.units = block_units + outside_units
+        self.events = EventLog(opts.verbose)
+        self.history: list = []
+        self.budget: dict = {}
+        self.steps = 0
+        self.last_grad_norm = None
+        self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
+        if opts.max_inflight_bytes is not None:
+            self.max_inflight_bytes = opts.max_inflight_bytes
+        elif backend.is_cuda:
+            total = torch.cuda.get_device_properties(backend.device).total_memory
+            self.max_inflight_bytes = min(GiB, total // 10)
+        else:
+            self.max_inflight_bytes = GiB
+        self.weights = WeightPager(self)
+        self.acts = ActivationPager(self)
+        self.grads = GradStreamer(self)
+        self.resident_storages: set = set()
+        self._entered: set = set()   # blocks whose backward has started this pass
+        self._handles: list = []
+        self._forwards: dict = {}    # block module -> its own forward attribute, if it had one
+
+    # -- installing ----------------------------------------------------------------------------
+
+    def _host_layout(self, s, paged: bool) -> list:
+        """(name, dtype) of every host buffer slot `s` needs, all carved from one arena."""
+        need = []
+        if s.trainable:
+            need += [("master", torch.float32), ("stage", s.dtype)]
+            if s.dtype != torch.float32:
+                need.append(("copy", s.dtype))
+        elif paged:
+            need.append(("copy", s.dtype))
+        if paged and s.is_linear and s.dtype == torch.float32:
+            need.append(("spare", torch.bfloat16))  # room for an autocast-dtype copy (2 bytes each)
+        return need
+
+    def place_weights(self) -> None:
+        """Host buffers for every slot; resident weights on the device, paged ones replaced
+        by placeholders. One parameter at a time, so a model built in host memory never
+        needs to fit on the device."""
+        backend = self.backend
+        layout = {s: self._host_layout(s, u.paged) for u in self.units for s in u.slots}
+        total = sum(HostArena.size_of(s.param.numel(), dt) for s, need in layout.items() for _, dt in need)
+        self.arena = HostArena(backend, total)
+        self.events.add(f"host transfer memory: {total / GiB:.2f} GiB {'pinned' if backend.is_cuda else ''} in one block")
+        for unit in self.units:
+            for s in unit.slots:
+                data = s.param.data
+                for kind, dtype in layout[s]:
+                    buf = self.arena.take(data.shape, dtype)
+                    if kind == "master":
+                        buf.copy_(data)
+                        s.host[torch.float32] = buf
+                    elif kind == "copy":
+                        buf.copy_(data)
+                        s.host[s.dtype] = buf
+                    elif kind == "stage":
+                        s.stage_region = buf
+                    else:
+                        s.spare = buf
+                if unit.paged:
+                    s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(
+                        data.shape)
+                    s.param.data = s.placeholder
+                else:
+                    if data.device != backend.device:
+                        s.param.data = data.to(backend.device)
+                    self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+        for module in self.model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and buf.device != backend.device:
+                    module._buffers[name] = buf.to(backend.device)
+
+    def install(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self.before_forward()))
+        for unit, block in zip(self.block_units, self.stack.blocks):
+            self._forwards[block] = block.__dict__.get("forward")
+            block.forward = self._block_forward(unit, block.forward)
+        self.grads.install()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for block, own in self._forwards.items():
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+        self._forwards = {}
+        self.grads.remove()
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def before_forward(self) -> None:
+        if self.grads.in_backward:
+            return  # a forward recomputed inside backward (checkpointing): nothing to move
+        self.grads.poll()
+        for unit in self.block_units:
+            if unit.paged and unit.fetched is not None:
+                self.weights.release(unit)  # left over from a forward without backward
+        self.acts.new_pass()
+        for unit in self.outside_units:
+            self.weights.guard(unit)
+
+    def _block_forward(self, unit, forward):
+        engine = self
+
+        @functools.wraps(forward)
+        def paged_forward(*args, **kwargs):
+            engine.enter_block(unit)
+            try:
+                if (unit.paged or unit.act_paged) and torch.is_grad_enabled():
+                    with torch.autograd.graph.saved_tensors_hooks(
+                            functools.partial(engine.pack, unit), engine.unpack):
+                        out = forward(*args, **kwargs)
+                else:
+                    out = forward(*args, **kwargs)
+            finally:
+                engine.exit_block(unit)
+            engine.watch_backward(unit, out)
+            return out
+        return paged_forward
+
+    def enter_block(self, unit) -> None:
+        if self.grads.in_backward:
+            self.weights.guard(unit)
+            return
+        self.acts.drop(unit)
+        self.weights.guard(unit)
+        nxt = unit.block + 1
+        if nxt < len(self.block_units) and self.block_units[nxt].paged:
+            self.weights.fetch(self.block_units[nxt], ahead=True)
+
+    def exit_block(self, unit) -> None:
+        if self.grads.in_backward or not unit.paged:
+            return
+        last = unit.block == len(self.block_units) - 1
+        if not (last and torch.is_grad_enabled()):  # the last block's backward comes first: keep it
+            self.weights.release(unit)
+
+    def pack(self, unit, t: torch.Tensor):
+        if t.device != self.backend.device or t.numel() == 0:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        slot = self.weights.fetched_storages.get(ptr)
+        if slot is not None:
+            return SavedWeight(slot, t)
+        if (not unit.act_paged or ptr in self.resident_storages
+                or t.untyped_storage().nbytes() < self.opts.min_offload_bytes):
+            return t
+        return self.acts.pack(t, unit)
+
+    def unpack(self, packed):
+        if isinstance(packed, SavedWeight):
+            return self.weights.device_view(packed.slot, packed.dtype, packed.size, packed.stride, packed.offset)
+        if isinstance(packed, PagedTensor):
+            return self.acts.unpack(packed)
+        return packed
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def watch_backward(self, unit, out) -> None:
+        if not torch.is_grad_enabled() or self.grads.in_backward:
+            return
+        if not any(u.paged or u.act_paged for u in self.block_units):
+            return
+        for t in _tensors_in(out):
+            if t.requires_grad:
+                t.register_hook(lambda grad, unit=unit: self.block_backward_starts(unit))
+
+    def block_backward_starts(self, unit) -> None:
+        """Backward has reached `unit`'s output: the block after it is done, this one is
+        next, and the one before it can start coming in."""
+        i = unit.block
+        if i in self._entered:
+            return
+        self._entered.add(i)
+        blocks = self.block_units
+        if i + 1 < len(blocks):
+            done = blocks[i + 1]
+            if done.paged:
+                self.weights.release(done)
+            self.acts.drop(done)
+        if unit.paged and unit.fetch_dtypes:
+            self.weights.fetch(unit, dtypes=unit.fetch_dtypes)
+        for rec in unit.acts:
+            self.acts.fetch(rec)
+        if i > 0 and blocks[i - 1].paged and blocks[i - 1].fetch_dtypes:
+            self.weights.fetch(blocks[i - 1], ahead=True, dtypes=blocks[i - 1].fetch_dtypes)
+        for j in range(i - 1, max(i - 1 - self.opts.prefetch_depth, -1), -1):
+            self.acts.prefetch(blocks[j])
+
+    def after_backward(self) -> None:
+        for unit in self.block_units:
+            if unit.paged:
+                self.weights.release(unit)
+            self.acts.drop(unit)
+        self._entered.clear()
+        self.acts.new_pass()
+
+    # -- the optimizer's side --------------------------------------------------------------------
+
+    def queue_update(self, unit, grad_scale: float = 1.0) -> None:
+        slots = [s for s in unit.trainable if s.has_grad]
+        if slots:
+            for handle, ss in self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale):
+                unit.updates.append(handle)
+                for s in ss:
+                    s.reader = handle
+            unit.stale = not unit.paged
+        unit.queued = True
+
+    def update_order(self) -> list:
+        # Forward order: the next forward needs the outside modules (embeddings) and block 0 first.
+        return self.outside_units + self.block_units
+
+    def step(self) -> None:
+        if self.grads.in_backward:
+            raise RuntimeError("trainstream: optimizer.step() called during backward")
+        self.grads.flush()
+        pending = [u for u in self.update_order() if not u.queued and any(s.has_grad for s in u.trainable)]
+        if pending:
+            scale = 1.0
+            if self.opts.max_grad_norm is not None:
+                slots = [s for u in self.units for s in u.trainable if s.has_grad]
+                total = self.grads.global_norm(slots)
+                clip = torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0)
+                scale = float(clip)
+                self.last_grad_norm = float(total)
+            for unit in pending:
+                self.queue_update(unit, scale)
+        self.grads.reset_window()
+        self.steps += 1
+        self.weights.land_updates()
+        if not self.opts.guard_params:
+            self.synchronize()
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the current window (torch's zero_grad); updates already
+        queued by a finished window are not undone."""
+        if self.grads.in_backward:
+            raise RuntimeError("trainstream: optimizer.zero_grad() called during backward")
+        self.grads.flush()
+        self.grads.reset_window()
+
+    def synchronize(self) -> None:
+        """Every queued update written on the host and, for resident units, on the device."""
+        for unit in self.units:
+            self.weights.synchronize(unit)

@@ -1,0 +1,177 @@
+"""Gradients to pinned host memory during backward, and each unit's hand-off to the optimizer.
+
+As autograd finishes a parameter's gradient (post-accumulate-grad hook), it is copied to a
+pinned host buffer on the D2H stream and the device copy is dropped, so the full set of
+gradients never exists in VRAM. When every trainable parameter of a unit has landed and
+the copies are done, the unit is handed on: on the last backward pass of an accumulation
+window its host AdamW update is queued at once, while backward goes on; on earlier passes
+the gradient is added to a host fp32 sum.
+
+Nothing here blocks the autograd thread on a copy: finished copies are noticed by polling
+their events at each hook, and whatever is still in flight when backward ends is waited
+for in the end-of-backward callback.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .. import ops
+
+
+def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The landing buffer for `g` inside the slot's reserved room (sized for the param's
+    dtype; a gradient is never wider than its param)."""
+    flat = region.view(-1).view(torch.uint8)
+    n = g.numel() * g.dtype.itemsize
+    if n > flat.numel():
+        raise RuntimeError(f"trainstream: a {g.dtype} gradient does not fit its parameter's landing buffer")
+    return flat[:n].view(g.dtype).view(g.shape)
+
+
+class GradStreamer:
+    def __init__(self, engine):
+        self.engine = engine
+        self.passes = 0           # backward passes in the current accumulation window
+        self.in_backward = False
+        self._ready = deque()     # units whose gradients have all been issued D2H, in order
+        self._partial = set()     # units with some gradients this pass (unused params exist)
+        self._hooks = []
+
+    def install(self) -> None:
+        for unit in self.engine.units:
+            for slot in unit.trainable:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    lambda p, slot=slot: self._on_grad(slot)))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- during backward -------------------------------------------------------------------
+
+    def _begin_pass(self) -> None:
+        n = self.engine.opts.accumulation_steps
+        if self.passes >= n:
+            raise RuntimeError(
+                f"trainstream: backward pass {self.passes + 1} since the last optimizer.step(), but "
+                f"accumulation_steps={n}: call optimizer.step() after every {n} backward pass(es) "
+                f"(or optimizer.zero_grad() to drop the gradients)")
+        self.passes += 1
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _on_grad(self, slot) -> None:
+        if not self.in_backward:
+            self._begin_pass()
+        p = slot.param
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse:
+            raise ValueError(f"trainstream: sparse gradients are not supported ({slot.name})")
+        engine, backend = self.engine, self.engine.backend
+        if engine.clip_on_device:
+            # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
+            # autocast) gives the same bits as the fp32 gradient of the unpaged run.
+            slot.norm = torch.linalg.vector_norm(g if g.dtype == torch.float32 else g.float())
+        if slot.reader is not None:
+            slot.reader.wait()  # the last host job reading this buffer (long finished, as a rule)
+            slot.reader = None
+        if slot.stage is None or slot.stage.dtype != g.dtype:
+            slot.stage = _view_as(slot.stage_region, g)
+        with backend.on(backend.copy_out):
+            backend.follow_compute(backend.copy_out)
+            slot.stage.copy_(g, non_blocking=True)
+            backend.keep_until(g, backend.copy_out)
+        unit = slot.unit
+        unit.grad_event = backend.record(backend.copy_out)
+        p.grad = None
+        slot.fresh = True
+        unit.landed += 1
+        if unit.landed == len(unit.trainable):
+            self._partial.discard(unit)
+            self._ready.append(unit)
+        else:
+            self._partial.add(unit)
+        self.poll()
+
+    def poll(self) -> None:
+        """Hand on every unit whose gradient copies have finished (D2H is in order, so the
+        queue's head finishes first); then let finished updates travel to the device."""
+        while self._ready and self._ready[0].grad_event.query():
+            self._hand_on(self._ready.popleft())
+        self.engine.weights.land_updates()
+
+    def _end_pass(self) -> None:
+        """End of a backward pass (autograd's final callback): wait for the copies still in
+        flight and hand on every unit that got gradients, complete or not."""
+        try:
+            for unit in [*self._ready, *self._partial]:
+                unit.grad_event.synchronize()
+                self._hand_on(unit)
+        finally:
+            self._ready.clear()
+            self._partial.clear()
+            self.in_backward = False
+            self.engine.after_backward()
+
+    def _hand_on(self, unit) -> None:
+        engine = self.engine
+        landed = [s for s in unit.trainable if s.fresh]
+        unit.landed = 0
+        if engine.opts.accumulation_steps > 1:
+            firsts = [s for s in landed if not s.has_grad]
+            for s in firsts:
+                if s.grad_sum is None:
+                    s.grad_sum = torch.empty(s.param.shape, dtype=torch.float32)
+                s.grad_sum.copy_(s.stage)  # bf16 -> fp32 is exact
+            rest = [s for s in landed if s.has_grad]
+            if rest:
+                by_dtype = {}
+                for s in rest:
+                    by_dtype.setdefault(s.stage.dtype, []).append(s)
+                for group in by_dtype.values():
+                    handle = ops.accumulate_([s.grad_sum for s in group], [s.stage for s in group],
+                                             threads=engine.opts.threads)
+                    for s in group:
+                        s.reader = handle
+        for s in landed:
+            s.fresh = False
+            s.has_grad = True
+        if self.passes == engine.opts.accumulation_steps and not engine.opts.max_grad_norm:
+            engine.queue_update(unit)
+
+    # -- window bookkeeping ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Hand on everything still waiting (called by step(); backward is over by then)."""
+        for unit in [*self._ready, *self._partial]:
+            unit.grad_event.synchronize()
+            self._hand_on(unit)
+        self._ready.clear()
+        self._partial.clear()
+
+    def grad_of(self, slot) -> torch.Tensor:
+        """The gradient the update reads: the landing buffer, or the window's sum."""
+        return slot.grad_sum if self.engine.opts.accumulation_steps > 1 else slot.stage
+
+    def reset_window(self) -> None:
+        self.passes = 0
+        for unit in self.engine.units:
+            unit.queued = False
+            for s in unit.trainable:
+                s.has_grad = False
+                s.norm = None
+
+    def global_norm(self, slots) -> torch.Tensor:
+        """The L2 norm clip_grad_norm_ would compute over this window's gradients: from the
+        per-gradient device norms (one pass), or from the host sums (accumulation)."""
+        if self.engine.opts.accumulation_steps > 1:
+            return torch.nn.utils.get_total_norm([s.grad_sum for s in slots], 2.0)
+        norms = [s.norm for s in slots if s.norm is not None]
+        if not norms:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0).cpu()

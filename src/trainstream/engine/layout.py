@@ -1,0 +1,123 @@
+"""What the engine keeps per parameter (a Slot) and per group of parameters moved and
+updated together (a Unit: one block of the stack, or one module outside it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class Slot:
+    param: torch.nn.Parameter
+    name: str
+    dtype: torch.dtype            # the dtype the model was built with
+    trainable: bool               # updated by the engine's optimizer
+    is_linear: bool               # weight or bias of an nn.Linear: may page in the autocast dtype
+    unit: "Unit" = None
+    # Host weights by dtype. Trainable: host[float32] is the master the optimizer updates,
+    # and at most one lower-precision copy, which the optimizer writes in the same pass.
+    # Frozen paged: the original weights, plus any compute-dtype copy made from them.
+    host: dict = field(default_factory=dict)
+    placeholder: torch.Tensor | None = None  # a paged param's data while it is not on the device
+    spare: torch.Tensor | None = None        # reserved host room for a compute-dtype copy (paged fp32 Linear)
+    # Gradient landing (trainable only).
+    stage_region: torch.Tensor | None = None  # reserved host room for the landing buffer
+    stage: torch.Tensor | None = None     # the landing buffer, a view of stage_region in the gradient's dtype
+    grad_sum: torch.Tensor | None = None  # fp32 sum over the micro-batches (accumulation_steps > 1)
+    norm: torch.Tensor | None = None      # device-side L2 norm of this pass's gradient (clipping)
+    reader = None                         # the last host job that reads stage / grad_sum
+    fresh: bool = False                   # landed in this pass, not yet handed on
+    has_grad: bool = False                # a gradient landed in this accumulation window
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.host[torch.float32]
+
+    def copy_dtype(self):
+        """The lower-precision host copy the optimizer keeps current, if any."""
+        return next((d for d in self.host if d != torch.float32), None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class Unit:
+    name: str
+    block: int | None             # index in the block stack; None outside it
+    slots: list
+    paged: bool = False           # weights live in host memory and are fetched for each use
+    act_paged: bool = False       # saved activations go to host memory during forward
+    # Host updates of this unit's weights still running (optimizer jobs).
+    updates: list = field(default_factory=list)
+    stale: bool = False           # resident: the host has newer weights than the device
+    h2d_event = None              # resident: the new weights' copy to the device
+    landed: int = 0               # gradients landed in the current backward pass
+    grad_event = None             # the last of those gradients' copies to the host
+    queued: bool = False          # this window's update was handed to the optimizer
+    # Paged weights currently on the device: slot -> device tensor, and how they came.
+    fetched: dict | None = None
+    fetch_event = None
+    fetch_dtypes: dict = field(default_factory=dict)  # slot -> dtype used by the last forward
+    attached: bool = False        # the params' .data point at the fetched tensors
+    ahead: bool = False           # fetched ahead of use (counts against max_inflight_bytes)
+    acts: list = field(default_factory=list)          # paged activations saved this pass
+
+    @property
+    def trainable(self) -> list:
+        return [s for s in self.slots if s.trainable]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+
+def _owner_names(model: torch.nn.Module) -> dict:
+    """Each parameter -> (owning module, qualified name), first owner in module order."""
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            owners.setdefault(p, (module, f"{mod_name}.{p_name}" if mod_name else p_name))
+    return owners
+
+
+def build_units(model: torch.nn.Module, blocks: list, trainable: set) -> tuple[list, list, list]:
+    """Units for the blocks (in order) and for the modules outside them, plus notes for
+    the events log. A block that shares a parameter with anything outside it (tied weights)
+    is marked unpageable in its note and in the returned list of indices."""
+    owners = _owner_names(model)
+    block_of = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            block_of.setdefault(p, i)
+    shared = set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            i = block_of.get(p)
+            if i is not None and not any(module is m for m in blocks[i].modules()):
+                shared.add(i)
+
+    def slot(p):
+        module, name = owners[p]
+        return Slot(p, name, p.dtype, p in trainable, isinstance(module, torch.nn.Linear))
+
+    block_units = []
+    for i, block in enumerate(blocks):
+        slots = [slot(p) for p in dict.fromkeys(block.parameters()) if block_of[p] == i]
+        block_units.append(Unit(f"block {i}", i, slots))
+    outside_units, by_owner = [], {}
+    for p, (module, _) in owners.items():
+        if p in block_of:
+            continue
+        unit = by_owner.get(id(module))
+        if unit is None:
+            name = next(n for n, m in model.named_modules() if m is module) or "<root>"
+            unit = by_owner[id(module)] = Unit(name, None, [])
+            outside_units.append(unit)
+        unit.slots.append(slot(p))
+    for unit in block_units + outside_units:
+        for s in unit.slots:
+            s.unit = unit
+    return block_units, outside_units, sorted(shared)

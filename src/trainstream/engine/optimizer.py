@@ -1,0 +1,91 @@
+"""The optimizer wrap() returns: torch AdamW's interface over the engine.
+
+Its param groups hold the model's own parameters (LR schedulers, ``param_groups`` and
+``state_dict`` behave as with ``torch.optim.AdamW``), its moments live in host RAM, and
+the update itself is queued by the engine unit by unit, reading the host gradients and
+writing the host fp32 masters (plus the lower-precision copy a unit pages or a bf16 model
+holds).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..optim.offload_adamw import OffloadAdamW
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class StreamedAdamW(OffloadAdamW):
+    """AdamW for a model wrapped by :func:`trainstream.wrap`.
+
+    ``step()`` completes the update of the gradients accumulated since the last step and
+    returns once it is queued: with ``accumulation_steps=N``, the N-th backward pass has
+    already queued each block's update as its gradients landed (so a backward pass that
+    ends an accumulation window applies the update even if ``step()`` never comes); with
+    ``max_grad_norm`` every update waits for ``step()``, which needs the global norm first.
+    Gradients are summed over the window's backward passes, as ``p.grad`` would be, and are
+    consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory).
+    Hyper-parameters (``lr``...) are read when an update is queued.
+    """
+
+    _engine = None
+
+    def _check_param(self, p: torch.Tensor) -> None:
+        if self._engine is not None:
+            raise ValueError("trainstream: add param groups before wrap(); the wrapped optimizer's groups are fixed")
+        if p.dtype not in PARAM_DTYPES:
+            raise ValueError(f"trainstream: trainable parameters must be float32, bfloat16 or float16, got {p.dtype}")
+
+    def _engine_or_raise(self):
+        if self._engine is None:
+            raise RuntimeError("trainstream: this optimizer's model was unwrapped; build a new optimizer "
+                               "(for example torch.optim.AdamW) and load this one's state_dict() into it")
+        return self._engine
+
+    def _synchronize(self) -> None:
+        if self._engine is not None:
+            self._engine.synchronize()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine_or_raise().step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._engine is not None:
+            self._engine.zero_grad()
+        super().zero_grad(set_to_none)
+
+    def queue(self, slots: list, grads: list, grad_scale: float) -> list:
+        """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
+        `grads` (host tensors). Returns (handle, slots) per native job."""
+        if not hasattr(self, "_where"):
+            flat = [(g, p) for g in self.param_groups for p in g["params"]]
+            self._where = {p: (g, i) for i, (g, p) in enumerate(flat)}
+        jobs = {}
+        for s, g in zip(slots, grads):
+            group, index = self._where[s.param]
+            state = self._state_for(s.param)
+            state["step"] += 1
+            copy = s.copy_dtype()
+            key = (id(group), g.dtype, copy)
+            jobs.setdefault(key, (group, []))[1].append((s, g, state, index, copy))
+        out = []
+        for group, items in jobs.values():
+            beta1, beta2 = group["betas"]
+            copies = [s.host[c] for s, _, _, _, c in items] if items[0][4] is not None else None
+            handle = ops.adamw_step(
+                [s.master for s, *_ in items], [g for _, g, *_ in items],
+                [st["exp_avg"] for _, _, st, *_ in items], [st["exp_avg_sq"] for _, _, st, *_ in items],
+                [int(st["step"].item()) for _, _, st, *_ in items],
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                grad_scale=grad_scale, seeds=[self._seed_for(i) for *_, i, _ in items],
+                param_copies=copies, threads=self.threads)
+            out.append((handle, [s for s, *_ in items]))
+        return out

@@ -1,0 +1,164 @@
+"""Weights on the device: the resident units' copies after each update, and weight paging.
+
+Resident unit: the device holds its weights for good. When the host AdamW has updated the
+master, the new weights go H2D on the copy-in stream and an event is recorded; the next
+forward waits on the GPU for exactly that event (guard_params), nothing else.
+
+Paged unit: between uses, each param's ``.data`` is a one-element placeholder expanded to
+the param's shape (shape, dtype and device stay what the model expects; any accidental
+read gives NaN, not stale numbers). Before the unit's forward, and again before its
+backward, its weights are fetched from host memory into fresh device tensors; after use
+they are released. Under autocast, the weights and biases of nn.Linear layers travel in
+the autocast dtype: the host AdamW writes that copy in the same pass as the fp32 master,
+autocast would have rounded the fp32 weight to exactly those values (round to nearest
+even both ways), so the block computes the same bits with half the PCIe bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _autocast_dtype(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+class WeightPager:
+    def __init__(self, engine):
+        self.engine = engine
+        self.backend = engine.backend
+        self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
+        self.ahead_bytes = 0              # fetched ahead of use, not yet attached
+
+    # -- resident units ----------------------------------------------------------------------
+
+    def land_updates(self) -> None:
+        """Send every finished update of a resident unit to the device (no waiting)."""
+        for unit in self.engine.units:
+            if unit.stale and all(h.done() for h in unit.updates):
+                self._push(unit)
+
+    def _push(self, unit) -> None:
+        for h in unit.updates:
+            h.wait()
+        unit.updates = []
+        backend = self.backend
+        with backend.on(backend.copy_in):
+            for s in unit.trainable:
+                src = s.host[s.dtype]  # the master, or the copy the optimizer wrote in the model's dtype
+                s.param.data.copy_(src, non_blocking=True)
+        unit.h2d_event = backend.record(backend.copy_in)
+        unit.stale = False
+
+    def guard(self, unit) -> None:
+        """Before compute reads `unit`'s weights: its in-flight update and copy, only."""
+        if unit.paged:
+            self.attach(unit)
+            return
+        if unit.stale:
+            self._push(unit)
+        if unit.h2d_event is not None:
+            self.backend.wait(unit.h2d_event)
+            unit.h2d_event = None
+
+    def synchronize(self, unit) -> None:
+        """Host side: `unit`'s updates written and, if resident, on the device."""
+        for h in unit.updates:
+            h.wait()
+        if not unit.paged:
+            if unit.stale:
+                self._push(unit)
+            if unit.h2d_event is not None:
+                unit.h2d_event.synchronize()
+                unit.h2d_event = None
+        unit.updates = []
+
+    # -- paged units ---------------------------------------------------------------------------
+
+    def _dtype_for(self, slot, autocast_dtype):
+        if (autocast_dtype in (torch.bfloat16, torch.float16) and slot.is_linear
+                and slot.dtype == torch.float32):
+            return autocast_dtype
+        return slot.dtype
+
+    def _host_source(self, slot, dtype) -> torch.Tensor:
+        src = slot.host.get(dtype)
+        if src is None:
+            # First use in this dtype: derive it from the fp32 weights (rounded to nearest
+            # even, as autocast would). A trainable param's copy is kept current by the
+            # optimizer from now on.
+            base = slot.host[torch.float32] if torch.float32 in slot.host else slot.host[slot.dtype]
+            if slot.trainable and slot.copy_dtype() not in (None, dtype):
+                raise RuntimeError(f"trainstream: {slot.name} is already paged as {slot.copy_dtype()}; "
+                                   f"mixing autocast dtypes for one model is not supported")
+            if slot.spare is not None and dtype.itemsize == slot.spare.dtype.itemsize:
+                src = slot.spare.view(dtype)
+                src.copy_(base)
+            else:
+                src = self.backend.to_host(base.to(dtype))
+            slot.host[dtype] = src
+        return src
+
+    def fetch(self, unit, *, ahead: bool = False, dtypes: dict | None = None) -> None:
+        """Start copying `unit`'s weights to the device on the copy-in stream. In forward
+        the dtypes follow the autocast state; in backward they repeat the forward's."""
+        if unit.fetched is not None:
+            return
+        if ahead and self.ahead_bytes + unit.nbytes > self.engine.max_inflight_bytes and self.ahead_bytes:
+            return  # over the in-flight cap: fetched on demand when its turn comes
+        for h in unit.updates:   # the host AdamW may still be writing these weights
+            h.wait()
+        unit.updates = []
+        if dtypes is None:
+            autocast = _autocast_dtype(self.backend.device.type)
+            dtypes = {s: self._dtype_for(s, autocast) for s in unit.slots}
+        backend = self.backend
+        fetched = {}
+        with backend.on(backend.copy_in):
+            for s in unit.slots:
+                src = self._host_source(s, dtypes[s])
+                dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)
+                dev.copy_(src, non_blocking=True)
+                fetched[s] = dev
+        unit.fetched, unit.fetch_dtypes = fetched, dtypes
+        unit.fetch_event = backend.record(backend.copy_in)
+        unit.ahead = ahead
+        if ahead:
+            self.ahead_bytes += unit.nbytes
+
+    def attach(self, unit, *, dtypes: dict | None = None) -> None:
+        """Point the unit's params at their fetched device tensors (fetching now if no
+        prefetch did) and make compute wait for the copy."""
+        if unit.attached:
+            return
+        self.fetch(unit, dtypes=dtypes)
+        backend = self.backend
+        backend.wait(unit.fetch_event)
+        for s, dev in unit.fetched.items():
+            backend.keep_until(dev, backend.compute_stream())
+            s.param.data = dev
+            self.fetched_storages[dev.untyped_storage().data_ptr()] = s
+        unit.attached = True
+        if unit.ahead:
+            self.ahead_bytes -= unit.nbytes
+            unit.ahead = False
+
+    def release(self, unit) -> None:
+        """Back to placeholders; the device memory returns to the allocator once compute
+        has passed the work already queued on it."""
+        if unit.fetched is None:
+            return
+        for s, dev in unit.fetched.items():
+            self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
+            s.param.data = s.placeholder
+        if unit.ahead:
+            self.ahead_bytes -= unit.nbytes
+        unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None
+
+    def device_view(self, slot, dtype, size, stride, offset) -> torch.Tensor:
+        """A saved weight for backward: the same view of the freshly fetched tensor."""
+        unit = slot.unit
+        self.attach(unit, dtypes=unit.fetch_dtypes)
+        dev = unit.fetched[slot]
+        return torch.empty(0, dtype=dtype, device=dev.device).set_(dev.untyped_storage(), offset, size, stride)

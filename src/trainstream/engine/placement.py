@@ -1,0 +1,137 @@
+"""Which blocks page their weights and activations, and whether the run fits at all.
+
+Explicit options are followed exactly. For "auto" this module applies a static rule from
+byte counts and the device's free memory; the measured planner (hardware profile,
+activation sizes, adaptation from peaks) replaces the rule in its own stage. Every choice
+is written to the events log with its numbers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass
+class Placement:
+    paged: list                 # block indices whose weights live in host memory
+    act_paged: list             # block indices whose saved activations are paged
+    notes: list = field(default_factory=list)
+
+
+def _first(fraction: float, n: int) -> list:
+    return list(range(round(fraction * n)))
+
+
+def _explicit(name: str, value, n: int) -> list:
+    if value is True:
+        return list(range(n))
+    if value is False:
+        return []
+    if isinstance(value, float):
+        return _first(value, n)
+    bad = [i for i in value if i >= n]
+    if bad:
+        raise ValueError(f"wrap(): option {name!r} lists block {bad[0]}, but the stack has {n} blocks "
+                         f"(accepted: indices 0..{n - 1})")
+    return list(value)
+
+
+def device_memory(backend, model_bytes_on_device: int) -> tuple[int, int]:
+    """(usable bytes, total bytes) of the compute device: free memory plus what this model
+    already holds there (it is about to be rearranged)."""
+    if not backend.is_cuda:
+        ram = host_ram_available()
+        return ram, ram
+    free, total = torch.cuda.mem_get_info(backend.device)
+    return free + model_bytes_on_device, total
+
+
+def host_ram_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose(opts, block_units, outside_units, unpageable: list, backend, model_bytes_on_device: int) -> Placement:
+    n = len(block_units)
+    notes = []
+    usable, _ = device_memory(backend, model_bytes_on_device)
+    usable = int(usable * (1.0 - opts.vram_headroom))
+    if opts.param_offload == "auto":
+        paged = []
+        if backend.is_cuda:
+            # Static rule until the planner measures activations: keep weights to half of
+            # the usable VRAM, leaving the rest to activations and transfers.
+            resident = sum(u.nbytes for u in block_units + outside_units)
+            for u in block_units:
+                if resident <= usable // 2:
+                    break
+                if u.block in unpageable:
+                    continue
+                paged.append(u.block)
+                resident -= u.nbytes
+            notes.append(f"param_offload='auto' (static rule): {len(paged)} of {n} blocks paged; resident weights "
+                         f"{resident / GiB:.2f} GiB against half of {usable / GiB:.2f} GiB usable VRAM")
+        else:
+            notes.append("param_offload='auto' on the CPU: every block stays resident")
+    else:
+        paged = _explicit("param_offload", opts.param_offload, n)
+    kept = [i for i in paged if i in unpageable]
+    if kept:
+        notes.append(f"blocks {kept} share a parameter with modules outside them (tied weights): kept resident")
+        paged = [i for i in paged if i not in unpageable]
+    if opts.activation_offload == "auto":
+        act = []
+        notes.append("activation_offload='auto': no block pages activations until the planner measures them")
+    else:
+        act = _explicit("activation_offload", opts.activation_offload, n)
+    return Placement(sorted(paged), sorted(act), notes)
+
+
+def check_fits(opts, units, placement: Placement, backend, model_bytes_on_device: int, moment_bytes: int) -> dict:
+    """Host and device bytes this placement needs; MemoryError with the numbers when they
+    exceed what the machine has (check_memory=True)."""
+    trainable = [s for u in units for s in u.trainable]
+    n_train = sum(s.param.numel() for s in trainable)
+    acc = 4 if opts.accumulation_steps > 1 else 0
+    host = {
+        "fp32 master weights": 4 * n_train,
+        "gradient buffers": sum(s.param.numel() * s.dtype.itemsize for s in trainable) + acc * n_train,
+        "moments": 2 * moment_bytes * n_train,
+        "paged frozen weights": sum(s.nbytes for u in units if u.paged for s in u.slots if not s.trainable),
+        "lower-precision copies": sum(s.param.numel() * 2 for s in trainable
+                                      if s.dtype != torch.float32 or (s.unit.paged and s.is_linear)),
+    }
+    resident = sum(u.nbytes for u in units if not u.paged)
+    largest_paged = max([u.nbytes for u in units if u.paged] or [0])
+    device = {"resident weights": resident, "paged blocks in flight (2 largest)": 2 * largest_paged}
+    need_host, need_dev = sum(host.values()), sum(device.values())
+    have_host = host_ram_available()
+    usable, _ = device_memory(backend, model_bytes_on_device)
+    usable = int(usable * (1.0 - opts.vram_headroom))
+    budget = {"host": host, "device": device, "host_available": have_host, "device_usable": usable}
+    if not opts.check_memory:
+        return budget
+    problems = []
+    if need_host > have_host:
+        problems.append(f"host RAM: needs {need_host / GiB:.2f} GiB (" +
+                        ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v) +
+                        f"), available {have_host / GiB:.2f} GiB")
+    if backend.is_cuda and need_dev > usable:
+        problems.append(f"VRAM: needs {need_dev / GiB:.2f} GiB before activations (" +
+                        ", ".join(f"{k} {v / GiB:.2f}" for k, v in device.items() if v) +
+                        f"), usable {usable / GiB:.2f} GiB after vram_headroom={opts.vram_headroom}")
+    if problems:
+        raise MemoryError("trainstream.wrap(): this run does not fit. " + "; ".join(problems) +
+                          ". What would help: moment_dtype='bfloat16' (halves the moments), paging more blocks "
+                          "(param_offload=True), a smaller batch, or more RAM. check_memory=False skips this check.")
+    return budget

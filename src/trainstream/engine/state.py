@@ -1,0 +1,102 @@
+"""model.state_dict() / load_state_dict() while wrapped, and unwrap().
+
+A paged parameter's ``.data`` is a placeholder most of the time, so around saving and
+loading each module points its paged params at their host weights (the fp32 master, or
+the host copy in the model's dtype): saving reads them (host tensors in the state dict),
+loading writes straight into them. Afterwards every derived copy (fp32 master of a bf16
+model, compute-dtype paging copies, the master of a resident param) is brought level.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _direct_slots(engine) -> dict:
+    by_module = {}
+    slot_of = {s.param: s for u in engine.units for s in u.slots}
+    for module in engine.model.modules():
+        slots = [slot_of[p] for p in module.parameters(recurse=False) if p in slot_of]
+        if slots:
+            by_module[module] = slots
+    return by_module
+
+
+def _host_weights(s) -> torch.Tensor:
+    return s.host[s.dtype]
+
+
+def _level(s) -> None:
+    """After a load: bring every host copy of `s` level with the one that was written
+    (a paged param's host weights in its dtype, or a resident param's device data)."""
+    if not s.unit.paged:
+        if s.trainable:
+            for t in s.host.values():
+                t.copy_(s.param.data)
+        return
+    written = s.host[s.dtype]
+    for t in s.host.values():
+        if t is not written:
+            t.copy_(written)  # the fp32 master from a bf16 model's weights, or a compute-dtype copy
+
+
+class StateHooks:
+    def __init__(self, engine):
+        self.engine = engine
+        self._handles = []
+        self._saved = {}
+
+    def install(self) -> None:
+        for module, slots in _direct_slots(self.engine).items():
+            paged = [s for s in slots if s.unit.paged]
+            if paged:
+                self._handles += [
+                    module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, ps=paged: self._expose(ps)),
+                    module.register_state_dict_post_hook(lambda m, sd, prefix, meta, ps=paged: self._restore(ps)),
+                ]
+            self._handles += [
+                module.register_load_state_dict_pre_hook(
+                    lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ps=paged:
+                    self._before_load(meta, ps)),
+                module.register_load_state_dict_post_hook(lambda m, keys, ss=slots: self._after_load(ss)),
+            ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _expose(self, slots) -> None:
+        self.engine.synchronize()
+        for s in slots:
+            self._saved[s] = s.param.data
+            s.param.data = _host_weights(s)
+
+    def _restore(self, slots) -> None:
+        for s in slots:
+            s.param.data = self._saved.pop(s, s.placeholder)
+
+    def _before_load(self, meta, slots) -> None:
+        if meta.get("assign_to_params_buffers", False):
+            raise ValueError("trainstream: load_state_dict(assign=True) would replace the wrapped parameters; "
+                             "load without assign, or unwrap() first")
+        self._expose(slots)
+
+    def _after_load(self, slots) -> None:
+        self._restore([s for s in slots if s.unit.paged])
+        for s in slots:
+            _level(s)
+        for unit in {s.unit for s in slots}:
+            unit.stale = False
+
+
+def unwrap(engine) -> None:
+    """Every weight back on the device in the model's dtype, every hook removed."""
+    engine.synchronize()
+    engine.remove()
+    engine.state_hooks.remove()
+    for unit in engine.units:
+        if unit.paged:
+            engine.weights.release(unit)
+            for s in unit.slots:
+                s.param.data = _host_weights(s).to(engine.backend.device)
+    engine.optimizer._engine = None

@@ -1,0 +1,100 @@
+"""Small models and a training loop shared by the engine tests (CPU path and GPU)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import trainstream
+from trainstream.bench.models import GPT, GPTConfig, mlp, mlp_loss
+
+
+def tiny_gpt(dim=64, layers=4, heads=4, vocab=97):
+    model = GPT(GPTConfig(dim=dim, layers=layers, heads=heads, vocab=vocab))
+    vocab_ = vocab
+
+    def batch(i, device):
+        g = torch.Generator().manual_seed(1000 + i)
+        idx = torch.randint(0, vocab_, (4, 16), generator=g)
+        return (idx.to(device), torch.roll(idx, -1, 1).to(device))
+    return model, batch, lambda m, b: m(*b)
+
+
+def tiny_mlp(layers=6, dim=256, rows=8):
+    model = mlp(layers, dim)
+
+    def batch(i, device):
+        return torch.randn(rows, dim, generator=torch.Generator().manual_seed(2000 + i)).to(device)
+    return model, batch, mlp_loss
+
+
+def _hf(kind: str):
+    transformers = __import__("pytest").importorskip("transformers")
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    model.config.use_cache = False
+
+    def batch(i, device):
+        g = torch.Generator().manual_seed(3000 + i)
+        return torch.randint(0, 101, (2, 12), generator=g).to(device)
+    return model, batch, lambda m, ids: m(input_ids=ids, labels=ids).loss
+
+
+MODELS = {"gpt": tiny_gpt, "mlp": tiny_mlp, "llama": lambda: _hf("llama"), "qwen2": lambda: _hf("qwen2")}
+
+
+def train(name: str, wrap_options: dict | None, *, steps: int = 10, device: str = "cpu", autocast=None,
+          accumulation: int = 1, clip: float | None = None, lr: float = 1e-2, dtype=None, freeze=None,
+          seed: int = 0, model_factory=None):
+    """Train `name` for `steps` steps, stock (wrap_options None) or wrapped; return the
+    losses, a host copy of the final state dict, and (model, optimizer)."""
+    torch.manual_seed(seed)
+    model, batch, loss_fn = (model_factory or MODELS[name])()
+    if dtype is not None:
+        model = model.to(dtype)
+    if freeze is not None:
+        for n, p in model.named_parameters():
+            if freeze(n):
+                p.requires_grad_(False)
+    if wrap_options is None:
+        model = model.to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
+                            foreach=False)
+    if wrap_options is not None:
+        opts = dict(device=device, accumulation_steps=accumulation, max_grad_norm=clip, **wrap_options)
+        model, opt = trainstream.wrap(model, opt, **opts)
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            ctx = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model, batch(step * accumulation + micro, device))
+            (loss / accumulation).backward()
+            losses.append(loss.item())
+        if wrap_options is None and clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return losses, state, (model, opt)
+
+
+PAGED = dict(param_offload=True, activation_offload=True, min_offload_bytes=0)
+RESIDENT = dict(param_offload=False, activation_offload=False)
+
+
+def assert_same_bits(a, b):
+    la, sa = a[0], a[1]
+    lb, sb = b[0], b[1]
+    assert la == lb, f"losses differ: {la} vs {lb}"
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"{k} differs (max {(sa[k].float() - sb[k].float()).abs().max()})"
+
+
+def max_diff(sa, sb) -> float:
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)

@@ -1,0 +1,257 @@
+"""The offload engine on the CPU path (device="cpu": the same hooks and bookkeeping as on a
+GPU, with streams as no-ops) and, for tests marked gpu, on CUDA."""
+import copy
+import gc
+
+import pytest
+import torch
+
+import trainstream
+from trainstream.engine import placement
+
+from engine_models import PAGED, RESIDENT, assert_same_bits, max_diff, tiny_gpt, tiny_mlp, train
+
+CPU_MODELS = ["gpt", "mlp", "llama", "qwen2"]
+
+
+# -- paging is bit-exact -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CPU_MODELS)
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_paging_is_bit_exact(name, autocast):
+    resident = train(name, RESIDENT, autocast=autocast)
+    paged = train(name, PAGED, autocast=autocast)
+    assert_same_bits(resident, paged)
+    report = trainstream.memory_report(paged[2][0])
+    assert report["params"]["paged_blocks"] and report["paged_activation_bytes"] > 0
+
+
+def test_autocast_pages_linear_weights_in_bf16():
+    _, _, (model, _) = train("gpt", PAGED, autocast=torch.bfloat16, steps=2)
+    engine = model._trainstream_engine
+    slots = {s.name: s for u in engine.block_units for s in u.slots}
+    assert torch.bfloat16 in slots["layers.0.qkv.weight"].host   # Linear: bf16 copy kept by the optimizer
+    assert torch.bfloat16 not in slots["layers.0.ln1.weight"].host  # LayerNorm runs in fp32 under autocast
+
+
+@pytest.mark.parametrize("opts", [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],
+                         ids=["accumulation", "clip", "accumulation+clip"])
+def test_paging_bit_exact_with_clipping_and_accumulation(opts):
+    assert_same_bits(train("gpt", RESIDENT, steps=4, **opts), train("gpt", PAGED, steps=4, **opts))
+
+
+def test_paging_bit_exact_bf16_model_and_frozen_params():
+    frozen = lambda n: n.endswith("fc.weight")  # noqa: E731  (a LoRA-like mix of frozen and trained)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = train("gpt", RESIDENT, steps=4, dtype=dtype, freeze=frozen)
+        b = train("gpt", PAGED, steps=4, dtype=dtype, freeze=frozen)
+        assert_same_bits(a, b)
+    assert a[0][-1] < a[0][0]
+
+
+def test_guard_params_false_gives_the_same_run():
+    assert_same_bits(train("gpt", dict(PAGED, guard_params=True), steps=3),
+                     train("gpt", dict(PAGED, guard_params=False), steps=3))
+
+
+# -- against torch ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opts", [{}, dict(clip=0.05), dict(accumulation=3), dict(accumulation=2, clip=0.05)],
+                         ids=["plain", "clip", "accumulation", "accumulation+clip"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_matches_torch_adamw(name, opts):
+    stock = train(name, None, **opts)
+    wrapped = train(name, PAGED, **opts)
+    assert max_diff(stock[1], wrapped[1]) < 2e-5
+    assert wrapped[0] == pytest.approx(stock[0], rel=1e-4, abs=1e-5)
+    if opts.get("clip"):
+        assert wrapped[2][0]._trainstream_engine.last_grad_norm > opts["clip"]  # clipping was active
+
+
+def test_converts_an_optimizer_with_state():
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    reference, _, _ = tiny_gpt()
+    reference.load_state_dict(model.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (model, reference)]
+    for m, o in zip((model, reference), opts):
+        for i in range(3):
+            loss_fn(m, batch(i, "cpu")).backward()
+            o.step()
+            o.zero_grad()
+    model, opt = trainstream.wrap(model, opts[0], device="cpu", **PAGED)
+    assert opt.state_dict()["state"][0]["step"] == 3
+    for i in range(3, 6):
+        for m, o in ((model, opt), (reference, opts[1])):
+            loss_fn(m, batch(i, "cpu")).backward()
+            o.step()
+            o.zero_grad()
+    ref = reference.state_dict()
+    assert max((model.state_dict()[k].cpu() - ref[k]).abs().max().item() for k in ref) < 2e-5
+
+
+# -- state dicts and unwrap --------------------------------------------------------------------------
+
+def test_state_dicts_round_trip():
+    losses, state, (model, opt) = train("gpt", PAGED, steps=3)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())  # torch's state_dict aliases the live moments
+    # A plain torch model and AdamW load what the wrapped ones saved...
+    plain, batch, loss_fn = tiny_gpt()
+    plain.load_state_dict(saved_model)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, foreach=False)
+    plain_opt.load_state_dict(saved_opt)
+    # ...and the wrapped ones load it back after drifting away from it.
+    for i in range(2):
+        loss_fn(model, batch(10 + i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(model.state_dict()["layers.0.qkv.weight"], saved_model["layers.0.qkv.weight"])
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.cpu(), saved_model[k]), k
+    for i in range(2):
+        for m, o in ((model, opt), (plain, plain_opt)):
+            loss_fn(m, batch(20 + i, "cpu")).backward()
+            o.step()
+            o.zero_grad()
+    assert max(((model.state_dict()[k].cpu() - v).abs().max().item() for k, v in plain.state_dict().items())) < 1e-5
+
+
+def test_unwrap_gives_a_plain_model():
+    _, state, (model, opt) = train("gpt", PAGED, steps=2)
+    blocks = list(model.layers)
+    trainstream.unwrap(model)
+    assert not hasattr(model, "_trainstream_engine")
+    assert not model._forward_pre_hooks and all("forward" not in b.__dict__ for b in blocks)
+    assert all(p._post_accumulate_grad_hooks in (None, {}) or not p._post_accumulate_grad_hooks
+               for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]) and v.stride() == v.contiguous().stride(), k
+    with pytest.raises(RuntimeError, match="unwrapped"):
+        opt.step()
+    _, batch, loss_fn = tiny_gpt()
+    loss_fn(model, batch(0, "cpu")).backward()  # trains as a plain model: gradients stay in .grad
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# -- behaviour and errors ----------------------------------------------------------------------------
+
+def test_model_without_a_block_stack():
+    def factory():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        return model, (lambda i, d: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(d)), \
+            (lambda m, x: m(x).square().mean())
+    stock = train("none", None, model_factory=factory)
+    wrapped = train("none", {}, model_factory=factory)
+    assert max_diff(stock[1], wrapped[1]) < 1e-5
+    report = trainstream.memory_report(wrapped[2][0])
+    assert "no repeated block stack" in report["events"]
+    assert report["params"]["paged_blocks"] == [] and report["params"]["resident_blocks"] == []
+
+
+def test_too_many_backward_passes_is_an_error():
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", accumulation_steps=2)
+    for i in range(2):
+        loss_fn(model, batch(i, "cpu")).backward()
+    with pytest.raises(RuntimeError, match="accumulation_steps=2"):
+        loss_fn(model, batch(2, "cpu")).backward()
+
+
+def test_zero_grad_drops_an_unfinished_window():
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", accumulation_steps=2, lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.zero_grad()
+    opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("option, value", [("quantize", "fp4"), ("param_offload", [0, 99]), ("prefetch_depth", 0),
+                                           ("device", "tpu"), ("optimiser_mode", "cpu")])
+def test_bad_options_name_themselves(option, value):
+    model, _, _ = tiny_mlp()
+    with pytest.raises(ValueError, match=option):
+        trainstream.wrap(model, None, device="cpu", **{option: value}) if option != "device" else \
+            trainstream.wrap(model, None, device=value)
+
+
+def test_undelivered_options_say_so():
+    model, _, _ = tiny_mlp()
+    with pytest.raises(NotImplementedError, match="quantize='nf4'"):
+        trainstream.wrap(model, None, device="cpu", quantize="nf4")
+
+
+def test_wrong_optimizer_and_double_wrap():
+    model, _, _ = tiny_mlp()
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        trainstream.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    model, _ = trainstream.wrap(model, None, device="cpu")
+    with pytest.raises(ValueError, match="already wrapped"):
+        trainstream.wrap(model, None, device="cpu")
+
+
+def test_memory_error_gives_the_numbers(monkeypatch):
+    monkeypatch.setattr(placement, "host_ram_available", lambda: 1 << 20)
+    model, _, _ = tiny_mlp()
+    with pytest.raises(MemoryError, match=r"host RAM: needs .* GiB .*moments.* available 0.00 GiB"):
+        trainstream.wrap(model, None, device="cpu")
+    assert not hasattr(model, "_trainstream_engine")
+    trainstream.wrap(model, None, device="cpu", check_memory=False)
+
+
+def test_memory_report_explains_the_plan():
+    _, _, (model, _) = train("gpt", dict(param_offload=[1, 3], activation_offload=0.5), steps=1)
+    report = trainstream.memory_report(model)
+    assert report["mode"] == "offload"
+    assert report["params"] == {"paged_blocks": [1, 3], "resident_blocks": [0, 2],
+                                "activation_paged_blocks": [0, 1], "quantize": "none"}
+    assert "block stack 'layers': 4 x Block" in report["events"]
+    assert report["plan"]["history"] == [] and report["peaks"]["steps"] == 1
+
+
+def test_paged_weights_are_placeholders_between_uses():
+    _, _, (model, _) = train("gpt", PAGED, steps=1)
+    w = model.layers[0].qkv.weight
+    assert w.shape == (192, 64) and w.untyped_storage().nbytes() == 4 and torch.isnan(w).all()
+    assert model.layers[0].qkv.weight.dtype == torch.float32
+
+
+# -- GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_gpu_paging_is_bit_exact(name, autocast):
+    resident = train(name, RESIDENT, device="cuda", autocast=autocast)
+    paged = train(name, PAGED, device="cuda", autocast=autocast)
+    assert_same_bits(resident, paged)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [RESIDENT, PAGED, dict(PAGED, max_inflight_bytes=1)], ids=["resident", "paged", "cap"])
+def test_gpu_synchronization_stress(opts):
+    """Tiny compute, large tensors: a missing wait on any stream shows up as a wrong number."""
+    factory = lambda: tiny_mlp(layers=6, dim=2048, rows=2)  # noqa: E731
+    stock = train("mlp", None, device="cuda", steps=8, lr=1e-3, model_factory=factory)
+    wrapped = train("mlp", opts, device="cuda", steps=8, lr=1e-3, model_factory=factory)
+    assert max_diff(stock[1], wrapped[1]) < 1e-5
+    assert wrapped[0] == pytest.approx(stock[0], rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_paging_lowers_the_peak():
+    factory = lambda: tiny_mlp(layers=8, dim=2048, rows=512)  # noqa: E731
+    peaks = {}
+    for label, opts in (("resident", RESIDENT), ("paged", dict(PAGED, min_offload_bytes=1 << 20))):
+        gc.collect()  # the previous run's model and engine hold each other
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        train("mlp", opts, device="cuda", steps=3, lr=1e-3, model_factory=factory)
+        peaks[label] = torch.cuda.max_memory_allocated()
+    weights = 8 * 2048 * 2048 * 4
+    # Resident: all weights plus gradient transients; paged: about two blocks plus transfers.
+    assert peaks["paged"] < peaks["resident"] - 0.5 * weights, peaks
