@@ -38,7 +38,7 @@ def _workload(model_name: str, build_on: str):
         model = mlp() if model_name == "mlp" else GPT(GPT_1_9B)
     if model_name == "mlp":
         x = torch.randn(MLP_BATCH, 4096, device="cuda")
-        return model, (x,), mlp_loss, None
+        return model, x, mlp_loss, None
     idx = torch.randint(0, GPT_1_9B.vocab, (GPT_BATCH, GPT_SEQ), device="cuda")
     return model, (idx, torch.roll(idx, -1, 1)), lambda m, b: m(*b), torch.bfloat16
 
