@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .device import debug_sync
+
 
 class PagedStorage:
     __slots__ = ("host", "d2h_event", "device_copy", "h2d_event", "ref", "version", "nbytes", "ahead")
@@ -60,6 +62,7 @@ class ActivationPager:
             rec = PagedStorage(host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version,
                                storage.nbytes())
             self._recent[ptr] = rec
+            debug_sync("pack")
             unit.acts.append(rec)
             self.paged_bytes += rec.nbytes
         return PagedTensor(rec, t)
@@ -77,6 +80,7 @@ class ActivationPager:
             dev.copy_(rec.host, non_blocking=True)
         rec.device_copy = dev
         rec.h2d_event = backend.record(backend.copy_in)
+        debug_sync("actfetch")
         if ahead:
             rec.ahead = True
             engine.weights.ahead_bytes += rec.nbytes
@@ -94,6 +98,7 @@ class ActivationPager:
         if rec.ahead:
             rec.ahead = False
             self.engine.weights.ahead_bytes -= rec.nbytes
+        debug_sync("unpack")
         return torch.empty(0, dtype=packed.dtype, device=backend.device).set_(
             rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride)
 

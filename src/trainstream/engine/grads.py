@@ -18,6 +18,7 @@ from collections import deque
 import torch
 
 from .. import ops
+from .device import debug_sync
 
 
 def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,7 @@ class GradStreamer:
             backend.keep_until(g, backend.copy_out)
         unit = slot.unit
         unit.grad_event = backend.record(backend.copy_out)
+        debug_sync("grad")
         p.grad = None
         slot.fresh = True
         unit.landed += 1
@@ -142,6 +144,7 @@ class GradStreamer:
             s.fresh = False
             s.has_grad = True
         if self.passes == engine.opts.accumulation_steps and not engine.opts.max_grad_norm:
+            debug_sync("handon")
             engine.queue_update(unit)
 
     # -- window bookkeeping ------------------------------------------------------------------

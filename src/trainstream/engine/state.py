@@ -48,12 +48,11 @@ class StateHooks:
     def install(self) -> None:
         for module, slots in _direct_slots(self.engine).items():
             paged = [s for s in slots if s.unit.paged]
-            if paged:
-                self._handles += [
-                    module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, ps=paged: self._expose(ps)),
-                    module.register_state_dict_post_hook(lambda m, sd, prefix, meta, ps=paged: self._restore(ps)),
-                ]
+            # Every module waits for in-flight updates before it is read: a resident param's
+            # device copy may still be on its way.
             self._handles += [
+                module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, ps=paged: self._expose(ps)),
+                module.register_state_dict_post_hook(lambda m, sd, prefix, meta, ps=paged: self._restore(ps)),
                 module.register_load_state_dict_pre_hook(
                     lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ps=paged:
                     self._before_load(meta, ps)),
