@@ -1,27 +1,32 @@
-# Temporary GPU diagnosis (not part of the suite): which sync point removes the mismatch.
-import os, subprocess, sys
-code = r'''
-import sys, torch
+# Temporary GPU diagnosis (not part of the suite): where the first NaN appears.
+import sys, torch, contextlib
 sys.path.insert(0, "tests")
-from engine_models import train, PAGED, tiny_mlp, max_diff
+import trainstream
 from trainstream.bench.models import GPT, GPTConfig
-factory = lambda: tiny_mlp(layers=6, dim=2048, rows=2)
-stock = train("mlp", None, device="cuda", steps=4, lr=1e-3, model_factory=factory)
-out = []
-for rep in range(2):
-    w = train("mlp", dict(PAGED, max_inflight_bytes=1), device="cuda", steps=4, lr=1e-3, model_factory=factory)
-    out.append(max_diff(stock[1], w[1]))
-def gfactory():
+for ac in (torch.bfloat16, None):
+    torch.manual_seed(0)
     m = GPT(GPTConfig(dim=2048, layers=3, heads=16, vocab=32000))
-    def batch(i, d):
-        g = torch.Generator().manual_seed(i); idx = torch.randint(0, 32000, (8, 512), generator=g)
-        return idx.to(d), torch.roll(idx, -1, 1).to(d)
-    return m, batch, lambda m, b: m(*b)
-l, sd, _ = train("x", dict(param_offload=True, activation_offload=False), device="cuda", steps=4, autocast=torch.bfloat16, lr=1e-4, model_factory=gfactory)
-print("RESULT", "mlpcap", ["%.2g" % d for d in out], "gpt", ["%.5f" % x for x in l], flush=True)
-'''
-for points in ["", "all", "fetch", "attach", "release", "push", "pack,packweight", "unpack,actfetch", "grad", "handon", "bwdstart"]:
-    env = dict(os.environ, TRAINSTREAM_DEBUG_SYNC=points)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    res = [l for l in r.stdout.splitlines() if l.startswith("RESULT")]
-    print(repr(points), res[0] if res else r.stderr[-500:], flush=True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    m, opt = trainstream.wrap(m, opt, device="cuda", param_offload=True, activation_offload=False)
+    eng = m._trainstream_engine
+    for step in range(5):
+        g = torch.Generator().manual_seed(step); idx = torch.randint(0, 32000, (8, 512), generator=g).cuda()
+        with torch.autocast("cuda", dtype=ac, enabled=ac is not None):
+            loss = m(idx, torch.roll(idx, -1, 1))
+        loss.backward()
+        bad = []
+        eng.synchronize()
+        for u in eng.units:
+            for s in u.trainable:
+                if s.stage is not None and not torch.isfinite(s.stage).all(): bad.append(("stage", s.name, s.stage.dtype))
+        opt.step()
+        eng.synchronize()
+        for u in eng.units:
+            for s in u.trainable:
+                for d, t in s.host.items():
+                    if not torch.isfinite(t).all(): bad.append(("host", s.name, d))
+                st = opt.state[s.param]
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in st and not torch.isfinite(st[k]).all(): bad.append((k, s.name))
+        opt.zero_grad()
+        print(ac, step, float(loss), bad[:6], len(bad), flush=True)
