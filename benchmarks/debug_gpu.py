@@ -1,32 +1,29 @@
-# Temporary GPU diagnosis (not part of the suite): where the first NaN appears.
-import sys, torch, contextlib
-sys.path.insert(0, "tests")
+# Temporary GPU diagnosis (not part of the suite): are saved weights finite when unpacked?
+import sys, torch
 import trainstream
+from trainstream.engine import params as P, engine as E
 from trainstream.bench.models import GPT, GPTConfig
-for ac in (torch.bfloat16, None):
+orig_view = P.WeightPager.device_view
+def view(self, slot, dtype, size, stride, offset):
+    v = orig_view(self, slot, dtype, size, stride, offset)
+    torch.cuda.synchronize()
+    dev = slot.unit.fetched[slot]
+    print("unpack", slot.name, dtype, tuple(size), stride, offset, "finite", bool(torch.isfinite(v).all()),
+          "dev finite", bool(torch.isfinite(dev).all()), "eq master", bool(torch.equal(dev.float().cpu(), slot.host[torch.float32])), flush=True)
+    return v
+P.WeightPager.device_view = view
+orig_pack = E.Engine.pack
+def pack(self, unit, t):
+    r = orig_pack(self, unit, t)
+    if isinstance(r, E.SavedWeight):
+        print("pack", r.slot.name, t.dtype, tuple(t.shape), t.stride(), flush=True)
+    return r
+E.Engine.pack = pack
+for vocab, dim in ((32000, 2048), (512, 2048)):
     torch.manual_seed(0)
-    m = GPT(GPTConfig(dim=2048, layers=3, heads=16, vocab=32000))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    m, opt = trainstream.wrap(m, opt, device="cuda", param_offload=True, activation_offload=False)
+    m = GPT(GPTConfig(dim=dim, layers=2, heads=16, vocab=vocab))
+    m, opt = trainstream.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-4), device="cuda", param_offload=True, activation_offload=False)
     eng = m._trainstream_engine
-    for step in range(5):
-        g = torch.Generator().manual_seed(step); idx = torch.randint(0, 32000, (8, 512), generator=g).cuda()
-        with torch.autocast("cuda", dtype=ac, enabled=ac is not None):
-            loss = m(idx, torch.roll(idx, -1, 1))
-        loss.backward()
-        bad = []
-        eng.synchronize()
-        for u in eng.units:
-            for s in u.trainable:
-                if s.stage is not None and not torch.isfinite(s.stage).all(): bad.append(("stage", s.name, s.stage.dtype))
-        opt.step()
-        eng.synchronize()
-        for u in eng.units:
-            for s in u.trainable:
-                for d, t in s.host.items():
-                    if not torch.isfinite(t).all(): bad.append(("host", s.name, d))
-                st = opt.state[s.param]
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if k in st and not torch.isfinite(st[k]).all(): bad.append((k, s.name))
-        opt.zero_grad()
-        print(ac, step, float(loss), bad[:6], len(bad), flush=True)
+    idx = torch.randint(0, vocab, (8, 512)).cuda()
+    loss = m(idx, torch.roll(idx, -1, 1)); loss.backward(); eng.synchronize(); torch.cuda.synchronize()
+    print("VOCAB", vocab, float(loss), [s.name for u in eng.units for s in u.trainable if not torch.isfinite(s.stage).all()], flush=True)
