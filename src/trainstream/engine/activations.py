@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .device import debug_sync
-
 
 class PagedStorage:
     __slots__ = ("host", "d2h_event", "device_copy", "h2d_event", "ref", "version", "nbytes", "ahead")
@@ -55,14 +53,13 @@ class ActivationPager:
             backend = self.backend
             src = _bytes_of(storage, t.device)
             host = backend.host_empty(src.shape, torch.uint8)
+            backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
             with backend.on(backend.copy_out):
-                backend.follow_compute(backend.copy_out)
                 host.copy_(src, non_blocking=True)
                 backend.keep_until(src, backend.copy_out)
             rec = PagedStorage(host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version,
                                storage.nbytes())
             self._recent[ptr] = rec
-            debug_sync("pack")
             unit.acts.append(rec)
             self.paged_bytes += rec.nbytes
         return PagedTensor(rec, t)
@@ -80,7 +77,6 @@ class ActivationPager:
             dev.copy_(rec.host, non_blocking=True)
         rec.device_copy = dev
         rec.h2d_event = backend.record(backend.copy_in)
-        debug_sync("actfetch")
         if ahead:
             rec.ahead = True
             engine.weights.ahead_bytes += rec.nbytes
@@ -98,7 +94,6 @@ class ActivationPager:
         if rec.ahead:
             rec.ahead = False
             self.engine.weights.ahead_bytes -= rec.nbytes
-        debug_sync("unpack")
         return torch.empty(0, dtype=packed.dtype, device=backend.device).set_(
             rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride)
 

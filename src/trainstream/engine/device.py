@@ -13,18 +13,6 @@ import contextlib
 import torch
 
 
-import os
-
-_DEBUG_SYNC = set(filter(None, os.environ.get("TRAINSTREAM_DEBUG_SYNC", "").split(",")))
-
-
-def debug_sync(point: str) -> None:
-    """TRAINSTREAM_DEBUG_SYNC=point,...: wait for the whole device at those points (a
-    diagnosis aid for stream ordering; "all" for every point)."""
-    if _DEBUG_SYNC and (point in _DEBUG_SYNC or "all" in _DEBUG_SYNC) and torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 class _DoneEvent:
     """The CPU backend's event: the work it marks finished when it was recorded."""
 
@@ -70,7 +58,7 @@ class Backend:
 
     def follow_compute(self, stream) -> None:
         """Order `stream` after everything compute has queued so far (a copy of a tensor
-        compute just produced)."""
+        compute just produced). Call it outside `on(stream)`: compute is the current stream."""
         if self.is_cuda:
             stream.wait_stream(self.compute_stream())
 

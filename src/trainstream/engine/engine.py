@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .activations import ActivationPager, PagedTensor
-from .device import Backend, HostArena, debug_sync
+from .device import Backend, HostArena
 from .grads import GradStreamer
 from .params import WeightPager
 from .report import EventLog
@@ -203,7 +203,6 @@ class Engine:
         ptr = t.untyped_storage().data_ptr()
         slot = self.weights.fetched_storages.get(ptr)
         if slot is not None:
-            debug_sync("packweight")
             return SavedWeight(slot, t)
         if (not unit.act_paged or ptr in self.resident_storages
                 or t.untyped_storage().nbytes() < self.opts.min_offload_bytes):
@@ -234,7 +233,6 @@ class Engine:
         i = unit.block
         if i in self._entered:
             return
-        debug_sync("bwdstart")
         self._entered.add(i)
         blocks = self.block_units
         if i + 1 < len(blocks):

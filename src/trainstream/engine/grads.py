@@ -18,7 +18,6 @@ from collections import deque
 import torch
 
 from .. import ops
-from .device import debug_sync
 
 
 def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -83,13 +82,12 @@ class GradStreamer:
             slot.reader = None
         if slot.stage is None or slot.stage.dtype != g.dtype:
             slot.stage = _view_as(slot.stage_region, g)
+        backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
         with backend.on(backend.copy_out):
-            backend.follow_compute(backend.copy_out)
             slot.stage.copy_(g, non_blocking=True)
             backend.keep_until(g, backend.copy_out)
         unit = slot.unit
         unit.grad_event = backend.record(backend.copy_out)
-        debug_sync("grad")
         p.grad = None
         slot.fresh = True
         unit.landed += 1
@@ -144,7 +142,6 @@ class GradStreamer:
             s.fresh = False
             s.has_grad = True
         if self.passes == engine.opts.accumulation_steps and not engine.opts.max_grad_norm:
-            debug_sync("handon")
             engine.queue_update(unit)
 
     # -- window bookkeeping ------------------------------------------------------------------

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from .device import debug_sync
-
 
 def _autocast_dtype(device_type: str):
     if torch.is_autocast_enabled(device_type):
@@ -51,7 +49,6 @@ class WeightPager:
                 src = s.host[s.dtype]  # the master, or the copy the optimizer wrote in the model's dtype
                 s.param.data.copy_(src, non_blocking=True)
         unit.h2d_event = backend.record(backend.copy_in)
-        debug_sync("push")
         unit.stale = False
 
     def guard(self, unit) -> None:
@@ -126,7 +123,6 @@ class WeightPager:
                 fetched[s] = dev
         unit.fetched, unit.fetch_dtypes = fetched, dtypes
         unit.fetch_event = backend.record(backend.copy_in)
-        debug_sync("fetch")
         unit.ahead = ahead
         if ahead:
             self.ahead_bytes += unit.nbytes
@@ -144,7 +140,6 @@ class WeightPager:
             s.param.data = dev
             self.fetched_storages[dev.untyped_storage().data_ptr()] = s
         unit.attached = True
-        debug_sync("attach")
         if unit.ahead:
             self.ahead_bytes -= unit.nbytes
             unit.ahead = False
@@ -160,7 +155,6 @@ class WeightPager:
         if unit.ahead:
             self.ahead_bytes -= unit.nbytes
         unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None
-        debug_sync("release")
 
     def device_view(self, slot, dtype, size, stride, offset) -> torch.Tensor:
         """A saved weight for backward: the same view of the freshly fetched tensor."""
