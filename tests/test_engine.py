@@ -246,7 +246,10 @@ def test_gpu_synchronization_stress(opts):
 def test_gpu_paging_lowers_the_peak():
     factory = lambda: tiny_mlp(layers=8, dim=2048, rows=512)  # noqa: E731
     peaks = {}
-    for label, opts in (("resident", RESIDENT), ("paged", dict(PAGED, min_offload_bytes=1 << 20))):
+    # The CPU outruns this tiny compute: without max_inflight_bytes holding it back, released
+    # blocks and gradients waiting for their copies would pile up in VRAM.
+    for label, opts in (("resident", RESIDENT), ("paged", dict(PAGED, min_offload_bytes=1 << 20,
+                                                                max_inflight_bytes=40 << 20))):
         gc.collect()  # the previous run's model and engine hold each other
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -255,3 +258,51 @@ def test_gpu_paging_lowers_the_peak():
     weights = 8 * 2048 * 2048 * 4
     # Resident: all weights plus gradient transients; paged: about two blocks plus transfers.
     assert peaks["paged"] < peaks["resident"] - 0.5 * weights, peaks
+
+
+# -- the pieces that order transfers --------------------------------------------------------------
+
+class _Event:
+    def __init__(self, log, name):
+        self.log, self.name, self.finished = log, name, False
+
+    def query(self):
+        return self.finished
+
+    def synchronize(self):
+        self.log.append(self.name)
+        self.finished = True
+
+
+def test_transfer_ledger_waits_oldest_first_until_it_fits():
+    from trainstream.engine.device import DONE, TransferLedger
+    log = []
+    ledger = TransferLedger()
+    events = [_Event(log, i) for i in range(4)]
+    for e in events:
+        ledger.add(e, 10)
+    ledger.add(DONE, 10**9)  # finished work holds nothing
+    events[0].finished = True
+    ledger.make_room(15, cap=40)  # 30 held after the finished one settles: wait for one more
+    assert log == [1] and ledger.bytes == 20
+    ledger.make_room(100, cap=40)  # more than the cap alone: wait for everything, then go ahead
+    assert log == [1, 2, 3] and ledger.bytes == 0
+
+
+def test_a_failed_weight_copy_surfaces_on_the_training_thread():
+    """Whether the lander thread or the training thread pushes the weights, a failure
+    reaches the training loop, never a silent stale weight."""
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", **RESIDENT)
+    pager = model._trainstream_engine.weights
+
+    def broken(unit):
+        raise OSError("copy failed")
+    pager.push = broken
+    with pytest.raises((RuntimeError, OSError)) as info:
+        loss_fn(model, batch(0, "cpu")).backward()
+        opt.step()
+        pager.lander.stop()  # the thread has handled every update it was given
+        model(batch(1, "cpu"))
+    error = info.value
+    assert "copy failed" in str(error) + str(error.__cause__)

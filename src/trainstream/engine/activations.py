@@ -50,8 +50,9 @@ class ActivationPager:
         ptr = storage.data_ptr()
         rec = self._recent.get(ptr)
         if rec is None or rec.ref.expired() or rec.version != t._version:
-            backend = self.backend
+            backend, engine = self.backend, self.engine
             src = _bytes_of(storage, t.device)
+            engine.inflight.make_room(src.numel(), engine.max_inflight_bytes)
             host = backend.host_empty(src.shape, torch.uint8)
             backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
             with backend.on(backend.copy_out):
@@ -59,6 +60,7 @@ class ActivationPager:
                 backend.keep_until(src, backend.copy_out)
             rec = PagedStorage(host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version,
                                storage.nbytes())
+            engine.inflight.add(rec.d2h_event, rec.nbytes)  # the device storage can go once copied
             self._recent[ptr] = rec
             unit.acts.append(rec)
             self.paged_bytes += rec.nbytes

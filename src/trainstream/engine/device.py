@@ -9,6 +9,7 @@ there is no GPU.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import torch
 
@@ -77,6 +78,34 @@ class Backend:
         host = self.host_empty(t.shape, t.dtype)
         host.copy_(t)
         return host
+
+
+class TransferLedger:
+    """Device memory held by transfers: blocks already released by the engine that the
+    caching allocator keeps until a copy or compute passes an event. The CPU runs ahead of
+    the GPU, so without a bound it would release (and fetch) far more than the GPU has
+    consumed; make_room() holds the host back until the total fits max_inflight_bytes."""
+
+    def __init__(self):
+        self._items = deque()   # (event, bytes), oldest first
+        self.bytes = 0
+
+    def add(self, event, nbytes: int) -> None:
+        if event is not DONE:
+            self._items.append((event, nbytes))
+            self.bytes += nbytes
+
+    def settle(self) -> None:
+        while self._items and self._items[0][0].query():
+            self.bytes -= self._items.popleft()[1]
+
+    def make_room(self, nbytes: int, cap: int, also_held: int = 0) -> None:
+        """Wait (host side, oldest first) until `nbytes` more fit under `cap`."""
+        self.settle()
+        while self._items and self.bytes + also_held + nbytes > cap:
+            event, n = self._items.popleft()
+            event.synchronize()
+            self.bytes -= n
 
 
 class HostArena:

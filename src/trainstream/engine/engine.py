@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .activations import ActivationPager, PagedTensor
-from .device import Backend, HostArena
+from .device import Backend, HostArena, TransferLedger
 from .grads import GradStreamer
 from .params import WeightPager
 from .report import EventLog
@@ -69,6 +69,7 @@ class Engine:
             self.max_inflight_bytes = min(GiB, total // 10)
         else:
             self.max_inflight_bytes = GiB
+        self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
         self.weights = WeightPager(self)
         self.acts = ActivationPager(self)
         self.grads = GradStreamer(self)
@@ -137,6 +138,7 @@ class Engine:
         self.grads.install()
 
     def remove(self) -> None:
+        self.weights.lander.stop()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -266,7 +268,8 @@ class Engine:
                 unit.updates.append(handle)
                 for s in ss:
                     s.reader = handle
-            unit.stale = not unit.paged
+            if not unit.paged:
+                self.weights.expect_update(unit)
         unit.queued = True
 
     def update_order(self) -> list:

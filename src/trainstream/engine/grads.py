@@ -82,12 +82,15 @@ class GradStreamer:
             slot.reader = None
         if slot.stage is None or slot.stage.dtype != g.dtype:
             slot.stage = _view_as(slot.stage_region, g)
+        nbytes = g.numel() * g.element_size()
+        engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
         backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
         with backend.on(backend.copy_out):
             slot.stage.copy_(g, non_blocking=True)
             backend.keep_until(g, backend.copy_out)
         unit = slot.unit
         unit.grad_event = backend.record(backend.copy_out)
+        engine.inflight.add(unit.grad_event, nbytes)  # the device gradient is freed once copied
         p.grad = None
         slot.fresh = True
         unit.landed += 1
@@ -170,6 +173,9 @@ class GradStreamer:
         """The L2 norm clip_grad_norm_ would compute over this window's gradients: from the
         per-gradient device norms (one pass), or from the host sums (accumulation)."""
         if self.engine.opts.accumulation_steps > 1:
+            for s in slots:  # the host sums may still be being added to on the pool
+                if s.reader is not None:
+                    s.reader.wait()
             return torch.nn.utils.get_total_norm([s.grad_sum for s in slots], 2.0)
         norms = [s.norm for s in slots if s.norm is not None]
         if not norms:

@@ -15,8 +15,11 @@ even both ways), so the block computes the same bits with half the PCIe bytes.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
+from .landing import Lander
 
 def _autocast_dtype(device_type: str):
     if torch.is_autocast_enabled(device_type):
@@ -30,16 +33,28 @@ class WeightPager:
         self.backend = engine.backend
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
         self.ahead_bytes = 0              # fetched ahead of use, not yet attached
+        # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
+        self.lock = threading.RLock()
+        self.lander = Lander(self)
 
     # -- resident units ----------------------------------------------------------------------
 
+    def expect_update(self, unit) -> None:
+        """A resident unit's update was queued: its weights go to the device when it is done."""
+        with self.lock:
+            unit.stale = True
+        self.lander.expect(unit)
+
     def land_updates(self) -> None:
         """Send every finished update of a resident unit to the device (no waiting)."""
-        for unit in self.engine.units:
-            if unit.stale and all(h.done() for h in unit.updates):
-                self._push(unit)
+        self.lander.raise_error()
+        with self.lock:
+            for unit in self.engine.units:
+                if unit.stale and all(h.done() for h in unit.updates):
+                    self.push(unit)
 
-    def _push(self, unit) -> None:
+    def push(self, unit) -> None:
+        """Copy a resident unit's updated host weights to the device (caller holds the lock)."""
         for h in unit.updates:
             h.wait()
         unit.updates = []
@@ -56,22 +71,26 @@ class WeightPager:
         if unit.paged:
             self.attach(unit)
             return
-        if unit.stale:
-            self._push(unit)
-        if unit.h2d_event is not None:
-            self.backend.wait(unit.h2d_event)
-            unit.h2d_event = None
+        self.lander.raise_error()
+        with self.lock:
+            if unit.stale:
+                self.push(unit)
+            if unit.h2d_event is not None:
+                self.backend.wait(unit.h2d_event)
+                unit.h2d_event = None
 
     def synchronize(self, unit) -> None:
         """Host side: `unit`'s updates written and, if resident, on the device."""
-        for h in unit.updates:
+        for h in list(unit.updates):
             h.wait()
         if not unit.paged:
-            if unit.stale:
-                self._push(unit)
-            if unit.h2d_event is not None:
-                unit.h2d_event.synchronize()
-                unit.h2d_event = None
+            self.lander.raise_error()
+            with self.lock:
+                if unit.stale:
+                    self.push(unit)
+                if unit.h2d_event is not None:
+                    unit.h2d_event.synchronize()
+                    unit.h2d_event = None
         unit.updates = []
 
     # -- paged units ---------------------------------------------------------------------------
@@ -105,8 +124,11 @@ class WeightPager:
         the dtypes follow the autocast state; in backward they repeat the forward's."""
         if unit.fetched is not None:
             return
-        if ahead and self.ahead_bytes + unit.nbytes > self.engine.max_inflight_bytes and self.ahead_bytes:
-            return  # over the in-flight cap: fetched on demand when its turn comes
+        cap = self.engine.max_inflight_bytes
+        if ahead:
+            if self.ahead_bytes + unit.nbytes > cap and self.ahead_bytes:
+                return  # over the in-flight cap: fetched on demand when its turn comes
+            self.engine.inflight.make_room(unit.nbytes, cap, self.ahead_bytes)
         for h in unit.updates:   # the host AdamW may still be writing these weights
             h.wait()
         unit.updates = []
@@ -152,6 +174,8 @@ class WeightPager:
         for s, dev in unit.fetched.items():
             self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
             s.param.data = s.placeholder
+        # The memory returns to the allocator once compute passes this point.
+        self.engine.inflight.add(self.backend.record(), sum(d.numel() * d.element_size() for d in unit.fetched.values()))
         if unit.ahead:
             self.ahead_bytes -= unit.nbytes
         unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None

@@ -84,8 +84,9 @@ class StateHooks:
         self._restore([s for s in slots if s.unit.paged])
         for s in slots:
             _level(s)
-        for unit in {s.unit for s in slots}:
-            unit.stale = False
+        with self.engine.weights.lock:
+            for unit in {s.unit for s in slots}:
+                unit.stale = False
 
 
 def unwrap(engine) -> None:

@@ -1,0 +1,67 @@
+"""The lander: sends a resident unit's new weights to the device the moment its host
+update finishes.
+
+The host AdamW takes longer than backward on every model worth offloading, so most updates
+finish after step() has returned. Without the lander, each block's copy to the device would
+only be issued when the next forward reaches the block, and the forward would wait for
+copies one block at a time; with it, those copies overlap the updates still running. One
+daemon thread per engine waits on the updates in the order they were queued (without the
+GIL) and issues each copy on the copy-in stream under the pager's lock; whatever it has
+not reached yet, the forward's guard pushes itself.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+
+
+class Lander:
+    POLL_S = 1.0  # how often an idle thread checks whether its engine is gone
+
+    def __init__(self, pager):
+        self._pager = weakref.ref(pager)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+        self.error: BaseException | None = None
+
+    def expect(self, unit) -> None:
+        """`unit`'s update was just queued: push its weights when the update is done."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="trainstream-lander", daemon=True)
+            self._thread.start()
+        self._queue.put(unit)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError("trainstream: copying updated weights to the device failed") from error
+
+    def _run(self) -> None:
+        while True:
+            try:
+                unit = self._queue.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if self._pager() is None:
+                    return
+                continue
+            if unit is None:
+                return
+            pager = self._pager()
+            if pager is None:
+                return
+            try:
+                for handle in list(unit.updates):
+                    handle.wait()
+                with pager.lock:
+                    if unit.stale:
+                        pager.push(unit)
+            except BaseException as e:  # surfaced on the training thread at the next guard or step
+                self.error = e
+            del pager
