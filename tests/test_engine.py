@@ -306,3 +306,108 @@ def test_a_failed_weight_copy_surfaces_on_the_training_thread():
         model(batch(1, "cpu"))
     error = info.value
     assert "copy failed" in str(error) + str(error.__cause__)
+
+
+# -- edge cases a training loop runs into ----------------------------------------------------------
+
+def test_loaded_hyperparameters_take_effect():
+    _, _, (model, opt) = train("gpt", PAGED, steps=1)
+    state = opt.state_dict()
+    for group in state["param_groups"]:
+        group["lr"] = 0.0  # with lr 0 AdamW (decoupled decay included) leaves every weight alone
+    opt.load_state_dict(state)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _, batch, loss_fn = tiny_gpt()
+    for i in range(2):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_no_grad_forward_between_forward_and_backward():
+    """An fp32 evaluation forward after an autocast forward must not change what the
+    pending backward sees (its weights were fetched in bf16)."""
+    runs = []
+    for opts in (RESIDENT, PAGED):
+        torch.manual_seed(0)
+        model, batch, loss_fn = tiny_gpt()
+        model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, **opts)
+        losses = []
+        for i in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model, batch(i, "cpu"))
+            with torch.no_grad():
+                losses.append(loss_fn(model, batch(100 + i, "cpu")).item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+    assert_same_bits(runs[0], runs[1])
+
+
+def test_float16_parameters_are_refused():
+    model, _, _ = tiny_mlp()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        trainstream.wrap(model.half(), None, device="cpu")
+
+
+def test_training_goes_on_after_a_backward_that_raised():
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", **PAGED)
+    loss = loss_fn(model, batch(0, "cpu"))
+    hidden = model[2].weight  # a failure partway through backward, after some gradients landed
+
+    def fail(grad):
+        raise RuntimeError("boom")
+    handle = hidden.register_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    handle.remove()
+    opt.zero_grad()
+    for i in range(2):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert "a backward pass raised" in trainstream.memory_report(model)["events"]
+
+
+def test_state_dict_keep_vars_gives_real_values():
+    _, state, (model, _) = train("gpt", PAGED, steps=1)
+    kept = model.state_dict(keep_vars=True)
+    for k, v in kept.items():
+        assert torch.equal(v.detach(), state[k]), k
+
+
+def test_an_offload_adamw_brings_its_clipping():
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, trainstream.OffloadAdamW(model.parameters(), max_grad_norm=1e-3),
+                                  device="cpu")
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()
+    assert model._trainstream_engine.last_grad_norm is not None
+    model, _, _ = tiny_mlp()
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        trainstream.wrap(model, trainstream.OffloadAdamW(model.parameters(), max_grad_norm=1.0), device="cpu",
+                         max_grad_norm=2.0)
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        trainstream.wrap(model, trainstream.OffloadAdamW(model.parameters(), accumulation_steps=2), device="cpu")
+
+
+def test_the_last_backward_of_a_window_updates_units_used_earlier_only():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.extra = torch.nn.Linear(8, 8)
+
+        def forward(self, x, use_extra):
+            for b in self.blocks:
+                x = b(x)
+            return (self.extra(x) if use_extra else x).square().mean()
+    model, opt = trainstream.wrap(Net(), None, device="cpu", accumulation_steps=2)
+    model(torch.randn(4, 8), True).backward()
+    model(torch.randn(4, 8), False).backward()
+    engine = model._trainstream_engine
+    assert all(u.queued for u in engine.units)  # before step(): the window is complete
+    opt.step()

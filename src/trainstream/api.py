@@ -44,6 +44,25 @@ def _target_device(model, requested) -> torch.device:
     return torch.device("cpu")
 
 
+def _adopt_optimizer_settings(opts, optimizer) -> None:
+    """An OffloadAdamW brings its own clipping and accumulation settings: clipping carries
+    over (a conflicting wrap() value is an error); its accumulation, which averages over
+    step() calls, does not mean what wrap()'s does, so it must be restated."""
+    from .optim import OffloadAdamW
+    if not isinstance(optimizer, OffloadAdamW):
+        return
+    if optimizer.max_grad_norm is not None:
+        given = opts.max_grad_norm
+        if "max_grad_norm" in opts.given and given != optimizer.max_grad_norm:
+            raise ValueError(f"wrap(): max_grad_norm={given!r} but the optimizer clips at {optimizer.max_grad_norm}; "
+                             "pass one value")
+        opts.values["max_grad_norm"] = optimizer.max_grad_norm
+    if optimizer.accumulation_steps != 1:
+        raise ValueError(f"wrap(): the OffloadAdamW has accumulation_steps={optimizer.accumulation_steps} (the mean "
+                         "over step() calls); with wrap(), pass accumulation_steps=N to wrap() instead: N backward "
+                         "passes, summed as torch does, then one step()")
+
+
 def _refuse_undelivered(opts) -> None:
     """Options the specification accepts whose behaviour this release does not have yet:
     a clear error instead of a silent fallback."""
@@ -76,6 +95,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("wrap(): this model is already wrapped (unwrap() it first)")
     _refuse_undelivered(opts)
+    _adopt_optimizer_settings(opts, optimizer)
     device = _target_device(model, opts.device)
     backend = Backend(device)
     stack = named_stack(model, opts.blocks) if opts.blocks is not None else find_blocks(model)

@@ -54,7 +54,7 @@ class Backend:
 
     def wait(self, event, stream=None) -> None:
         """Make `stream` (default: compute) wait on the GPU for `event`; the host goes on."""
-        if self.is_cuda and event is not DONE:
+        if self.is_cuda and event is not None and event is not DONE:
             (stream if stream is not None else self.compute_stream()).wait_event(event)
 
     def follow_compute(self, stream) -> None:

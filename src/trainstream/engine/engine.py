@@ -28,10 +28,11 @@ GiB = 1 << 30
 
 class SavedWeight:
     """What autograd holds instead of a saved paged weight: which param, which view."""
-    __slots__ = ("slot", "dtype", "size", "stride", "offset")
+    __slots__ = ("slot", "dtypes", "dtype", "size", "stride", "offset")
 
     def __init__(self, slot, t: torch.Tensor):
         self.slot = slot
+        self.dtypes = slot.unit.fetch_dtypes  # how the unit was fetched for this forward
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
 
 
@@ -153,6 +154,7 @@ class Engine:
     # -- forward -------------------------------------------------------------------------------
 
     def before_forward(self) -> None:
+        self.grads.recover()
         if self.grads.in_backward:
             return  # a forward recomputed inside backward (checkpointing): nothing to move
         self.grads.poll()
@@ -213,7 +215,8 @@ class Engine:
 
     def unpack(self, packed):
         if isinstance(packed, SavedWeight):
-            return self.weights.device_view(packed.slot, packed.dtype, packed.size, packed.stride, packed.offset)
+            return self.weights.device_view(packed.slot, packed.dtypes, packed.dtype, packed.size, packed.stride,
+                                            packed.offset)
         if isinstance(packed, PagedTensor):
             return self.acts.unpack(packed)
         return packed
@@ -243,7 +246,9 @@ class Engine:
                 self.weights.release(done)
             self.acts.drop(done)
         if unit.paged and unit.fetch_dtypes:
-            self.weights.fetch(unit, dtypes=unit.fetch_dtypes)
+            # Attached, not only fetched: a checkpointed part of the block recomputes its
+            # forward during backward and reads the params directly.
+            self.weights.attach(unit, dtypes=unit.fetch_dtypes)
         for rec in unit.acts:
             self.acts.fetch(rec)
         if i > 0 and blocks[i - 1].paged and blocks[i - 1].fetch_dtypes:
@@ -264,6 +269,9 @@ class Engine:
     def queue_update(self, unit, grad_scale: float = 1.0) -> None:
         slots = [s for s in unit.trainable if s.has_grad]
         if slots:
+            if unit.paged and unit.fetch_event is not None:
+                unit.fetch_event.synchronize()  # a copy from the host weights may still be reading them
+            unit.update_mark = self.backend.record()
             for handle, ss in self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale):
                 unit.updates.append(handle)
                 for s in ss:
@@ -277,6 +285,7 @@ class Engine:
         return self.outside_units + self.block_units
 
     def step(self) -> None:
+        self.grads.recover()
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.step() called during backward")
         self.grads.flush()
@@ -300,6 +309,7 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop the gradients of the current window (torch's zero_grad); updates already
         queued by a finished window are not undone."""
+        self.grads.recover()
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.zero_grad() called during backward")
         self.grads.flush()

@@ -101,6 +101,22 @@ class GradStreamer:
             self._partial.add(unit)
         self.poll()
 
+    def recover(self) -> None:
+        """A backward pass that raised never reached its end callback: close it here, when
+        no backward is running, dropping the window's gradients (its updates, if any were
+        queued already, stand)."""
+        if self.in_backward and torch._C._current_graph_task_id() == -1:
+            self._ready.clear()
+            self._partial.clear()
+            self.in_backward = False
+            for unit in self.engine.units:
+                unit.landed = 0
+                for s in unit.trainable:
+                    s.fresh = False
+            self.reset_window()
+            self.engine.after_backward()
+            self.engine.events.add("a backward pass raised: its gradients were dropped")
+
     def poll(self) -> None:
         """Hand on every unit whose gradient copies have finished (D2H is in order, so the
         queue's head finishes first); then let finished updates travel to the device."""
@@ -115,6 +131,11 @@ class GradStreamer:
             for unit in [*self._ready, *self._partial]:
                 unit.grad_event.synchronize()
                 self._hand_on(unit)
+            engine = self.engine
+            if self.passes == engine.opts.accumulation_steps and not engine.opts.max_grad_norm:
+                for unit in engine.update_order():  # got gradients only in earlier micro-batches
+                    if not unit.queued and any(s.has_grad for s in unit.trainable):
+                        engine.queue_update(unit)
         finally:
             self._ready.clear()
             self._partial.clear()

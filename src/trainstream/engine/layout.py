@@ -53,6 +53,7 @@ class Unit:
     # Host updates of this unit's weights still running (optimizer jobs).
     updates: list = field(default_factory=list)
     stale: bool = False           # resident: the host has newer weights than the device
+    update_mark = None            # compute's position when the update was queued (resident)
     h2d_event = None              # resident: the new weights' copy to the device
     landed: int = 0               # gradients landed in the current backward pass
     grad_event = None             # the last of those gradients' copies to the host

@@ -13,7 +13,7 @@ import torch
 from .. import ops
 from ..optim.offload_adamw import OffloadAdamW
 
-PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the host AdamW reads fp32 or bf16 gradients
 
 
 class StreamedAdamW(OffloadAdamW):
@@ -26,7 +26,10 @@ class StreamedAdamW(OffloadAdamW):
     ``max_grad_norm`` every update waits for ``step()``, which needs the global norm first.
     Gradients are summed over the window's backward passes, as ``p.grad`` would be, and are
     consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory).
-    Hyper-parameters (``lr``...) are read when an update is queued.
+    Hyper-parameters (``lr``...) are read when an update is queued: set them before the
+    window's last backward pass, as an LR scheduler stepped after ``step()`` does. For the
+    same reason an update cannot be skipped once queued, so fp16 loss scaling
+    (``GradScaler``) is not supported; bf16 autocast needs none.
     """
 
     _engine = None
@@ -35,7 +38,8 @@ class StreamedAdamW(OffloadAdamW):
         if self._engine is not None:
             raise ValueError("trainstream: add param groups before wrap(); the wrapped optimizer's groups are fixed")
         if p.dtype not in PARAM_DTYPES:
-            raise ValueError(f"trainstream: trainable parameters must be float32, bfloat16 or float16, got {p.dtype}")
+            raise ValueError(f"trainstream: trainable parameters must be float32 or bfloat16, got {p.dtype} "
+                             "(for float16 weights keep fp32 parameters and train under torch.autocast)")
 
     def _engine_or_raise(self):
         if self._engine is None:
@@ -65,11 +69,13 @@ class StreamedAdamW(OffloadAdamW):
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
         `grads` (host tensors). Returns (handle, slots) per native job."""
         if not hasattr(self, "_where"):
-            flat = [(g, p) for g in self.param_groups for p in g["params"]]
-            self._where = {p: (g, i) for i, (g, p) in enumerate(flat)}
+            # Positions only: load_state_dict replaces the group dicts, so look those up each time.
+            flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+            self._where = {p: (gi, i) for i, (gi, p) in enumerate(flat)}
         jobs = {}
         for s, g in zip(slots, grads):
-            group, index = self._where[s.param]
+            group_index, index = self._where[s.param]
+            group = self.param_groups[group_index]
             state = self._state_for(s.param)
             state["step"] += 1
             copy = s.copy_dtype()

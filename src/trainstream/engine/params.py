@@ -59,6 +59,9 @@ class WeightPager:
             h.wait()
         unit.updates = []
         backend = self.backend
+        # Not before compute has finished every read queued when the update was (a no-grad
+        # forward between backward and step() may still be reading the old weights).
+        backend.wait(unit.update_mark, backend.copy_in)
         with backend.on(backend.copy_in):
             for s in unit.trainable:
                 src = s.host[s.dtype]  # the master, or the copy the optimizer wrote in the model's dtype
@@ -96,8 +99,8 @@ class WeightPager:
     # -- paged units ---------------------------------------------------------------------------
 
     def _dtype_for(self, slot, autocast_dtype):
-        if (autocast_dtype in (torch.bfloat16, torch.float16) and slot.is_linear
-                and slot.dtype == torch.float32):
+        # bf16 only: an fp16 copy would give fp16 gradients, which the host AdamW does not read.
+        if autocast_dtype == torch.bfloat16 and slot.is_linear and slot.dtype == torch.float32:
             return autocast_dtype
         return slot.dtype
 
@@ -152,6 +155,8 @@ class WeightPager:
     def attach(self, unit, *, dtypes: dict | None = None) -> None:
         """Point the unit's params at their fetched device tensors (fetching now if no
         prefetch did) and make compute wait for the copy."""
+        if unit.fetched is not None and dtypes is not None and unit.fetch_dtypes != dtypes:
+            self.release(unit)  # fetched for a forward in another dtype (say, a no-grad eval)
         if unit.attached:
             return
         self.fetch(unit, dtypes=dtypes)
@@ -180,9 +185,10 @@ class WeightPager:
             self.ahead_bytes -= unit.nbytes
         unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None
 
-    def device_view(self, slot, dtype, size, stride, offset) -> torch.Tensor:
-        """A saved weight for backward: the same view of the freshly fetched tensor."""
+    def device_view(self, slot, dtypes: dict, dtype, size, stride, offset) -> torch.Tensor:
+        """A saved weight for backward: the same view of the weights as fetched for the
+        forward that saved it (`dtypes`)."""
         unit = slot.unit
-        self.attach(unit, dtypes=unit.fetch_dtypes)
+        self.attach(unit, dtypes=dtypes)
         dev = unit.fetched[slot]
         return torch.empty(0, dtype=dtype, device=dev.device).set_(dev.untyped_storage(), offset, size, stride)

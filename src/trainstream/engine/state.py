@@ -52,7 +52,8 @@ class StateHooks:
             # device copy may still be on its way.
             self._handles += [
                 module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, ps=paged: self._expose(ps)),
-                module.register_state_dict_post_hook(lambda m, sd, prefix, meta, ps=paged: self._restore(ps)),
+                module.register_state_dict_post_hook(
+                    lambda m, sd, prefix, meta, ps=paged: self._after_save(m, sd, prefix, ps)),
                 module.register_load_state_dict_pre_hook(
                     lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ps=paged:
                     self._before_load(meta, ps)),
@@ -69,6 +70,16 @@ class StateHooks:
         for s in slots:
             self._saved[s] = s.param.data
             s.param.data = _host_weights(s)
+
+    def _after_save(self, module, state_dict, prefix, slots) -> None:
+        # With keep_vars=True the entries are the Parameters themselves, which are about
+        # to point at their placeholders again: hand out the host weights instead.
+        names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+        for s in slots:
+            key = prefix + names[id(s.param)]
+            if state_dict.get(key) is s.param:
+                state_dict[key] = _host_weights(s).detach()
+        self._restore(slots)
 
     def _restore(self, slots) -> None:
         for s in slots:
