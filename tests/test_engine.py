@@ -411,3 +411,25 @@ def test_the_last_backward_of_a_window_updates_units_used_earlier_only():
     engine = model._trainstream_engine
     assert all(u.queued for u in engine.units)  # before step(): the window is complete
     opt.step()
+
+
+def test_non_reentrant_checkpointing_pages_bit_exactly():
+    from torch.utils.checkpoint import checkpoint
+    from trainstream.bench.models import GPT, GPTConfig
+
+    class CheckpointedGPT(GPT):
+        def forward(self, idx, tgt):
+            x = self.emb(idx)
+            for blk in self.layers:
+                x = checkpoint(blk, x, use_reentrant=False)
+            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
+
+    def factory():
+        model, batch, loss_fn = tiny_gpt()
+        checkpointed = CheckpointedGPT(GPTConfig(dim=64, layers=4, heads=4, vocab=97))
+        checkpointed.load_state_dict(model.state_dict())
+        return checkpointed, batch, loss_fn
+    resident = train("ckpt", RESIDENT, model_factory=factory, steps=3, autocast=torch.bfloat16)
+    assert_same_bits(resident, train("ckpt", PAGED, model_factory=factory, steps=3, autocast=torch.bfloat16))
+    stock = train("ckpt", None, model_factory=factory, steps=3)
+    assert max_diff(stock[1], train("ckpt", PAGED, model_factory=factory, steps=3)[1]) < 2e-5
