@@ -183,6 +183,33 @@ def test_queue_returns_before_work_and_orders_updates_of_one_tensor():
     assert_same_bits(m, ref[2])
 
 
+def test_priority_never_reorders_updates_of_one_tensor():
+    n = 2_000_000
+    p, g, m, v = make_state(n)
+    ref = clone_all(p, g, m, v)
+    # Later updates ask to run first; sharing buffers, they still run in queue order.
+    handles = [ops.adamw_step([p], [g], [m], [v], [s], threads=2, priority=10 - s, **HYPER) for s in (1, 2, 3)]
+    for h in handles:
+        h.wait()
+    for s in (1, 2, 3):
+        reference.adamw_step([ref[0]], [ref[1]], [ref[2]], [ref[3]], [s], **HYPER)
+    assert_same_bits(p, ref[0])
+    assert_same_bits(m, ref[2])
+
+
+def test_priority_picks_which_independent_job_runs_next():
+    # One worker: the running job C finishes first; of the two queued meanwhile, the lower
+    # number goes next. C is long enough (tens of ms) that A and B are both queued before it ends.
+    states = {name: make_state(12_000_000 if name == "C" else 1_000_000, seed=i) for i, name in enumerate("CAB")}
+    priority = {"C": 0, "A": 5, "B": 1}
+    handles = {name: ops.adamw_step([t[0]], [t[1]], [t[2]], [t[3]], [1], threads=1, priority=priority[name],
+                                    **HYPER) for name, t in states.items()}
+    order = []
+    while len(order) < 3:
+        order += [name for name, h in handles.items() if h.done() and name not in order]
+    assert order == ["C", "B", "A"]
+
+
 def test_independent_jobs_run_concurrently_and_correctly():
     tensors = [make_state(300_000, seed=i) for i in range(6)]
     refs = [clone_all(*t) for t in tensors]

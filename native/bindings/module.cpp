@@ -48,7 +48,7 @@ std::shared_ptr<Job> adamw_queue_py(ThreadPool& pool, const std::vector<int64_t>
                                     const std::vector<uint64_t>& seeds, double lr, double beta1,
                                     double beta2, double eps, double weight_decay,
                                     double grad_scale, bool decoupled, int grad_dtype,
-                                    int moment_dtype, int copy_dtype) {
+                                    int moment_dtype, int copy_dtype, int64_t priority) {
   const size_t n = params.size();
   TS_CHECK_ARG(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
                    copies.size() == n && numels.size() == n && steps.size() == n &&
@@ -65,7 +65,7 @@ std::shared_ptr<Job> adamw_queue_py(ThreadPool& pool, const std::vector<int64_t>
                              as_ptr<void>(exp_avgs[i]), as_ptr<void>(exp_avg_sqs[i]),
                              as_ptr<void>(copies[i]), numels[i], steps[i], seeds[i]};
   }
-  return adamw_queue(pool, cfg, std::move(tensors));
+  return adamw_queue(pool, cfg, std::move(tensors), priority);
 }
 
 // The scalars one tensor's update uses (AdamWScalars), so the CUDA path packs exactly the
@@ -108,7 +108,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("exp_avg_sqs"), py::arg("copies"), py::arg("numels"), py::arg("steps"),
         py::arg("seeds"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),
-        py::arg("grad_dtype"), py::arg("moment_dtype"), py::arg("copy_dtype"));
+        py::arg("grad_dtype"), py::arg("moment_dtype"), py::arg("copy_dtype"),
+        py::arg("priority") = 0);
 
   m.def(
       "accumulate_queue",

@@ -43,7 +43,7 @@ static void check_config(const AdamWConfig& cfg) {
 }
 
 std::shared_ptr<Job> adamw_queue(ThreadPool& pool, const AdamWConfig& cfg,
-                                 std::vector<AdamWTensor> tensors) {
+                                 std::vector<AdamWTensor> tensors, int64_t priority) {
   check_config(cfg);
   struct Chunk {
     int32_t tensor;
@@ -79,7 +79,7 @@ std::shared_ptr<Job> adamw_queue(ThreadPool& pool, const AdamWConfig& cfg,
         const Chunk& ch = chunks[c];
         fn(cfg, scalars[ch.tensor], tensors[ch.tensor], ch.begin, ch.end);
       },
-      num_chunks, std::move(keys));
+      num_chunks, std::move(keys), priority);
 }
 
 }  // namespace trainstream

@@ -8,8 +8,8 @@
 
 namespace trainstream {
 
-Job::Job(ChunkFn fn, int64_t num_chunks, std::vector<const void*> keys)
-    : fn_(std::move(fn)), num_chunks_(num_chunks), keys_(std::move(keys)) {
+Job::Job(ChunkFn fn, int64_t num_chunks, std::vector<const void*> keys, int64_t priority)
+    : fn_(std::move(fn)), num_chunks_(num_chunks), keys_(std::move(keys)), priority_(priority) {
   std::sort(keys_.begin(), keys_.end());
   keys_.erase(std::unique(keys_.begin(), keys_.end()), keys_.end());
 }
@@ -58,8 +58,8 @@ ThreadPool::~ThreadPool() {
 }
 
 std::shared_ptr<Job> ThreadPool::submit(Job::ChunkFn fn, int64_t num_chunks,
-                                        std::vector<const void*> keys) {
-  auto job = std::make_shared<Job>(std::move(fn), num_chunks, std::move(keys));
+                                        std::vector<const void*> keys, int64_t priority) {
+  auto job = std::make_shared<Job>(std::move(fn), num_chunks, std::move(keys), priority);
   if (num_chunks == 0) {
     job->complete_.store(true, std::memory_order_release);
     return job;
@@ -83,14 +83,16 @@ static bool shares_key(const std::vector<const void*>& a, const std::vector<cons
 }
 
 Job* ThreadPool::next_runnable_locked() {
+  Job* best = nullptr;
   for (size_t i = 0; i < jobs_.size(); ++i) {
     Job* job = jobs_[i].get();
     if (job->next_chunk_ >= job->num_chunks_) continue;
+    if (best != nullptr && job->priority_ >= best->priority_) continue;
     bool blocked = false;
     for (size_t k = 0; k < i && !blocked; ++k) blocked = shares_key(jobs_[k]->keys_, job->keys_);
-    if (!blocked) return job;
+    if (!blocked) best = job;
   }
-  return nullptr;
+  return best;
 }
 
 void ThreadPool::worker_loop() {

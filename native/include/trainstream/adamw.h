@@ -15,8 +15,9 @@ namespace trainstream {
 
 AdamWScalars make_scalars(const AdamWConfig& cfg, const AdamWTensor& t);
 
-// Queues the update of every tensor on the pool and returns at once.
+// Queues the update of every tensor on the pool and returns at once (`priority`: see
+// ThreadPool).
 std::shared_ptr<Job> adamw_queue(ThreadPool& pool, const AdamWConfig& cfg,
-                                 std::vector<AdamWTensor> tensors);
+                                 std::vector<AdamWTensor> tensors, int64_t priority = 0);
 
 }  // namespace trainstream

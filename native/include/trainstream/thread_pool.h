@@ -5,6 +5,9 @@
 // at the same time, and two jobs that touch the same tensor must run in the order they
 // were queued. A job therefore carries "keys" (the addresses it writes); a worker only
 // takes chunks from a job when no earlier unfinished job shares one of its keys.
+// Among the jobs it may run, a worker takes the one with the lowest priority number
+// (then the oldest): the engine queues block updates in backward order but the next
+// forward needs them in forward order, so it numbers them by when they are needed.
 #pragma once
 
 #include <atomic>
@@ -23,7 +26,7 @@ namespace trainstream {
 class Job {
  public:
   using ChunkFn = std::function<void(int64_t chunk)>;
-  Job(ChunkFn fn, int64_t num_chunks, std::vector<const void*> keys);
+  Job(ChunkFn fn, int64_t num_chunks, std::vector<const void*> keys, int64_t priority = 0);
 
   // Blocks until every chunk has run; rethrows the first error a chunk raised.
   void wait();
@@ -35,6 +38,7 @@ class Job {
   ChunkFn fn_;
   int64_t num_chunks_;
   std::vector<const void*> keys_;
+  int64_t priority_;                       // lower runs first; equal: submission order
   int64_t next_chunk_ = 0;                 // guarded by the pool's mutex
   std::atomic<int64_t> finished_chunks_{0};
   std::atomic<bool> complete_{false};
@@ -50,7 +54,8 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  std::shared_ptr<Job> submit(Job::ChunkFn fn, int64_t num_chunks, std::vector<const void*> keys);
+  std::shared_ptr<Job> submit(Job::ChunkFn fn, int64_t num_chunks, std::vector<const void*> keys,
+                              int64_t priority = 0);
   int threads() const { return static_cast<int>(workers_.size()); }
 
   // Cores this process may run on (sched_getaffinity), the default pool size.
@@ -58,8 +63,8 @@ class ThreadPool {
 
  private:
   void worker_loop();
-  // Picks the first job with an unclaimed chunk whose keys no earlier unfinished job
-  // holds. Caller holds mu_.
+  // Picks, among jobs with an unclaimed chunk whose keys no earlier unfinished job holds,
+  // the one with the lowest priority number (the oldest of equals). Caller holds mu_.
   Job* next_runnable_locked();
 
   std::mutex mu_;

@@ -272,7 +272,11 @@ class Engine:
             if unit.paged and unit.fetch_event is not None:
                 unit.fetch_event.synchronize()  # a copy from the host weights may still be reading them
             unit.update_mark = self.backend.record()
-            for handle, ss in self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale):
+            # Numbered by when the next forward needs the unit: blocks update in backward
+            # order, but block 0 (and the embeddings before it) are needed first.
+            unit.priority = self.update_order().index(unit)
+            for handle, ss in self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale,
+                                                   unit.priority):
                 unit.updates.append(handle)
                 for s in ss:
                     s.reader = handle

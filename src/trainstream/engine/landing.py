@@ -7,7 +7,9 @@ only be issued when the next forward reaches the block, and the forward would wa
 copies one block at a time; with it, those copies overlap the updates still running. One
 daemon thread per engine waits on the updates in the order they were queued (without the
 GIL) and issues each copy on the copy-in stream under the pager's lock; whatever it has
-not reached yet, the forward's guard pushes itself.
+not reached yet, the forward's guard pushes itself. It takes the pending units in the
+order the host pool runs their updates (lowest priority number first), so it waits on the
+update that finishes next, not on one the pool has put off.
 """
 from __future__ import annotations
 
@@ -43,14 +45,28 @@ class Lander:
             error, self.error = self.error, None
             raise RuntimeError("trainstream: copying updated weights to the device failed") from error
 
-    def _run(self) -> None:
+    def _next(self, pending: list):
+        """The pending unit whose update the pool runs first; None to stop; waits idle."""
         while True:
             try:
-                unit = self._queue.get(timeout=self.POLL_S)
+                while True:
+                    item = self._queue.get_nowait() if pending else self._queue.get(timeout=self.POLL_S)
+                    if item is None:
+                        return None
+                    pending.append(item)
             except queue.Empty:
+                if pending:
+                    break
                 if self._pager() is None:
-                    return
-                continue
+                    return None
+        unit = min(pending, key=lambda u: u.priority)
+        pending.remove(unit)
+        return unit
+
+    def _run(self) -> None:
+        pending: list = []
+        while True:
+            unit = self._next(pending)
             if unit is None:
                 return
             pager = self._pager()

@@ -54,6 +54,7 @@ class Unit:
     updates: list = field(default_factory=list)
     stale: bool = False           # resident: the host has newer weights than the device
     update_mark = None            # compute's position when the update was queued (resident)
+    priority: int = 0             # when the next forward needs it (the host pool runs lowest first)
     h2d_event = None              # resident: the new weights' copy to the device
     landed: int = 0               # gradients landed in the current backward pass
     grad_event = None             # the last of those gradients' copies to the host

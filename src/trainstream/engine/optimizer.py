@@ -65,9 +65,10 @@ class StreamedAdamW(OffloadAdamW):
             self._engine.zero_grad()
         super().zero_grad(set_to_none)
 
-    def queue(self, slots: list, grads: list, grad_scale: float) -> list:
+    def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
-        `grads` (host tensors). Returns (handle, slots) per native job."""
+        `grads` (host tensors), `priority` as in ops.adamw_step. Returns (handle, slots) per
+        native job."""
         if not hasattr(self, "_where"):
             # Positions only: load_state_dict replaces the group dicts, so look those up each time.
             flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
@@ -92,6 +93,6 @@ class StreamedAdamW(OffloadAdamW):
                 lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                 grad_scale=grad_scale, seeds=[self._seed_for(i) for *_, i, _ in items],
-                param_copies=copies, threads=self.threads)
+                param_copies=copies, threads=self.threads, priority=priority)
             out.append((handle, [s for s, *_ in items]))
         return out

@@ -124,6 +124,7 @@ def adamw_step(
     seeds: Sequence[int] | None = None,
     param_copies: Sequence[torch.Tensor] | None = None,
     threads: int | None = None,
+    priority: int = 0,
 ) -> AdamWHandle:
     """Queue an AdamW (``decoupled=True``) or Adam-with-L2 update of host tensors.
 
@@ -133,6 +134,8 @@ def adamw_step(
     results are the same for any thread count. steps: the step each tensor is taking
     (1 for its first update). param_copies: optional bfloat16 or float16 tensors that
     receive the updated weights, rounded to nearest even, in the same pass.
+    priority: among queued jobs free to run, the pool runs the lowest number first (then
+    the oldest); jobs on the same buffers always run in the order they were queued.
     Returns an :class:`AdamWHandle`; call ``wait()`` before reading any of the tensors.
     """
     n = len(params)
@@ -171,6 +174,7 @@ def adamw_step(
         [int(s) & 0xFFFF_FFFF_FFFF_FFFF for s in seeds],
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale),
         bool(decoupled), _dtypes.code(grad_dtype), _dtypes.code(moment_dtype), _dtypes.code(copy_dtype),
+        int(priority),
     )
     return AdamWHandle(job, held)
 
