@@ -179,6 +179,12 @@ def test_bad_options_name_themselves(option, value):
             trainstream.wrap(model, None, device=value)
 
 
+def test_lr_with_an_optimizer_is_an_error():
+    model, _, _ = tiny_mlp()
+    with pytest.raises(ValueError, match="'lr' applies only when optimizer is None"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", lr=0.1)
+
+
 def test_undelivered_options_say_so():
     model, _, _ = tiny_mlp()
     with pytest.raises(NotImplementedError, match="quantize='nf4'"):

@@ -95,6 +95,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("wrap(): this model is already wrapped (unwrap() it first)")
     _refuse_undelivered(opts)
+    if optimizer is not None and "lr" in opts.given:
+        raise ValueError("wrap(): option 'lr' applies only when optimizer is None (set the learning rate on the "
+                         "optimizer you pass)")
     _adopt_optimizer_settings(opts, optimizer)
     device = _target_device(model, opts.device)
     backend = Backend(device)
