@@ -439,3 +439,17 @@ def test_non_reentrant_checkpointing_pages_bit_exactly():
     assert_same_bits(resident, train("ckpt", PAGED, model_factory=factory, steps=3, autocast=torch.bfloat16))
     stock = train("ckpt", None, model_factory=factory, steps=3)
     assert max_diff(stock[1], train("ckpt", PAGED, model_factory=factory, steps=3)[1]) < 2e-5
+
+
+def test_host_arena_carves_power_of_two_pieces_without_overlap():
+    from trainstream.engine.device import Backend, HostArena
+    shapes = [(1000,), (300, 7), (5,), (4096,), (1,), (2500, 3)] * 5
+    total = sum(HostArena.size_of(s[0] * (s[1] if len(s) > 1 else 1), torch.float32) for s in shapes)
+    arena = HostArena(Backend(torch.device("cpu")), total)
+    taken = [arena.take(s, torch.float32) for s in shapes]
+    assert arena.remaining == 0 and all(p.numel() & (p.numel() - 1) == 0 for p in arena.pieces)
+    assert arena.reserved < 2 * total
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in taken)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    with pytest.raises(RuntimeError, match="exhausted"):
+        arena.take((1,), torch.float32)

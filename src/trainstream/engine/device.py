@@ -109,28 +109,47 @@ class TransferLedger:
 
 
 class HostArena:
-    """One transfer-memory allocation carved into tensors. Pinning costs about a second per
-    GiB and the caching host allocator rounds every request up to a power of two, so the
-    engine pins once, at wrap(), exactly what it needs."""
+    """Transfer memory for the engine's host buffers, pinned once at wrap() and carved into
+    tensors. Pinning costs about a second per GiB, so it happens once, not per step. The
+    caching host allocator rounds each request up to a power of two, so the arena asks for
+    power-of-two pieces (the largest that the remaining need fills): the only waste is a
+    piece's tail when the next tensor does not fit in it."""
 
     ALIGN = 64
 
     def __init__(self, backend: Backend, nbytes: int):
-        self.buffer = backend.host_empty((max(nbytes, 1),), torch.uint8)
-        self.used = 0
+        self.backend = backend
+        self.remaining = nbytes      # bytes still to be handed out
+        self.pieces: list = []
+        self._piece = None
+        self._used = 0
 
     @staticmethod
     def size_of(numel: int, dtype: torch.dtype) -> int:
         n = numel * dtype.itemsize
         return -(-n // HostArena.ALIGN) * HostArena.ALIGN
 
+    @property
+    def reserved(self) -> int:
+        return sum(p.numel() for p in self.pieces)
+
+    def _new_piece(self, need: int) -> None:
+        floor_pow2 = 1 << (max(self.remaining, 1).bit_length() - 1)
+        size = max(floor_pow2, 1 << (need - 1).bit_length())
+        self._piece = self.backend.host_empty((size,), torch.uint8)
+        self.pieces.append(self._piece)
+        self._used = 0
+
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         numel = 1
         for d in shape:
             numel *= d
         n = self.size_of(numel, dtype)
-        if self.used + n > self.buffer.numel():
+        if n > self.remaining:
             raise RuntimeError("trainstream: host arena exhausted (a sizing bug)")
-        region = self.buffer[self.used:self.used + numel * dtype.itemsize]
-        self.used += n
+        if self._piece is None or self._used + n > self._piece.numel():
+            self._new_piece(n)
+        region = self._piece[self._used:self._used + numel * dtype.itemsize]
+        self._used += n
+        self.remaining -= n
         return region.view(dtype).view(shape)

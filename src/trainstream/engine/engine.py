@@ -102,7 +102,6 @@ class Engine:
         layout = {s: self._host_layout(s, u.paged) for u in self.units for s in u.slots}
         total = sum(HostArena.size_of(s.param.numel(), dt) for s, need in layout.items() for _, dt in need)
         self.arena = HostArena(backend, total)
-        self.events.add(f"host transfer memory: {total / GiB:.2f} GiB {'pinned' if backend.is_cuda else ''} in one block")
         for unit in self.units:
             for s in unit.slots:
                 data = s.param.data
@@ -126,6 +125,8 @@ class Engine:
                     if data.device != backend.device:
                         s.param.data = data.to(backend.device)
                     self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+        self.events.add(f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
+                        f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces")
         for module in self.model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.device != backend.device:
