@@ -185,8 +185,14 @@ class Engine:
             return out
         return paged_forward
 
+    @staticmethod
+    def _in_autograd() -> bool:
+        """A forward running inside backward (a checkpointed block recomputing), even before
+        any gradient of this pass has landed."""
+        return torch._C._current_graph_task_id() != -1
+
     def enter_block(self, unit) -> None:
-        if self.grads.in_backward:
+        if self.grads.in_backward or self._in_autograd():
             self.weights.guard(unit)
             return
         self.acts.drop(unit)
@@ -196,7 +202,7 @@ class Engine:
             self.weights.fetch(self.block_units[nxt], ahead=True)
 
     def exit_block(self, unit) -> None:
-        if self.grads.in_backward or not unit.paged:
+        if self.grads.in_backward or self._in_autograd() or not unit.paged:
             return
         last = unit.block == len(self.block_units) - 1
         if not (last and torch.is_grad_enabled()):  # the last block's backward comes first: keep it
@@ -225,7 +231,7 @@ class Engine:
     # -- backward ------------------------------------------------------------------------------
 
     def watch_backward(self, unit, out) -> None:
-        if not torch.is_grad_enabled() or self.grads.in_backward:
+        if not torch.is_grad_enabled() or self.grads.in_backward or self._in_autograd():
             return
         if not any(u.paged or u.act_paged for u in self.block_units):
             return
