@@ -25,3 +25,17 @@ def _seeded():
     random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _profile_cache(tmp_path_factory):
+    """Hardware profiles measured by the tests are cached in a temporary directory, never in
+    the user's home."""
+    import os
+    old = os.environ.get("TRAINSTREAM_CACHE_DIR")
+    os.environ["TRAINSTREAM_CACHE_DIR"] = str(tmp_path_factory.mktemp("trainstream-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TRAINSTREAM_CACHE_DIR", None)
+    else:
+        os.environ["TRAINSTREAM_CACHE_DIR"] = old

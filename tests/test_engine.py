@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import trainstream
-from trainstream.engine import placement
 
 from engine_models import PAGED, RESIDENT, assert_same_bits, max_diff, tiny_gpt, tiny_mlp, train
 
@@ -200,13 +199,34 @@ def test_wrong_optimizer_and_double_wrap():
         trainstream.wrap(model, None, device="cpu")
 
 
-def test_memory_error_gives_the_numbers(monkeypatch):
-    monkeypatch.setattr(placement, "host_ram_available", lambda: 1 << 20)
+def machine(vram_gib=24.0, ram_gib=64.0, pinned_gib=None):
+    """A simulated machine for the planner (the figures any test may set by keyword)."""
+    from trainstream.planner import HardwareProfile
+    return HardwareProfile(vram_total_bytes=int(vram_gib * 2**30), vram_free_bytes=int(vram_gib * 2**30),
+                           ram_available_bytes=int(ram_gib * 2**30),
+                           pinned_limit_bytes=int((pinned_gib or ram_gib) * 2**30),
+                           h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9)
+
+
+def test_memory_error_gives_the_numbers():
     model, _, _ = tiny_mlp()
     with pytest.raises(MemoryError, match=r"host RAM: needs .* GiB .*moments.* available 0.00 GiB"):
-        trainstream.wrap(model, None, device="cpu")
+        trainstream.wrap(model, None, device="cpu", profile=machine(ram_gib=1e-3))
     assert not hasattr(model, "_trainstream_engine")
-    trainstream.wrap(model, None, device="cpu", check_memory=False)
+    with pytest.raises(MemoryError, match=r"VRAM: needs .* usable 0.00 GiB"):
+        trainstream.wrap(model, None, device="cpu", profile=machine(vram_gib=1e-4), param_offload=False)
+    trainstream.wrap(model, None, device="cpu", check_memory=False, profile=machine(ram_gib=1e-3))
+
+
+def test_auto_pages_blocks_on_a_small_simulated_card():
+    # 6 blocks of 256 KiB: a 1 MiB card keeps about half its usable memory for weights.
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", profile=machine(vram_gib=1 / 1024))
+    report = trainstream.memory_report(model)
+    assert 0 < len(report["params"]["paged_blocks"]) < 6, report["events"]
+    assert "static rule" in report["events"] and report["plan"]["profile"]["source"] == "given"
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()
 
 
 def test_memory_report_explains_the_plan():

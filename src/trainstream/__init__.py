@@ -1,6 +1,7 @@
 """TrainStream: train and fine-tune PyTorch models larger than GPU memory.
 
 Public API of this release: :func:`wrap`, :func:`unwrap`, :func:`memory_report`,
+:func:`profile_hardware`, :class:`HardwareProfile`,
 :class:`OffloadAdamW`, :class:`QuantizedWeight` and the low-level :mod:`trainstream.ops`.
 """
 from ._version import __version__
@@ -8,5 +9,7 @@ from . import ops
 from .optim import OffloadAdamW
 from .quant import QuantizedWeight
 from .api import memory_report, unwrap, wrap
+from .planner import HardwareProfile, profile_hardware
 
-__all__ = ["__version__", "wrap", "unwrap", "memory_report", "OffloadAdamW", "QuantizedWeight", "ops"]
+__all__ = ["__version__", "wrap", "unwrap", "memory_report", "profile_hardware", "HardwareProfile", "OffloadAdamW",
+           "QuantizedWeight", "ops"]

@@ -7,12 +7,13 @@ from . import options as _options
 from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend
 from .engine.engine import Engine
-from .engine.layout import build_units
+from .engine.layout import arena_bytes, build_units
 from .engine.optimizer import StreamedAdamW
 from .engine.placement import check_fits, choose
 from .engine.report import build_report
 from .engine.state import StateHooks, unwrap as _unwrap
 from .optim.convert import convert_optimizer
+from .planner import HardwareProfile, conservative_profile, profile_hardware
 
 _ATTR = "_trainstream_engine"
 
@@ -116,17 +117,23 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     block_units, outside_units, unpageable = build_units(model, stack.blocks, in_optimizer)
     on_device = sum(s.nbytes for u in block_units + outside_units for s in u.slots
                     if s.param.device == device and device.type == "cuda")
-    placement = choose(opts, block_units, outside_units, unpageable, backend, on_device)
+    if isinstance(opts.profile, HardwareProfile):
+        profile = opts.profile
+    else:
+        profile = profile_hardware(device) if opts.profile else conservative_profile(device)
+    placement = choose(opts, block_units, outside_units, unpageable, profile, on_device)
     for u in block_units:
         u.paged = u.block in placement.paged
         u.act_paged = u.block in placement.act_paged
-    budget = check_fits(opts, block_units + outside_units, placement, backend, on_device,
-                        optimizer.moment_dtype.itemsize)
+    budget = check_fits(opts, block_units + outside_units, placement, backend, profile, on_device,
+                        optimizer.moment_dtype.itemsize, arena_bytes(block_units + outside_units))
 
     engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
     engine.budget = budget
+    engine.profile = profile
     events = engine.events
     events.add(f"device {device}; {stack.describe()}")
+    events.add(profile.describe())
     for note in placement.notes:
         events.add(note)
     events.add(f"weights: {len(placement.paged)} blocks paged {placement.paged}, "
@@ -140,8 +147,6 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         events.add("optimizer_mode='auto': host AdamW")
     if opts.quantize == "auto":
         events.add("quantize='auto': nothing quantized")
-    if opts.profile is not False:
-        events.add("profile: hardware is not measured yet; decisions use byte counts and free memory")
     if not opts.guard_params:
         events.add("guard_params=False: step() waits for every update to reach the device before returning")
 

@@ -20,6 +20,7 @@ import torch
 from .activations import ActivationPager, PagedTensor
 from .device import Backend, HostArena, TransferLedger
 from .grads import GradStreamer
+from .layout import arena_bytes, host_buffers
 from .params import WeightPager
 from .report import EventLog
 
@@ -60,6 +61,7 @@ class Engine:
         self.events = EventLog(opts.verbose)
         self.history: list = []
         self.budget: dict = {}
+        self.profile = None          # the HardwareProfile the placement used
         self.steps = 0
         self.last_grad_norm = None
         self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
@@ -81,26 +83,13 @@ class Engine:
 
     # -- installing ----------------------------------------------------------------------------
 
-    def _host_layout(self, s, paged: bool) -> list:
-        """(name, dtype) of every host buffer slot `s` needs, all carved from one arena."""
-        need = []
-        if s.trainable:
-            need += [("master", torch.float32), ("stage", s.dtype)]
-            if s.dtype != torch.float32:
-                need.append(("copy", s.dtype))
-        elif paged:
-            need.append(("copy", s.dtype))
-        if paged and s.is_linear and s.dtype == torch.float32:
-            need.append(("spare", torch.bfloat16))  # room for an autocast-dtype copy (2 bytes each)
-        return need
-
     def place_weights(self) -> None:
         """Host buffers for every slot; resident weights on the device, paged ones replaced
         by placeholders. One parameter at a time, so a model built in host memory never
         needs to fit on the device."""
         backend = self.backend
-        layout = {s: self._host_layout(s, u.paged) for u in self.units for s in u.slots}
-        total = sum(HostArena.size_of(s.param.numel(), dt) for s, need in layout.items() for _, dt in need)
+        layout = {s: host_buffers(s, u.paged) for u in self.units for s in u.slots}
+        total = arena_bytes(self.units)
         self.arena = HostArena(backend, total)
         for unit in self.units:
             for s in unit.slots:

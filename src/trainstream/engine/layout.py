@@ -123,3 +123,24 @@ def build_units(model: torch.nn.Module, blocks: list, trainable: set) -> tuple[l
         for s in unit.slots:
             s.unit = unit
     return block_units, outside_units, sorted(shared)
+
+
+def host_buffers(s: Slot, paged: bool) -> list:
+    """(kind, dtype) of every host transfer buffer slot `s` needs."""
+    need = []
+    if s.trainable:
+        need += [("master", torch.float32), ("stage", s.dtype)]
+        if s.dtype != torch.float32:
+            need.append(("copy", s.dtype))
+    elif paged:
+        need.append(("copy", s.dtype))
+    if paged and s.is_linear and s.dtype == torch.float32:
+        need.append(("spare", torch.bfloat16))  # room for an autocast-dtype copy (2 bytes each)
+    return need
+
+
+def arena_bytes(units: list) -> int:
+    """Transfer memory (pinned on a GPU machine) the engine carves its host buffers from."""
+    from .device import HostArena
+    return sum(HostArena.size_of(s.param.numel(), dtype) for u in units for s in u.slots
+               for _, dtype in host_buffers(s, u.paged))

@@ -1,13 +1,12 @@
 """Which blocks page their weights and activations, and whether the run fits at all.
 
 Explicit options are followed exactly. For "auto" this module applies a static rule from
-byte counts and the device's free memory; the measured planner (hardware profile,
-activation sizes, adaptation from peaks) replaces the rule in its own stage. Every choice
-is written to the events log with its numbers.
+byte counts and the hardware profile's memory figures; the planner's plan (activation
+sizes, PCIe and optimizer rates, adaptation from peaks) replaces the rule in its own stage.
+Every choice is written to the events log with its numbers.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -40,49 +39,30 @@ def _explicit(name: str, value, n: int) -> list:
     return list(value)
 
 
-def device_memory(backend, model_bytes_on_device: int) -> tuple[int, int]:
-    """(usable bytes, total bytes) of the compute device: free memory plus what this model
-    already holds there (it is about to be rearranged)."""
-    if not backend.is_cuda:
-        ram = host_ram_available()
-        return ram, ram
-    free, total = torch.cuda.mem_get_info(backend.device)
-    return free + model_bytes_on_device, total
+def usable_device_bytes(opts, profile, model_bytes_on_device: int) -> int:
+    """Free device memory plus what this model already holds there (it is about to be
+    rearranged), less vram_headroom."""
+    return int((profile.vram_free_bytes + model_bytes_on_device) * (1.0 - opts.vram_headroom))
 
 
-def host_ram_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def choose(opts, block_units, outside_units, unpageable: list, backend, model_bytes_on_device: int) -> Placement:
+def choose(opts, block_units, outside_units, unpageable: list, profile, model_bytes_on_device: int) -> Placement:
     n = len(block_units)
     notes = []
-    usable, _ = device_memory(backend, model_bytes_on_device)
-    usable = int(usable * (1.0 - opts.vram_headroom))
+    usable = usable_device_bytes(opts, profile, model_bytes_on_device)
     if opts.param_offload == "auto":
+        # Static rule until the planner measures activations: keep weights to half of the
+        # usable device memory, leaving the rest to activations and transfers.
         paged = []
-        if backend.is_cuda:
-            # Static rule until the planner measures activations: keep weights to half of
-            # the usable VRAM, leaving the rest to activations and transfers.
-            resident = sum(u.nbytes for u in block_units + outside_units)
-            for u in block_units:
-                if resident <= usable // 2:
-                    break
-                if u.block in unpageable:
-                    continue
-                paged.append(u.block)
-                resident -= u.nbytes
-            notes.append(f"param_offload='auto' (static rule): {len(paged)} of {n} blocks paged; resident weights "
-                         f"{resident / GiB:.2f} GiB against half of {usable / GiB:.2f} GiB usable VRAM")
-        else:
-            notes.append("param_offload='auto' on the CPU: every block stays resident")
+        resident = sum(u.nbytes for u in block_units + outside_units)
+        for u in block_units:
+            if resident <= usable // 2:
+                break
+            if u.block in unpageable:
+                continue
+            paged.append(u.block)
+            resident -= u.nbytes
+        notes.append(f"param_offload='auto' (static rule): {len(paged)} of {n} blocks paged; resident weights "
+                     f"{resident / GiB:.2f} GiB against half of {usable / GiB:.2f} GiB usable device memory")
     else:
         paged = _explicit("param_offload", opts.param_offload, n)
     kept = [i for i in paged if i in unpageable]
@@ -97,9 +77,10 @@ def choose(opts, block_units, outside_units, unpageable: list, backend, model_by
     return Placement(sorted(paged), sorted(act), notes)
 
 
-def check_fits(opts, units, placement: Placement, backend, model_bytes_on_device: int, moment_bytes: int) -> dict:
-    """Host and device bytes this placement needs; MemoryError with the numbers when they
-    exceed what the machine has (check_memory=True)."""
+def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_on_device: int,
+               moment_bytes: int, pinned_bytes: int) -> dict:
+    """Host, pinned and device bytes this placement needs; MemoryError with the numbers
+    when they exceed what the profile says the machine has (check_memory=True)."""
     trainable = [s for u in units for s in u.trainable]
     n_train = sum(s.param.numel() for s in trainable)
     acc = 4 if opts.accumulation_steps > 1 else 0
@@ -115,10 +96,10 @@ def check_fits(opts, units, placement: Placement, backend, model_bytes_on_device
     largest_paged = max([u.nbytes for u in units if u.paged] or [0])
     device = {"resident weights": resident, "paged blocks in flight (2 largest)": 2 * largest_paged}
     need_host, need_dev = sum(host.values()), sum(device.values())
-    have_host = host_ram_available()
-    usable, _ = device_memory(backend, model_bytes_on_device)
-    usable = int(usable * (1.0 - opts.vram_headroom))
-    budget = {"host": host, "device": device, "host_available": have_host, "device_usable": usable}
+    have_host = profile.ram_available_bytes
+    usable = usable_device_bytes(opts, profile, model_bytes_on_device)
+    budget = {"host": host, "device": device, "host_available": have_host, "device_usable": usable,
+              "pinned": pinned_bytes if backend.is_cuda else 0, "pinned_limit": profile.pinned_limit_bytes}
     if not opts.check_memory:
         return budget
     problems = []
@@ -126,10 +107,14 @@ def check_fits(opts, units, placement: Placement, backend, model_bytes_on_device
         problems.append(f"host RAM: needs {need_host / GiB:.2f} GiB (" +
                         ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v) +
                         f"), available {have_host / GiB:.2f} GiB")
-    if backend.is_cuda and need_dev > usable:
+    if backend.is_cuda and pinned_bytes > profile.pinned_limit_bytes:
+        problems.append(f"pinned memory: needs {pinned_bytes / GiB:.2f} GiB of transfer buffers, the limit is "
+                        f"{profile.pinned_limit_bytes / GiB:.2f} GiB (raise RLIMIT_MEMLOCK, ulimit -l)")
+    if need_dev > usable:
         problems.append(f"VRAM: needs {need_dev / GiB:.2f} GiB before activations (" +
                         ", ".join(f"{k} {v / GiB:.2f}" for k, v in device.items() if v) +
-                        f"), usable {usable / GiB:.2f} GiB after vram_headroom={opts.vram_headroom}")
+                        f"), usable {usable / GiB:.2f} GiB after vram_headroom={opts.vram_headroom}"
+                        f" ({profile.source} profile)")
     if problems:
         raise MemoryError("trainstream.wrap(): this run does not fit. " + "; ".join(problems) +
                           ". What would help: moment_dtype='bfloat16' (halves the moments), paging more blocks "

@@ -1,6 +1,7 @@
 """The events log (every decision, in plain text) and memory_report()'s dictionary."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -42,6 +43,7 @@ def build_report(engine) -> dict:
             "moment_dtype": str(engine.optimizer.moment_dtype).replace("torch.", ""),
             "max_inflight_bytes": engine.max_inflight_bytes,
             "budget": engine.budget,
+            "profile": dataclasses.asdict(engine.profile),
             "history": list(engine.history),
         },
         "peaks": peaks,
