@@ -473,3 +473,22 @@ def test_host_arena_carves_power_of_two_pieces_without_overlap():
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     with pytest.raises(RuntimeError, match="exhausted"):
         arena.take((1,), torch.float32)
+
+
+def test_auto_moments_drop_to_bf16_only_when_ram_is_short(monkeypatch):
+    model, batch, loss_fn = tiny_mlp()  # 393K params: fp32 moments need about 6 MiB of host memory in all
+    wrapped, opt = trainstream.wrap(model, None, device="cpu", profile=machine(ram_gib=64))
+    assert opt.moment_dtype == torch.float32
+    trainstream.unwrap(wrapped)
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", profile=machine(ram_gib=5.2 / 1024))
+    assert opt.moment_dtype == torch.bfloat16
+    assert "bfloat16 with stochastic rounding" in trainstream.memory_report(model)["events"]
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
+    # Eight processes on the node share its RAM: a 64 GiB machine gives each an eighth.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    model, _, _ = tiny_mlp()
+    with pytest.raises(MemoryError, match="share of 8"):
+        trainstream.wrap(model, None, device="cpu", profile=machine(ram_gib=8 * 3.0 / 1024))

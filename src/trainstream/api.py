@@ -9,7 +9,7 @@ from .engine.device import Backend
 from .engine.engine import Engine
 from .engine.layout import arena_bytes, build_units
 from .engine.optimizer import StreamedAdamW
-from .engine.placement import check_fits, choose
+from .engine.placement import check_fits, choose, choose_moment_dtype
 from .engine.report import build_report
 from .engine.state import StateHooks, unwrap as _unwrap
 from .optim.convert import convert_optimizer
@@ -125,6 +125,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     for u in block_units:
         u.paged = u.block in placement.paged
         u.act_paged = u.block in placement.act_paged
+    moment_note = None
+    if opts.moment_dtype == "auto":
+        moment_dtype, moment_note = choose_moment_dtype(opts, block_units + outside_units, profile)
+        optimizer.set_moment_dtype(moment_dtype)
     budget = check_fits(opts, block_units + outside_units, placement, backend, profile, on_device,
                         optimizer.moment_dtype.itemsize, arena_bytes(block_units + outside_units))
 
@@ -138,9 +142,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         events.add(note)
     events.add(f"weights: {len(placement.paged)} blocks paged {placement.paged}, "
                f"{len(block_units) - len(placement.paged)} resident; activations paged for blocks {placement.act_paged}")
-    events.add(f"optimizer: host AdamW, moments {str(moment_dtype).replace('torch.', '')}"
-               + (" ('auto': float32 until the planner weighs RAM)" if opts.moment_dtype == "auto" else "")
-               + f", {len(in_optimizer)} trainable tensors")
+    if moment_note:
+        events.add(moment_note)
+    events.add(f"optimizer: host AdamW, moments {str(optimizer.moment_dtype).replace('torch.', '')}, "
+               f"{len(in_optimizer)} trainable tensors")
     if opts.offload == "auto":
         events.add("offload='auto': staying in offload mode (the switch to fused GPU AdamW comes with the planner)")
     if opts.optimizer_mode == "auto":

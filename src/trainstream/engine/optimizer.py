@@ -41,6 +41,14 @@ class StreamedAdamW(OffloadAdamW):
             raise ValueError(f"trainstream: trainable parameters must be float32 or bfloat16, got {p.dtype} "
                              "(for float16 weights keep fp32 parameters and train under torch.autocast)")
 
+    def set_moment_dtype(self, dtype: torch.dtype) -> None:
+        """Before training: moments from a converted optimizer are cast (rounded to nearest)."""
+        self.moment_dtype = dtype
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and state[key].dtype != dtype:
+                    state[key] = state[key].to(dtype)
+
     def _engine_or_raise(self):
         if self._engine is None:
             raise RuntimeError("trainstream: this optimizer's model was unwrapped; build a new optimizer "

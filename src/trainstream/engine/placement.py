@@ -7,6 +7,7 @@ Every choice is written to the events log with its numbers.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -77,14 +78,27 @@ def choose(opts, block_units, outside_units, unpageable: list, profile, model_by
     return Placement(sorted(paged), sorted(act), notes)
 
 
-def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_on_device: int,
-               moment_bytes: int, pinned_bytes: int) -> dict:
-    """Host, pinned and device bytes this placement needs; MemoryError with the numbers
-    when they exceed what the profile says the machine has (check_memory=True)."""
+def local_processes() -> int:
+    """Processes sharing this machine's RAM (torchrun / Slurm set these)."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        try:
+            return max(1, int(os.environ[name].split("(")[0]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
+def ram_share(profile) -> int:
+    """This process's share of the available RAM."""
+    return profile.ram_available_bytes // local_processes()
+
+
+def host_bytes(opts, units, moment_bytes: int) -> dict:
+    """Host memory the engine needs, by class."""
     trainable = [s for u in units for s in u.trainable]
     n_train = sum(s.param.numel() for s in trainable)
     acc = 4 if opts.accumulation_steps > 1 else 0
-    host = {
+    return {
         "fp32 master weights": 4 * n_train,
         "gradient buffers": sum(s.param.numel() * s.dtype.itemsize for s in trainable) + acc * n_train,
         "moments": 2 * moment_bytes * n_train,
@@ -92,11 +106,31 @@ def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_
         "lower-precision copies": sum(s.param.numel() * 2 for s in trainable
                                       if s.dtype != torch.float32 or (s.unit.paged and s.is_linear)),
     }
+
+
+def choose_moment_dtype(opts, units, profile) -> tuple[torch.dtype, str]:
+    """moment_dtype='auto': float32 unless the host cannot hold it, then bfloat16."""
+    share = ram_share(profile)
+    need32 = sum(host_bytes(opts, units, 4).values())
+    if need32 <= share:
+        return torch.float32, (f"moment_dtype='auto': float32 ({need32 / GiB:.2f} GiB of host memory needed, "
+                               f"{share / GiB:.2f} GiB available to this process)")
+    need16 = sum(host_bytes(opts, units, 2).values())
+    return torch.bfloat16, (f"moment_dtype='auto': bfloat16 with stochastic rounding, because float32 moments would "
+                            f"need {need32 / GiB:.2f} GiB of host memory and {share / GiB:.2f} GiB is available "
+                            f"(bfloat16: {need16 / GiB:.2f} GiB)")
+
+
+def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_on_device: int,
+               moment_bytes: int, pinned_bytes: int) -> dict:
+    """Host, pinned and device bytes this placement needs; MemoryError with the numbers
+    when they exceed what the profile says the machine has (check_memory=True)."""
+    host = host_bytes(opts, units, moment_bytes)
     resident = sum(u.nbytes for u in units if not u.paged)
     largest_paged = max([u.nbytes for u in units if u.paged] or [0])
     device = {"resident weights": resident, "paged blocks in flight (2 largest)": 2 * largest_paged}
     need_host, need_dev = sum(host.values()), sum(device.values())
-    have_host = profile.ram_available_bytes
+    have_host = ram_share(profile)
     usable = usable_device_bytes(opts, profile, model_bytes_on_device)
     budget = {"host": host, "device": device, "host_available": have_host, "device_usable": usable,
               "pinned": pinned_bytes if backend.is_cuda else 0, "pinned_limit": profile.pinned_limit_bytes}
@@ -106,7 +140,9 @@ def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_
     if need_host > have_host:
         problems.append(f"host RAM: needs {need_host / GiB:.2f} GiB (" +
                         ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v) +
-                        f"), available {have_host / GiB:.2f} GiB")
+                        f"), available {have_host / GiB:.2f} GiB"
+                        + (f" (this process's share of {local_processes()} on the machine)"
+                           if local_processes() > 1 else ""))
     if backend.is_cuda and pinned_bytes > profile.pinned_limit_bytes:
         problems.append(f"pinned memory: needs {pinned_bytes / GiB:.2f} GiB of transfer buffers, the limit is "
                         f"{profile.pinned_limit_bytes / GiB:.2f} GiB (raise RLIMIT_MEMLOCK, ulimit -l)")
