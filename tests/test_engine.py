@@ -492,3 +492,13 @@ def test_auto_moments_drop_to_bf16_only_when_ram_is_short(monkeypatch):
     model, _, _ = tiny_mlp()
     with pytest.raises(MemoryError, match="share of 8"):
         trainstream.wrap(model, None, device="cpu", profile=machine(ram_gib=8 * 3.0 / 1024))
+
+
+def test_saved_activations_are_measured_per_block():
+    _, _, (model, _) = train("gpt", RESIDENT, steps=3)
+    measured = trainstream.memory_report(model)["plan"]["activation_bytes_per_block"]
+    assert sorted(measured) == [0, 1, 2, 3]
+    # Each block saves at least its input (4 x 16 tokens x 64 fp32) and its MLP hidden (4x wider).
+    assert all(b >= 4 * 16 * 64 * 4 * 5 for b in measured.values()), measured
+    _, _, (paged, _) = train("gpt", PAGED, steps=1)
+    assert trainstream.memory_report(paged)["plan"]["activation_bytes_per_block"] == measured

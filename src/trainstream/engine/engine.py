@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .activations import ActivationPager, PagedTensor
 from .device import Backend, HostArena, TransferLedger
@@ -49,6 +50,8 @@ def _tensors_in(out):
 
 
 class Engine:
+    MEASURED_PASSES = 2
+
     def __init__(self, model, optimizer, opts, backend: Backend, stack, block_units, outside_units):
         self.model = model
         self.optimizer = optimizer
@@ -78,6 +81,12 @@ class Engine:
         self.grads = GradStreamer(self)
         self.resident_storages: set = set()
         self._entered: set = set()   # blocks whose backward has started this pass
+        # Saved-activation bytes per block, measured over the first MEASURED_PASSES forward
+        # passes with autograd on (the planner sizes activation paging from them).
+        self.activation_bytes: dict = {}
+        self._measured_passes = 0
+        self._counting: dict | None = None  # storage pointer -> (weak ref, bytes), in the block running now
+        self._counted = 0
         self._handles: list = []
         self._forwards: dict = {}    # block module -> its own forward attribute, if it had one
 
@@ -152,6 +161,11 @@ class Engine:
             if unit.paged and unit.fetched is not None:
                 self.weights.release(unit)  # left over from a forward without backward
         self.acts.new_pass()
+        if torch.is_grad_enabled() and self._measured_passes < self.MEASURED_PASSES:
+            self._measured_passes += 1
+            self._measuring = True
+        else:
+            self._measuring = False
         for unit in self.outside_units:
             self.weights.guard(unit)
 
@@ -161,14 +175,16 @@ class Engine:
         @functools.wraps(forward)
         def paged_forward(*args, **kwargs):
             engine.enter_block(unit)
+            measure = engine._start_counting()
             try:
-                if (unit.paged or unit.act_paged) and torch.is_grad_enabled():
+                if (unit.paged or unit.act_paged or measure) and torch.is_grad_enabled():
                     with torch.autograd.graph.saved_tensors_hooks(
                             functools.partial(engine.pack, unit), engine.unpack):
                         out = forward(*args, **kwargs)
                 else:
                     out = forward(*args, **kwargs)
             finally:
+                engine._stop_counting(unit, measure)
                 engine.exit_block(unit)
             engine.watch_backward(unit, out)
             return out
@@ -197,6 +213,22 @@ class Engine:
         if not (last and torch.is_grad_enabled()):  # the last block's backward comes first: keep it
             self.weights.release(unit)
 
+    def _start_counting(self) -> bool:
+        """Count this block's saved activations? Only in the first passes, and never under
+        someone else's saved-tensor hooks (a checkpoint's), which ours would override."""
+        if (not getattr(self, "_measuring", False) or not torch.is_grad_enabled() or self.grads.in_backward
+                or self._in_autograd() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+            return False
+        self._counting = {}
+        self._counted = 0
+        return True
+
+    def _stop_counting(self, unit, measured: bool) -> None:
+        if measured:
+            total = self._counted
+            self.activation_bytes[unit.block] = max(self.activation_bytes.get(unit.block, 0), total)
+            self._counting = None
+
     def pack(self, unit, t: torch.Tensor):
         if t.device != self.backend.device or t.numel() == 0:
             return t
@@ -204,6 +236,11 @@ class Engine:
         slot = self.weights.fetched_storages.get(ptr)
         if slot is not None:
             return SavedWeight(slot, t)
+        if self._counting is not None and ptr not in self.resident_storages:
+            seen = self._counting.get(ptr)
+            if seen is None or seen[0].expired():  # a paged storage's address may be reused in the block
+                self._counting[ptr] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+                self._counted += t.untyped_storage().nbytes()
         if (not unit.act_paged or ptr in self.resident_storages
                 or t.untyped_storage().nbytes() < self.opts.min_offload_bytes):
             return t

@@ -45,6 +45,8 @@ def build_report(engine) -> dict:
             "budget": engine.budget,
             "profile": dataclasses.asdict(engine.profile),
             "history": list(engine.history),
+            # Saved activations per block (bytes, largest of the first passes), measured.
+            "activation_bytes_per_block": dict(engine.activation_bytes),
         },
         "peaks": peaks,
         "paged_activation_bytes": engine.acts.paged_bytes,
