@@ -35,7 +35,7 @@ def _target_device(model, requested) -> torch.device:
         return requested
     on = {p.device for p in model.parameters()}
     cuda = [d for d in on if d.type == "cuda"]
-    if len({d for d in cuda}) > 1:
+    if len(cuda) > 1:
         raise ValueError(f"wrap(): the model's parameters are on several GPUs ({sorted(map(str, cuda))}); "
                          "pass device= to choose one")
     if cuda:

@@ -85,6 +85,7 @@ class Engine:
         # passes with autograd on (the planner sizes activation paging from them).
         self.activation_bytes: dict = {}
         self._measured_passes = 0
+        self._measuring = False              # this forward pass counts activations
         self._counting: dict | None = None  # storage pointer -> (weak ref, bytes), in the block running now
         self._counted = 0
         self._handles: list = []
@@ -216,7 +217,7 @@ class Engine:
     def _start_counting(self) -> bool:
         """Count this block's saved activations? Only in the first passes, and never under
         someone else's saved-tensor hooks (a checkpoint's), which ours would override."""
-        if (not getattr(self, "_measuring", False) or not torch.is_grad_enabled() or self.grads.in_backward
+        if (not self._measuring or not torch.is_grad_enabled() or self.grads.in_backward
                 or self._in_autograd() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
             return False
         self._counting = {}
