@@ -272,6 +272,7 @@ def test_gpu_synchronization_stress(opts):
 def test_gpu_paging_lowers_the_peak():
     factory = lambda: tiny_mlp(layers=8, dim=2048, rows=512)  # noqa: E731
     peaks = {}
+    trainstream.profile_hardware("cuda")  # measured (and cached) outside the peaks compared
     # The CPU outruns this tiny compute: without max_inflight_bytes holding it back, released
     # blocks and gradients waiting for their copies would pile up in VRAM.
     for label, opts in (("resident", RESIDENT), ("paged", dict(PAGED, min_offload_bytes=1 << 20,

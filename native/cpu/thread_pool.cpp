@@ -57,21 +57,6 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-std::shared_ptr<Job> ThreadPool::submit(Job::ChunkFn fn, int64_t num_chunks,
-                                        std::vector<const void*> keys, int64_t priority) {
-  auto job = std::make_shared<Job>(std::move(fn), num_chunks, std::move(keys), priority);
-  if (num_chunks == 0) {
-    job->complete_.store(true, std::memory_order_release);
-    return job;
-  }
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    jobs_.push_back(job);
-  }
-  cv_.notify_all();
-  return job;
-}
-
 static bool shares_key(const std::vector<const void*>& a, const std::vector<const void*>& b) {
   // Both sorted: a linear merge walk.
   size_t i = 0, j = 0;
@@ -82,32 +67,58 @@ static bool shares_key(const std::vector<const void*>& a, const std::vector<cons
   return false;
 }
 
-Job* ThreadPool::next_runnable_locked() {
-  Job* best = nullptr;
-  for (size_t i = 0; i < jobs_.size(); ++i) {
-    Job* job = jobs_[i].get();
-    if (job->next_chunk_ >= job->num_chunks_) continue;
-    if (best != nullptr && job->priority_ >= best->priority_) continue;
-    bool blocked = false;
-    for (size_t k = 0; k < i && !blocked; ++k) blocked = shares_key(jobs_[k]->keys_, job->keys_);
-    if (!blocked) best = job;
+std::shared_ptr<Job> ThreadPool::submit(Job::ChunkFn fn, int64_t num_chunks,
+                                        std::vector<const void*> keys, int64_t priority) {
+  auto job = std::make_shared<Job>(std::move(fn), num_chunks, std::move(keys), priority);
+  if (num_chunks == 0) {
+    job->complete_.store(true, std::memory_order_release);
+    return job;
   }
-  return best;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (auto& earlier : jobs_) {
+      if (shares_key(earlier->keys_, job->keys_)) {
+        earlier->dependents_.push_back(job);
+        ++job->blockers_;
+      }
+    }
+    jobs_.push_back(job);
+  }
+  cv_.notify_all();
+  return job;
+}
+
+std::shared_ptr<Job> ThreadPool::next_runnable_locked() {
+  std::shared_ptr<Job>* best = nullptr;
+  for (auto& job : jobs_) {
+    if (job->blockers_ > 0 || job->next_chunk_ >= job->num_chunks_) continue;
+    if (best == nullptr || job->priority_ < (*best)->priority_) best = &job;
+  }
+  return best ? *best : nullptr;
+}
+
+void ThreadPool::finish_locked(const std::shared_ptr<Job>& job) {
+  jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
+  for (auto& later : job->dependents_) --later->blockers_;
+  job->dependents_.clear();
+  {
+    std::lock_guard<std::mutex> g(job->wait_mu_);
+    job->complete_.store(true, std::memory_order_release);
+  }
+  job->wait_cv_.notify_all();
 }
 
 void ThreadPool::worker_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    Job* picked = nullptr;
-    cv_.wait(lock, [&] {
-      picked = next_runnable_locked();
-      // Drain before stopping: a destroyed pool never leaves a handle waiting forever.
-      return picked != nullptr || (stopping_ && jobs_.empty());
-    });
-    if (picked == nullptr) return;
-    int64_t chunk = picked->next_chunk_++;
     std::shared_ptr<Job> job;
-    for (auto& j : jobs_) if (j.get() == picked) { job = j; break; }
+    cv_.wait(lock, [&] {
+      job = next_runnable_locked();
+      // Drain before stopping: a destroyed pool never leaves a handle waiting forever.
+      return job != nullptr || (stopping_ && jobs_.empty());
+    });
+    if (job == nullptr) return;
+    int64_t chunk = job->next_chunk_++;
     lock.unlock();
     try {
       job->fn_(chunk);
@@ -120,12 +131,7 @@ void ThreadPool::worker_loop() {
     }
     lock.lock();
     if (job->finished_chunks_.fetch_add(1, std::memory_order_acq_rel) + 1 == job->num_chunks_) {
-      jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
-      {
-        std::lock_guard<std::mutex> g(job->wait_mu_);
-        job->complete_.store(true, std::memory_order_release);
-      }
-      job->wait_cv_.notify_all();
+      finish_locked(job);
       // A finished job may unblock later jobs that share its keys.
       cv_.notify_all();
     }

@@ -4,7 +4,10 @@
 // block's update and returns to backward at once), several jobs must be able to run
 // at the same time, and two jobs that touch the same tensor must run in the order they
 // were queued. A job therefore carries "keys" (the addresses it writes); a worker only
-// takes chunks from a job when no earlier unfinished job shares one of its keys.
+// takes chunks from a job when no earlier unfinished job shares one of its keys. That
+// test is made once, when the job is queued (it counts its blockers), not on every chunk
+// claimed: a step queues tens of jobs of thousands of chunks each, and a scan of every
+// pair of jobs per chunk, under the pool's lock, cost more than the update itself.
 // Among the jobs it may run, a worker takes the one with the lowest priority number
 // (then the oldest): the engine queues block updates in backward order but the next
 // forward needs them in forward order, so it numbers them by when they are needed.
@@ -39,7 +42,10 @@ class Job {
   int64_t num_chunks_;
   std::vector<const void*> keys_;
   int64_t priority_;                       // lower runs first; equal: submission order
-  int64_t next_chunk_ = 0;                 // guarded by the pool's mutex
+  // Guarded by the pool's mutex:
+  int64_t next_chunk_ = 0;
+  int64_t blockers_ = 0;                   // earlier unfinished jobs that share a key
+  std::vector<std::shared_ptr<Job>> dependents_;  // later jobs this one blocks
   std::atomic<int64_t> finished_chunks_{0};
   std::atomic<bool> complete_{false};
   std::mutex wait_mu_;
@@ -63,9 +69,11 @@ class ThreadPool {
 
  private:
   void worker_loop();
-  // Picks, among jobs with an unclaimed chunk whose keys no earlier unfinished job holds,
-  // the one with the lowest priority number (the oldest of equals). Caller holds mu_.
-  Job* next_runnable_locked();
+  // Picks, among unblocked jobs with an unclaimed chunk, the one with the lowest priority
+  // number (the oldest of equals). Caller holds mu_.
+  std::shared_ptr<Job> next_runnable_locked();
+  // Removes a finished job and unblocks its dependents. Caller holds mu_.
+  void finish_locked(const std::shared_ptr<Job>& job);
 
   std::mutex mu_;
   std::condition_variable cv_;
