@@ -219,12 +219,13 @@ def test_memory_error_gives_the_numbers():
 
 
 def test_auto_pages_blocks_on_a_small_simulated_card():
-    # 6 blocks of 256 KiB: a 1 MiB card keeps about half its usable memory for weights.
+    # 6 blocks of 256 KiB on a 4 MiB card: half the usable memory is held back for the
+    # activations not measured yet, and some of the rest goes to transfers.
     model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", profile=machine(vram_gib=1 / 1024))
+    model, opt = trainstream.wrap(model, None, device="cpu", profile=machine(vram_gib=4 / 1024))
     report = trainstream.memory_report(model)
     assert 0 < len(report["params"]["paged_blocks"]) < 6, report["events"]
-    assert "static rule" in report["events"] and report["plan"]["profile"]["source"] == "given"
+    assert "plan at wrap()" in report["events"] and report["plan"]["profile"]["source"] == "given"
     loss_fn(model, batch(0, "cpu")).backward()
     opt.step()
 
@@ -359,7 +360,7 @@ def test_a_no_grad_forward_between_forward_and_backward():
     for opts in (RESIDENT, PAGED):
         torch.manual_seed(0)
         model, batch, loss_fn = tiny_gpt()
-        model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, **opts)
+        model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **opts)
         losses = []
         for i in range(3):
             with torch.autocast("cpu", dtype=torch.bfloat16):

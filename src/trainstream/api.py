@@ -9,7 +9,8 @@ from .engine.device import Backend
 from .engine.engine import Engine
 from .engine.layout import arena_bytes, build_units
 from .engine.optimizer import StreamedAdamW
-from .engine.placement import check_fits, choose, choose_moment_dtype
+from .engine.adapt import Adapter
+from .engine.placement import check_fits, choose, choose_moment_dtype, default_inflight_bytes
 from .engine.report import build_report
 from .engine.state import StateHooks, unwrap as _unwrap
 from .optim.convert import convert_optimizer
@@ -135,6 +136,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
     engine.budget = budget
     engine.profile = profile
+    if opts.max_inflight_bytes is None:
+        engine.max_inflight_bytes = default_inflight_bytes(profile)
+    engine.adapter = Adapter(engine, profile, unpageable, on_device)
     events = engine.events
     events.add(f"device {device}; {stack.describe()}")
     events.add(profile.describe())
@@ -147,7 +151,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     events.add(f"optimizer: host AdamW, moments {str(optimizer.moment_dtype).replace('torch.', '')}, "
                f"{len(in_optimizer)} trainable tensors")
     if opts.offload == "auto":
-        events.add("offload='auto': staying in offload mode (the switch to fused GPU AdamW comes with the planner)")
+        events.add(f"offload='auto': after {Adapter.SWITCH_AFTER} measured steps, switches to "
+                   "torch.optim.AdamW(fused=True) on the device if stock training fits")
     if opts.optimizer_mode == "auto":
         events.add("optimizer_mode='auto': host AdamW")
     if opts.quantize == "auto":
@@ -169,7 +174,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     remove every hook and return the plain model. The wrapped optimizer can still give its
     state_dict() but no longer steps."""
     engine = _engine_of(model)
-    _unwrap(engine)
+    if engine.mode != "stock":  # a switched run is already plain
+        _unwrap(engine)
     object.__delattr__(model, _ATTR)
     return model
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import engine, optimizer, optimizer_gpu, quant, readme
+from . import engine, optimizer, optimizer_gpu, planner, quant, readme
 from .common import env_line, environment, write_result
 
 # suite name -> (needs a GPU, runner(args) -> result dict)
@@ -18,6 +18,7 @@ SUITES = {
     "optimizer_gpu": (True, lambda a: optimizer_gpu.run(params=a.params or (1 << 24 if a.quick else 1 << 28),
                                                         iters=5 if a.quick else 10)),
     "engine": (True, lambda a: engine.run(quick=a.quick)),
+    "planner": (True, lambda a: planner.run(quick=a.quick)),
 }
 
 

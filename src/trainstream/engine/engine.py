@@ -66,15 +66,12 @@ class Engine:
         self.budget: dict = {}
         self.profile = None          # the HardwareProfile the placement used
         self.steps = 0
+        self.mode = "offload"        # "stock" once offload="auto" has switched (switch.py)
+        self.adapter = None          # set by wrap(): measures, replans, moves blocks (adapt.py)
         self.last_grad_norm = None
         self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
-        if opts.max_inflight_bytes is not None:
-            self.max_inflight_bytes = opts.max_inflight_bytes
-        elif backend.is_cuda:
-            total = torch.cuda.get_device_properties(backend.device).total_memory
-            self.max_inflight_bytes = min(GiB, total // 10)
-        else:
-            self.max_inflight_bytes = GiB
+        # wrap() replaces the default with placement.default_inflight_bytes(profile).
+        self.max_inflight_bytes = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else GiB
         self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
         self.weights = WeightPager(self)
         self.acts = ActivationPager(self)
@@ -157,6 +154,7 @@ class Engine:
         self.grads.recover()
         if self.grads.in_backward:
             return  # a forward recomputed inside backward (checkpointing): nothing to move
+        self.adapter.apply_pending()
         self.grads.poll()
         for unit in self.block_units:
             if unit.paged and unit.fetched is not None:
@@ -167,6 +165,8 @@ class Engine:
             self._measuring = True
         else:
             self._measuring = False
+        if torch.is_grad_enabled():
+            self.adapter.new_pass(timed=self.adapter.timed_passes < self.adapter.TIMED_PASSES)
         for unit in self.outside_units:
             self.weights.guard(unit)
 
@@ -201,6 +201,8 @@ class Engine:
         if self.grads.in_backward or self._in_autograd():
             self.weights.guard(unit)
             return
+        if torch.is_grad_enabled():
+            self.adapter.block_starts(unit)  # may page this block's activations (the online guard)
         self.acts.drop(unit)
         self.weights.guard(unit)
         nxt = unit.block + 1
@@ -208,7 +210,11 @@ class Engine:
             self.weights.fetch(self.block_units[nxt], ahead=True)
 
     def exit_block(self, unit) -> None:
-        if self.grads.in_backward or self._in_autograd() or not unit.paged:
+        if self.grads.in_backward or self._in_autograd():
+            return
+        if torch.is_grad_enabled():
+            self.adapter.block_ends(unit)
+        if not unit.paged:
             return
         last = unit.block == len(self.block_units) - 1
         if not (last and torch.is_grad_enabled()):  # the last block's backward comes first: keep it
@@ -273,6 +279,7 @@ class Engine:
         if i in self._entered:
             return
         self._entered.add(i)
+        self.adapter.sample()
         blocks = self.block_units
         if i + 1 < len(blocks):
             done = blocks[i + 1]
@@ -291,6 +298,7 @@ class Engine:
             self.acts.prefetch(blocks[j])
 
     def after_backward(self) -> None:
+        self.adapter.sample()
         for unit in self.block_units:
             if unit.paged:
                 self.weights.release(unit)
@@ -343,6 +351,7 @@ class Engine:
         self.weights.land_updates()
         if not self.opts.guard_params:
             self.synchronize()
+        self.adapter.after_step()
 
     def zero_grad(self) -> None:
         """Drop the gradients of the current window (torch's zero_grad); updates already

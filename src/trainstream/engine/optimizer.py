@@ -33,6 +33,7 @@ class StreamedAdamW(OffloadAdamW):
     """
 
     _engine = None
+    _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
 
     def _check_param(self, p: torch.Tensor) -> None:
         if self._engine is not None:
@@ -65,13 +66,39 @@ class StreamedAdamW(OffloadAdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._stock is not None:
+            self._stock_step()
+            return loss
         self._engine_or_raise().step()
         return loss
 
+    def _stock_step(self) -> None:
+        engine = self._stock_engine
+        if engine.opts.max_grad_norm is not None:  # the clipping wrap() was asked for, as torch does it
+            params = [p for g in self.param_groups for p in g["params"]]
+            engine.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, engine.opts.max_grad_norm))
+        self._stock.step()
+        engine.steps += 1
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._stock is not None:
+            self._stock.zero_grad(set_to_none)
+            return
         if self._engine is not None:
             self._engine.zero_grad()
         super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        if self._stock is not None:
+            return self._stock.state_dict()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self._stock is not None:
+            self._stock.load_state_dict(state_dict)  # torch builds new group dicts
+            self.state, self.param_groups = self._stock.state, self._stock.param_groups
+            return
+        super().load_state_dict(state_dict)
 
     def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with

@@ -96,6 +96,37 @@ class WeightPager:
                     unit.h2d_event = None
         unit.updates = []
 
+    # -- moving units between the two (the adapter, between steps) --------------------------------
+
+    def repage(self, units) -> bool:
+        """Page the resident units among `units` and bring the paged ones in for good. Every
+        update must be synchronized first (engine.synchronize()). True if any moved."""
+        for unit in units:
+            if unit.paged:
+                self._to_resident(unit)
+            else:
+                self._to_paged(unit)
+        return bool(units)
+
+    def _to_paged(self, unit) -> None:
+        backend = self.backend
+        for s in unit.slots:
+            if s.dtype not in s.host:  # a frozen resident param has no host copy yet
+                s.host[s.dtype] = backend.to_host(s.param.data)
+            self.engine.resident_storages.discard(s.param.data.untyped_storage().data_ptr())
+            if s.placeholder is None:
+                s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(
+                    s.param.shape)
+            s.param.data = s.placeholder
+        unit.paged, unit.stale, unit.h2d_event = True, False, None
+
+    def _to_resident(self, unit) -> None:
+        self.release(unit)
+        for s in unit.slots:
+            s.param.data = s.host[s.dtype].to(self.backend.device)  # the master, or the model-dtype copy
+            self.engine.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+        unit.paged, unit.fetch_dtypes = False, {}
+
     # -- paged units ---------------------------------------------------------------------------
 
     def _dtype_for(self, slot, autocast_dtype):

@@ -1,9 +1,10 @@
 """Which blocks page their weights and activations, and whether the run fits at all.
 
-Explicit options are followed exactly. For "auto" this module applies a static rule from
-byte counts and the hardware profile's memory figures; the planner's plan (activation
-sizes, PCIe and optimizer rates, adaptation from peaks) replaces the rule in its own stage.
-Every choice is written to the events log with its numbers.
+Explicit options are followed exactly. For "auto", the planner (planner/plan.py) chooses
+from the byte counts of the model and the hardware profile; before activations have been
+measured it holds back a share of the device memory for them. The adapter (adapt.py)
+replans from what the first steps measure. Every choice goes to the events log with its
+numbers.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from ..planner.plan import BlockBytes, PlanInputs, make_plan
 
 GiB = 1 << 30
 
@@ -46,35 +49,75 @@ def usable_device_bytes(opts, profile, model_bytes_on_device: int) -> int:
     return int((profile.vram_free_bytes + model_bytes_on_device) * (1.0 - opts.vram_headroom))
 
 
+# Until the first forward pass has measured them, activations are assumed to need this
+# share of the usable device memory (the online guard pages them if they need more).
+UNKNOWN_ACTIVATION_SHARE = 0.5
+
+
+def default_inflight_bytes(profile) -> int:
+    """max_inflight_bytes=None: 1 GiB or a tenth of the device memory (a capped process's
+    share), the smaller."""
+    return int(min(GiB, profile.vram_total_bytes // 10))
+
+
+def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *, inflight: int,
+                act_bytes: dict | None = None, compute_s: float = 0.0, correction: int = 0,
+                compute_dtype=None) -> PlanInputs:
+    """The planner's view of this model on this machine. `act_bytes`: saved activations per
+    block as measured (None before the first pass: a share of the memory is held back for
+    them instead); `correction`: measured peak minus predicted, from the adapter."""
+    def crossing(u):
+        # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py).
+        return sum(s.param.numel() * 2 if compute_dtype == torch.bfloat16 and s.is_linear
+                   and s.dtype == torch.float32 else s.nbytes for s in u.slots)
+
+    blocks = [BlockBytes(u.nbytes, crossing(u), sum(s.nbytes for s in u.trainable),
+                         (act_bytes or {}).get(u.block, max((act_bytes or {0: 0}).values(), default=0)),
+                         u.block not in unpageable) for u in block_units]
+    trainable = [s for u in block_units + outside_units for s in u.trainable]
+    largest_block = max([u.nbytes for u in block_units] or [0])
+    # Outside weights stay resident; one block's gradients on their way out and the
+    # transfers max_inflight_bytes allows are held on top of the plan's own bytes.
+    fixed = sum(u.nbytes for u in outside_units) + largest_block + inflight + correction
+    if act_bytes is None:
+        fixed += int(UNKNOWN_ACTIVATION_SHARE * usable)
+
+    def fixed_list(value):
+        return _explicit("param_offload", value, len(block_units)) if value != "auto" else ()
+    return PlanInputs(
+        blocks=blocks, fixed_bytes=fixed, usable_bytes=usable, h2d_bytes_per_s=profile.h2d_bytes_per_s,
+        d2h_bytes_per_s=profile.d2h_bytes_per_s,
+        adamw_s=sum(s.param.numel() for s in trainable) / profile.host_adamw_params_per_s,
+        grad_bytes=sum(s.nbytes for s in trainable),
+        outside_push_bytes=sum(s.nbytes for u in outside_units for s in u.trainable), compute_s=compute_s,
+        max_activation_slowdown=opts.max_activation_slowdown, prefetch_depth=opts.prefetch_depth,
+        weights="auto" if opts.param_offload == "auto" else "fixed",
+        activations="auto" if opts.activation_offload == "auto" else "fixed",
+        fixed_paged=tuple(i for i in fixed_list(opts.param_offload) if i not in unpageable),
+        fixed_act_paged=tuple(_explicit("activation_offload", opts.activation_offload, len(block_units))
+                              if opts.activation_offload != "auto" else ()))
+
+
 def choose(opts, block_units, outside_units, unpageable: list, profile, model_bytes_on_device: int) -> Placement:
     n = len(block_units)
     notes = []
     usable = usable_device_bytes(opts, profile, model_bytes_on_device)
-    if opts.param_offload == "auto":
-        # Static rule until the planner measures activations: keep weights to half of the
-        # usable device memory, leaving the rest to activations and transfers.
-        paged = []
-        resident = sum(u.nbytes for u in block_units + outside_units)
-        for u in block_units:
-            if resident <= usable // 2:
-                break
-            if u.block in unpageable:
-                continue
-            paged.append(u.block)
-            resident -= u.nbytes
-        notes.append(f"param_offload='auto' (static rule): {len(paged)} of {n} blocks paged; resident weights "
-                     f"{resident / GiB:.2f} GiB against half of {usable / GiB:.2f} GiB usable device memory")
-    else:
-        paged = _explicit("param_offload", opts.param_offload, n)
+    paged = _explicit("param_offload", opts.param_offload, n) if opts.param_offload != "auto" else []
     kept = [i for i in paged if i in unpageable]
     if kept:
         notes.append(f"blocks {kept} share a parameter with modules outside them (tied weights): kept resident")
         paged = [i for i in paged if i not in unpageable]
-    if opts.activation_offload == "auto":
-        act = []
-        notes.append("activation_offload='auto': no block pages activations until the planner measures them")
-    else:
-        act = _explicit("activation_offload", opts.activation_offload, n)
+    act = _explicit("activation_offload", opts.activation_offload, n) if opts.activation_offload != "auto" else []
+    if "auto" in (opts.param_offload, opts.activation_offload):
+        inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
+        plan = make_plan(plan_inputs(opts, block_units, outside_units, unpageable, profile, usable, inflight=inflight))
+        if opts.param_offload == "auto":
+            paged = plan.paged
+        notes.append(f"plan at wrap() (activations not measured yet: {UNKNOWN_ACTIVATION_SHARE:.0%} of the usable "
+                     f"device memory held back for them): {plan.describe(usable)}")
+        if opts.activation_offload == "auto":
+            notes.append("activation_offload='auto': activations stay on the device until the first forward pass "
+                         "measures them; a block whose activations would not fit is paged as the pass goes")
     return Placement(sorted(paged), sorted(act), notes)
 
 

@@ -29,7 +29,7 @@ def build_report(engine) -> dict:
     if engine.backend.is_cuda:
         peaks["max_allocated_bytes"] = torch.cuda.max_memory_allocated(engine.backend.device)
     return {
-        "mode": "offload",
+        "mode": engine.mode,
         "events": engine.events.text(),
         "params": {
             "paged_blocks": [u.block for u in blocks if u.paged],

@@ -1,0 +1,190 @@
+"""Suite `planner`: wrap() with its defaults against stock training and hand-tuned settings.
+
+- An 85M GPT that fits: stock fused AdamW against TrainStream's defaults (offload="auto"
+  measures two steps, then switches to the same fused AdamW).
+- The 1.9B GPT under VRAM caps of 24, 8 and 4 GiB (set_per_process_memory_fraction):
+  the defaults against a few hand-picked settings for the same cap; the best of those is
+  the reference the planner's choice is held to.
+- The hardware profile: time of the first measurement and of a cached wrap-time lookup.
+
+Each cap runs in its own process (the cap is per process). Within it, every setting
+trains a fresh copy of one model built in host memory; pinned buffers freed by one
+setting are reused by the next (torch's host allocator caches them), so settings are not
+charged for pinning.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from .common import markdown_table
+
+GiB = 1 << 30
+BATCH, SEQ = 8, 512
+FIXED = dict(offload=True)  # hand-tuned settings never switch
+SETTINGS = {
+    24: [dict(FIXED, param_offload=False, activation_offload=0.25),
+         dict(FIXED, param_offload=0.25, activation_offload=False),
+         dict(FIXED, param_offload=True, activation_offload=False)],
+    8: [dict(FIXED, param_offload=True, activation_offload=0.5),
+        dict(FIXED, param_offload=True, activation_offload=0.75),
+        dict(FIXED, param_offload=True, activation_offload=True)],
+    4: [dict(FIXED, param_offload=True, activation_offload=0.9),
+        dict(FIXED, param_offload=True, activation_offload=True)],
+}
+
+
+def _config(name: str):
+    from .models import GPT_1_9B, GPTConfig
+    return GPT_1_9B if name == "gpt-1.9b" else GPTConfig(dim=768, layers=12, heads=12, vocab=32000)
+
+
+def _train(model, opt, batch, warmup: int, steps: int) -> dict:
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    if hasattr(opt, "_synchronize"):
+        opt._synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    if hasattr(opt, "_synchronize"):
+        opt._synchronize()
+    return {"s_per_step": (time.perf_counter() - t) / steps, "peak_GiB": torch.cuda.max_memory_allocated() / GiB,
+            "loss": float(loss)}
+
+
+def run_sweep(case: dict) -> list:
+    """One process: one model, one cap, every setting in `case["settings"]`."""
+    import trainstream
+    from .models import GPT
+    if case.get("cap_gib"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(case["cap_gib"] * GiB / total)
+    cfg = _config(case["model"])
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (BATCH, SEQ), device="cuda")
+    batch = (idx, torch.roll(idx, -1, 1))
+    out = []
+    for setting in case["settings"]:
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = copy.deepcopy(base)
+        row = {"setting": setting}
+        try:
+            t = time.perf_counter()
+            if setting == "stock":
+                model = model.cuda()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                model, opt = trainstream.wrap(model, opt, device="cuda", **setting)
+            row["wrap_s"] = time.perf_counter() - t
+            row.update(_train(model, opt, batch, case["warmup"], case["steps"]))
+            if hasattr(model, "_trainstream_engine"):
+                report = trainstream.memory_report(model)
+                row.update(mode=report["mode"], paged_blocks=len(report["params"]["paged_blocks"]),
+                           activation_paged_blocks=len(report["params"]["activation_paged_blocks"]),
+                           moves=sum(1 for h in report["plan"]["history"] if h["kind"] == "applied"))
+        except torch.OutOfMemoryError as e:
+            row.update(oom=True, error=str(e).split("\n")[0][:160])
+        out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        del model
+        opt = None
+    return out
+
+
+def _sweep_in_subprocess(case: dict) -> list:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "trainstream.bench.planner", json.dumps(case)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    if proc.returncode != 0 or not lines:
+        return [{"setting": s, "error": (proc.stderr or proc.stdout)[-400:]} for s in case["settings"]]
+    return json.loads(lines[-1])
+
+
+def _profile_times() -> dict:
+    """First measurement (forced) and a cached lookup, as wrap() does them."""
+    from ..planner import profile_hardware
+    t = time.perf_counter()
+    profile_hardware("cuda", force=True)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    profile_hardware("cuda")
+    return {"first_s": first, "cached_s": time.perf_counter() - t}
+
+
+def _label(setting) -> str:
+    if setting == "stock":
+        return "stock: torch.optim.AdamW(fused=True)"
+    if setting == {}:
+        return "TrainStream defaults"
+    return "hand-tuned " + ", ".join(f"{k}={v}" for k, v in setting.items() if k != "offload")
+
+
+def run(*, quick: bool = False) -> dict:
+    steps = dict(warmup=4, steps=3 if quick else 5)
+    rows = []
+    small = _sweep_in_subprocess(dict(model="gpt-85m", cap_gib=None, settings=["stock", {}],
+                                      warmup=4, steps=10 if quick else 30))
+    for r in small:
+        rows.append(dict(model="GPT 85M", cap_GiB=None, run=_label(r["setting"]), **r))
+    for cap in (24, 8, 4):
+        for r in _sweep_in_subprocess(dict(model="gpt-1.9b", cap_gib=cap, settings=[{}] + SETTINGS[cap], **steps)):
+            rows.append(dict(model="GPT 1.9B", cap_GiB=cap, run=_label(r["setting"]), **r))
+    profile = _profile_times()
+
+    def ok(r):
+        return "s_per_step" in r and not r.get("oom")
+
+    checks = []
+    stock = next((r for r in rows if r["model"] == "GPT 85M" and r["setting"] == "stock" and ok(r)), None)
+    auto = next((r for r in rows if r["model"] == "GPT 85M" and r["setting"] == {} and ok(r)), None)
+    if stock and auto:
+        checks.append(dict(check=f"85M GPT: defaults (mode {auto.get('mode')}) / stock step time",
+                           value=auto["s_per_step"] / stock["s_per_step"], target="<= 1.02"))
+    for cap in (24, 8, 4):
+        mine = next((r for r in rows if r["cap_GiB"] == cap and r["setting"] == {}), None)
+        tuned = [r for r in rows if r["cap_GiB"] == cap and r["setting"] != {} and ok(r)]
+        if mine is None or not ok(mine):
+            checks.append(dict(check=f"1.9B GPT, {cap} GiB cap: defaults train", value="no", target="yes"))
+            continue
+        checks.append(dict(check=f"1.9B GPT, {cap} GiB cap: defaults' peak GiB", value=mine["peak_GiB"],
+                           target=f"< {cap}"))
+        if tuned:
+            best = min(tuned, key=lambda r: r["s_per_step"])
+            checks.append(dict(check=f"1.9B GPT, {cap} GiB cap: defaults / best hand-tuned ({best['run']})",
+                               value=mine["s_per_step"] / best["s_per_step"], target="<= 1.10"))
+    checks.append(dict(check="profile: first measurement, s", value=profile["first_s"], target="<= 5"))
+    checks.append(dict(check="profile: cached lookup, s", value=profile["cached_s"], target="<= 0.5"))
+    table = markdown_table(
+        [("model", "model"), ("cap_GiB", "VRAM cap GiB"), ("run", "run"), ("s_per_step", "s/step"),
+         ("peak_GiB", "peak GiB"), ("mode", "mode"), ("paged_blocks", "weights paged"),
+         ("activation_paged_blocks", "activations paged"), ("moves", "plan moves"), ("wrap_s", "wrap s"),
+         ("oom", "out of memory")], rows)
+    check_table = markdown_table([("check", "check"), ("value", "measured"), ("target", "target")], checks)
+    return {"rows": rows, "checks": checks, "profile": profile, "markdown": table + "\n\n" + check_table}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_sweep(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,230 @@
+"""The adapter: measures what the plan could only guess, and moves blocks until it fits.
+
+- Each pass it samples the device memory at block boundaries (the running peak); the
+  device's own peak counter, when it rises during a step, tells how much more the parts it
+  cannot see (the loss, the head's logits) add on top: the correction.
+- The first forward passes also time each block's forward (compute) and count its saved
+  activations (engine.py). After each of the first SETTLE_STEPS steps the planner replans
+  with those figures; a new placement is applied at the start of the next forward pass.
+- Later, the watchdog: when a step's peak passes the usable memory (longer sequences, a
+  bigger batch), it pages more, never less.
+- Online guard, every forward pass with activation_offload="auto": before a block runs,
+  if what is allocated plus the activations the rest of the pass will save (as this
+  pass's blocks have shown) would not fit, the block's activations are paged. That keeps
+  the very first pass, and a pass that suddenly grows, from running out of memory.
+- offload="auto": after SWITCH_AFTER steps, if the model, its gradients, torch AdamW's
+  state and the measured activations fit, the run switches to torch's fused AdamW on the
+  device (switch.py).
+
+Every decision goes to the events log and, with its numbers, to plan["history"].
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..planner.plan import device_bytes, make_plan
+from .placement import plan_inputs, usable_device_bytes
+
+GiB = 1 << 30
+
+
+class Adapter:
+    SETTLE_STEPS = 3
+    SWITCH_AFTER = 2
+    TIMED_PASSES = 2
+
+    def __init__(self, engine, profile, unpageable: list, on_device: int):
+        self.engine = engine
+        self.profile = profile
+        self.unpageable = unpageable
+        self.usable = usable_device_bytes(engine.opts, profile, on_device)
+        self.correction = 0          # measured peak minus predicted (bytes), from the last step
+        self.unseen = 0              # what the device's peak counter saw above our samples
+        self.pass_peak = 0
+        self._device_max = 0
+        self._enter_alloc = 0
+        self._pass_act = 0           # largest activation growth of a block in this pass
+        self.pending = None          # (paged, act_paged) to apply at the next forward pass
+        self.block_s: dict = {}      # block -> fastest forward measured (seconds)
+        self._timing: dict = {}      # block -> (start, end) events or times of this pass
+        self.timed_passes = 0
+        self.compute_dtype = None    # the autocast dtype the first pass ran under
+        self.settled_at = None
+        opts = engine.opts
+        self.weights_auto = opts.param_offload == "auto"
+        self.acts_auto = opts.activation_offload == "auto"
+
+    # -- measuring -------------------------------------------------------------------------------
+
+    def allocated(self):
+        """Device bytes allocated now; None where it cannot be measured (the CPU backend)."""
+        backend = self.engine.backend
+        return torch.cuda.memory_allocated(backend.device) if backend.is_cuda else None
+
+    def device_peak(self):
+        backend = self.engine.backend
+        return torch.cuda.max_memory_allocated(backend.device) if backend.is_cuda else None
+
+    def sample(self) -> None:
+        now = self.allocated()
+        if now is not None and now > self.pass_peak:
+            self.pass_peak = now
+
+    def new_pass(self, timed: bool) -> None:
+        self.pass_peak = 0
+        self._pass_act = 0
+        self.sample()
+        self._timing = {} if timed else None
+        if self.compute_dtype is None and torch.is_autocast_enabled(self.engine.backend.device.type):
+            self.compute_dtype = torch.get_autocast_dtype(self.engine.backend.device.type)
+
+    def block_starts(self, unit) -> None:
+        """Forward (grad enabled, not a recompute) of `unit` is about to run."""
+        now = self.allocated()
+        self.sample()
+        self._enter_alloc = now
+        if self._timing is not None:
+            self._timing[unit.block] = [self._mark(), None]
+        if now is not None and self.acts_auto and not unit.act_paged:
+            self._guard(unit, now)
+
+    def block_ends(self, unit) -> None:
+        now = self.allocated()
+        self.sample()
+        if now is not None and self._enter_alloc is not None and not unit.act_paged:
+            self._pass_act = max(self._pass_act, now - self._enter_alloc)
+        if self._timing is not None and unit.block in self._timing:
+            self._timing[unit.block][1] = self._mark()
+
+    def _mark(self):
+        backend = self.engine.backend
+        if backend.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)  # the engine's own events are untimed (cheaper)
+            event.record(backend.compute_stream())
+            return event
+        return time.perf_counter()
+
+    def _collect_times(self) -> None:
+        if not self._timing:
+            return
+        for block, (start, end) in self._timing.items():
+            if end is None:
+                continue
+            if isinstance(start, float):
+                s = end - start
+            else:
+                end.synchronize()
+                s = start.elapsed_time(end) / 1e3
+            self.block_s[block] = min(s, self.block_s.get(block, s))
+        self._timing = None
+        self.timed_passes += 1
+
+    def compute_s(self) -> float:
+        """Forward + backward of the stack (backward taken as twice the forward)."""
+        if not self.block_s:
+            return 0.0
+        times = sorted(self.block_s.values())
+        return 3.0 * times[len(times) // 2] * len(self.engine.block_units)
+
+    # -- the online guard --------------------------------------------------------------------------
+
+    def _guard(self, unit, now: int) -> None:
+        engine = self.engine
+        measured = engine.activation_bytes
+        per_block = max(self._pass_act, max(measured.values(), default=0))
+        if per_block == 0:
+            return
+        rest = sum(1 for u in engine.block_units[unit.block:] if not u.act_paged)
+        largest = max(u.nbytes for u in engine.block_units)
+        projected = now + rest * per_block + self.unseen + largest
+        if projected > self.usable:
+            unit.act_paged = True
+            self.record("guard", f"block {unit.block}: activations paged during the pass (allocated "
+                        f"{now / GiB:.2f} GiB + {rest} blocks x {per_block / GiB:.3f} GiB of activations would pass "
+                        f"{self.usable / GiB:.2f} GiB usable)", allocated=now, projected=projected)
+
+    # -- after each step -----------------------------------------------------------------------------
+
+    def _inputs(self, correction: int):
+        e = self.engine
+        return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
+                           inflight=e.max_inflight_bytes, act_bytes=e.activation_bytes or None,
+                           compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
+
+    def current(self) -> tuple:
+        units = self.engine.block_units
+        return [u.block for u in units if u.paged], [u.block for u in units if u.act_paged]
+
+    def after_step(self) -> None:
+        engine = self.engine
+        self._collect_times()
+        self.sample()
+        observed = None
+        peak = self.device_peak()
+        if peak is not None:
+            if peak > self._device_max:  # the device's peak was set in this step: see what we missed
+                self.unseen = max(self.unseen, peak - self.pass_peak)
+                self._device_max = peak
+            observed = self.pass_peak + self.unseen
+        if engine.steps == self.SWITCH_AFTER and engine.opts.offload == "auto":
+            from .switch import maybe_switch
+            if maybe_switch(engine, observed):
+                return
+        if not (self.weights_auto or self.acts_auto) or not engine.activation_bytes:
+            return
+        paged, act_paged = self.current()
+        predicted = device_bytes(self._inputs(0), set(paged), set(act_paged))
+        if observed is not None:
+            self.correction = max(observed - predicted, -self.usable // 20)
+        settling = engine.steps <= self.SETTLE_STEPS
+        if not settling and (observed is None or observed <= self.usable):
+            return
+        plan = make_plan(self._inputs(self.correction))
+        new_paged = plan.paged if self.weights_auto else paged
+        new_acts = plan.act_paged if self.acts_auto else act_paged
+        if not settling:  # the watchdog only pages more
+            new_paged = sorted(set(new_paged) | set(paged))
+            new_acts = sorted(set(new_acts) | set(act_paged))
+        if (new_paged, new_acts) == (paged, act_paged):
+            if settling and self.settled_at is None and engine.steps == self.SETTLE_STEPS:
+                self.settled_at = engine.steps
+            return
+        why = "settling" if settling else "watchdog: the step's peak passed the usable memory"
+        self.pending = (new_paged, new_acts)
+        self.record("replan", f"{why}: measured peak {_gib(observed)}, predicted {predicted / GiB:.2f} GiB for "
+                    f"the current placement; new plan: {plan.describe(self.usable)}", observed=observed,
+                    predicted=predicted, correction=self.correction, paged=new_paged, act_paged=new_acts,
+                    predicted_step_s=plan.step_s, fits=plan.fits)
+        if not plan.fits:
+            self.record("warning", "no placement is predicted to fit; paging as much as possible")
+        elif not plan.within_limit and plan.act_paged:
+            self.record("warning", f"activation paging needed to fit adds {plan.act_slowdown:.0%} to the step, more "
+                        f"than max_activation_slowdown={engine.opts.max_activation_slowdown}")
+
+    def apply_pending(self) -> None:
+        """At the start of a forward pass: move blocks to the placement decided last step."""
+        if self.pending is None:
+            return
+        paged, act_paged = self.pending
+        self.pending = None
+        engine = self.engine
+        engine.synchronize()
+        moved = engine.weights.repage({u for u in engine.block_units if (u.block in paged) != u.paged})
+        for u in engine.block_units:
+            u.act_paged = u.block in act_paged
+        if moved:
+            engine.state_hooks.remove()
+            engine.state_hooks.install()
+        self.record("applied", f"weights paged for blocks {paged}, activations for blocks {act_paged}",
+                    paged=list(paged), act_paged=list(act_paged))
+
+    def record(self, kind: str, message: str, **numbers) -> None:
+        engine = self.engine
+        engine.events.add(message)
+        engine.history.append(dict(step=engine.steps, kind=kind, message=message, **numbers))
+
+
+def _gib(n) -> str:
+    return "unknown" if n is None else f"{n / GiB:.2f} GiB"

@@ -1,0 +1,143 @@
+"""The plan: which blocks page their weights and which page their saved activations.
+
+A pure function of byte counts and rates, so it is tested table by table without a GPU.
+
+Device bytes of a placement: the fixed part (modules outside the stack, transients the
+engine and the user's loss hold, the adaptation's measured correction), every resident
+block's weights, every block's saved activations unless they are paged, and the transfers
+in flight (two paged blocks' weights, `prefetch_depth + 1` blocks' paged activations).
+
+Step time of a placement: the largest of four times that overlap one another (compute,
+host-to-device bytes over the measured bandwidth, device-to-host bytes likewise, and the
+host AdamW). A paged block crosses twice per step (forward and backward), in the dtype it
+computes in; a resident block's trainable weights cross once (the update's push). Saved
+activations of a paged block cross once each way. Gradients cross out once.
+
+The choice: among the placements that fit, the fastest; of equally fast ones, the one
+that pages least. Activation paging may not add more than `max_activation_slowdown` to
+the time of the same weight placement without it; when nothing fits within that limit,
+the fastest placement that fits is taken and the plan says so (the alternative is running
+out of memory). Blocks are paged from the front of the stack: the first blocks' saved
+activations are held the longest (from their forward to the end of backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+@dataclass
+class BlockBytes:
+    weight_bytes: int        # on the device while resident
+    crossing_bytes: int      # one fetch of the paged weights (the compute dtype's size)
+    push_bytes: int          # the trainable weights' copy after each update, when resident
+    act_bytes: int = 0       # saved activations of one forward pass (measured; 0 when unknown)
+    pageable: bool = True    # False: shares a parameter with the outside (tied weights)
+
+
+@dataclass
+class PlanInputs:
+    blocks: list             # BlockBytes, in stack order
+    fixed_bytes: int         # outside weights + transients + correction from measured peaks
+    usable_bytes: int        # device memory the run may use (after vram_headroom)
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    adamw_s: float           # host AdamW time of one step
+    grad_bytes: int          # gradients copied to the host per step
+    outside_push_bytes: int  # the outside modules' updated weights, per step
+    compute_s: float = 0.0   # forward + backward (0 when not measured yet)
+    max_activation_slowdown: float = 0.15
+    prefetch_depth: int = 1
+    weights: str = "auto"    # "auto", or "fixed": keep `fixed_paged` as given
+    activations: str = "auto"  # "auto", or "fixed": keep `fixed_act_paged`
+    fixed_paged: tuple = ()
+    fixed_act_paged: tuple = ()
+
+
+@dataclass
+class Plan:
+    paged: list
+    act_paged: list
+    fits: bool
+    device_bytes: int
+    step_s: float
+    act_slowdown: float       # predicted, of the activation paging chosen
+    within_limit: bool        # act_slowdown <= max_activation_slowdown
+    terms: dict = field(default_factory=dict)  # the four times of the chosen placement
+
+    def describe(self, usable: int) -> str:
+        t = self.terms
+        text = (f"{len(self.paged)} blocks' weights paged, {len(self.act_paged)} blocks' activations paged; "
+                f"device {self.device_bytes / GiB:.2f} of {usable / GiB:.2f} GiB usable; predicted step "
+                f"{self.step_s * 1e3:.1f} ms (compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
+                f"out {t['d2h'] * 1e3:.1f}, host AdamW {t['adamw'] * 1e3:.1f})")
+        if self.act_paged:
+            text += f", activation paging adds {self.act_slowdown:.0%}"
+        return text
+
+
+def device_bytes(inp: PlanInputs, paged, act_paged) -> int:
+    b = inp.blocks
+    need = inp.fixed_bytes
+    need += sum(x.weight_bytes for i, x in enumerate(b) if i not in paged)
+    need += sum(x.act_bytes for i, x in enumerate(b) if i not in act_paged)
+    if paged:
+        need += 2 * max(b[i].crossing_bytes for i in paged)
+    if act_paged:
+        need += (inp.prefetch_depth + 1) * max(b[i].act_bytes for i in act_paged)
+    return need
+
+
+class _Option:
+    """One set of paged blocks (weights or activations) with the sums a placement needs."""
+
+    def __init__(self, blocks: list, chosen: list, size, crossing, moved):
+        self.chosen = chosen
+        self.freed = sum(size(blocks[i]) for i in chosen)   # device bytes no longer held for good
+        self.in_flight = max((crossing(blocks[i]) for i in chosen), default=0)  # the largest one crossing
+        self.moved = sum(moved(blocks[i]) for i in chosen)  # PCIe bytes added per step
+
+
+def _options(blocks: list, fixed, mode: str, order: list, size, crossing, moved) -> list:
+    if mode == "fixed":
+        return [_Option(blocks, sorted(fixed), size, crossing, moved)]
+    return [_Option(blocks, order[:k], size, crossing, moved) for k in range(len(order) + 1)]
+
+
+def make_plan(inp: PlanInputs) -> Plan:
+    """The fastest placement that fits (see the module docstring); `fits` is False when
+    none does, and the plan is then the one that needs the least device memory."""
+    b = inp.blocks
+    pageable = [i for i, x in enumerate(b) if x.pageable]
+    # A paged block's weights cross twice instead of being pushed once after the update.
+    weight_opts = _options(b, inp.fixed_paged, inp.weights, pageable, lambda x: x.weight_bytes,
+                           lambda x: x.crossing_bytes, lambda x: 2 * x.crossing_bytes - x.push_bytes)
+    act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))), lambda x: x.act_bytes,
+                        lambda x: x.act_bytes, lambda x: x.act_bytes)
+    all_weights = sum(x.weight_bytes for x in b)
+    all_acts = sum(x.act_bytes for x in b)
+    h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
+    best, best_key, smallest = None, None, None
+    for w in weight_opts:
+        for a in act_opts:
+            need = inp.fixed_bytes + all_weights - w.freed + all_acts - a.freed
+            need += 2 * w.in_flight + (inp.prefetch_depth + 1) * a.in_flight
+            terms = {"compute": inp.compute_s, "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
+                     "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s, "adamw": inp.adamw_s}
+            step = max(terms.values())
+            base = max(terms["compute"], (h2d_resident + w.moved) / inp.h2d_bytes_per_s,
+                       inp.grad_bytes / inp.d2h_bytes_per_s, inp.adamw_s)
+            slowdown = step / base - 1.0 if base > 0 else 0.0
+            fits = need <= inp.usable_bytes
+            within = slowdown <= inp.max_activation_slowdown + 1e-9
+            if smallest is None or need < smallest[0]:
+                smallest = (need, w, a, terms, step, slowdown, within)
+            if not fits:
+                continue
+            # Within the slowdown limit first; then faster (to 0.1 ms); then fewer transfers.
+            key = (not within, round(step * 1e3, 1), len(w.chosen) + len(a.chosen))
+            if best_key is None or key < best_key:
+                best_key, best = key, (need, w, a, terms, step, slowdown, within)
+    need, w, a, terms, step, slowdown, within = best if best is not None else smallest
+    return Plan(list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms)

@@ -1,0 +1,181 @@
+"""The adapter on the CPU path: replanning from measured activations, the watchdog and the
+online guard (device memory simulated), and offload="auto"'s switch to stock training."""
+import pytest
+import torch
+
+import trainstream
+from engine_models import RESIDENT, assert_same_bits, max_diff, tiny_mlp, train
+from test_engine import machine
+
+AUTO = dict(param_offload="auto", activation_offload="auto")
+MiB = 1 << 20
+
+
+def history(model, kind=None):
+    return [h for h in trainstream.memory_report(model)["plan"]["history"] if kind in (None, h["kind"])]
+
+
+def test_the_first_steps_bring_blocks_back_once_activations_are_measured():
+    # 6 blocks of 256 KiB on a 4 MiB card: at wrap() half the memory is held back for the
+    # unmeasured activations and four blocks are paged; the first step measures 8 KiB per
+    # block, and the replan brings every block back. Moving blocks changes no bit.
+    resident = train("mlp", RESIDENT, steps=6)
+    auto = train("mlp", dict(AUTO, profile=machine(vram_gib=4 / 1024)), steps=6)
+    assert_same_bits(resident, auto)
+    model = auto[2][0]
+    assert history(model, "applied") and history(model, "applied")[0]["paged"] == []
+    report = trainstream.memory_report(model)
+    assert report["params"]["paged_blocks"] == [] and report["plan"]["activation_bytes_per_block"]
+
+
+class FakeDevice:
+    """Device memory as the adapter reads it: `now` (allocated), and a peak counter."""
+
+    def __init__(self, adapter, now):
+        self.now, self.peak = now, now
+        adapter.allocated = lambda: self.now
+        adapter.device_peak = lambda: self.peak
+
+
+def test_the_watchdog_pages_more_when_a_step_grows():
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **AUTO,
+                                  profile=machine(vram_gib=8 / 1024))
+    adapter = model._trainstream_engine.adapter
+    fake = FakeDevice(adapter, 2 * MiB)
+
+    def step(i):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(5):  # settled: everything resident
+        step(i)
+    assert trainstream.memory_report(model)["params"]["paged_blocks"] == []
+    fake.now = fake.peak = adapter.usable + MiB  # a longer sequence: the step passed the usable memory
+    step(5)
+    step(6)
+    report = trainstream.memory_report(model)
+    assert report["params"]["paged_blocks"] or report["params"]["activation_paged_blocks"]
+    assert "watchdog" in history(model, "replan")[-1]["message"]
+    assert history(model, "applied")
+
+
+def test_the_online_guard_pages_activations_during_a_pass():
+    resident = train("mlp", RESIDENT, steps=4)
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, param_offload=False,
+                                  activation_offload="auto", profile=machine(vram_gib=8 / 1024))
+    adapter = model._trainstream_engine.adapter
+    FakeDevice(adapter, adapter.usable - 3 * 8192)  # room for about three blocks' activations
+    losses = []
+    for i in range(4):
+        loss = loss_fn(model, batch(i, "cpu"))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    guarded = history(model, "guard")
+    assert guarded and "activations paged during the pass" in guarded[0]["message"]
+    assert trainstream.memory_report(model)["params"]["activation_paged_blocks"]
+    assert_same_bits(resident, (losses, {k: v.clone() for k, v in model.state_dict().items()}))
+
+
+def test_offload_auto_switches_to_fused_adamw_when_everything_fits():
+    stock = train("mlp", None, steps=6)
+    auto = train("mlp", dict(offload="auto", profile=machine(vram_gib=24)), steps=6)
+    model, opt = auto[2]
+    report = trainstream.memory_report(model)
+    assert report["mode"] == "stock" and "switching to torch.optim.AdamW(fused=True)" in report["events"]
+    assert opt._stock is not None and opt._stock.param_groups is opt.param_groups
+    assert max_diff(stock[1], auto[1]) < 1e-5
+    assert auto[0] == pytest.approx(stock[0], rel=1e-5)
+    # torch's state_dict format, loadable into a plain AdamW; the model unwraps to itself.
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain.load_state_dict(opt.state_dict())
+    assert trainstream.unwrap(model) is model
+    assert not hasattr(model, "_trainstream_engine")
+
+
+def test_after_the_switch_clipping_and_lr_changes_still_apply():
+    stock = train("mlp", None, steps=5, clip=0.05)
+    auto = train("mlp", dict(offload="auto", profile=machine(vram_gib=24)), steps=5, clip=0.05)
+    assert trainstream.memory_report(auto[2][0])["mode"] == "stock"
+    assert max_diff(stock[1], auto[1]) < 1e-5
+    model, opt = auto[2]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(8, 256)).pow(2).mean().backward()
+    opt.step()
+    # weight decay is lr-scaled too: nothing moves at lr 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("opts, reason", [
+    (dict(profile=machine(vram_gib=4 / 1024)), "stock training would need"),
+    (dict(param_offload=True, profile=machine(vram_gib=24)), "param_offload=True asks for paged weights"),
+])
+def test_offload_auto_stays_when_it_must(opts, reason):
+    model = train("mlp", dict(offload="auto", **opts), steps=3)[2][0]
+    report = trainstream.memory_report(model)
+    assert report["mode"] == "offload" and reason in report["events"]
+
+
+# -- GPU ----------------------------------------------------------------------------------------------
+
+def _gpt_steps(model, opt, cfg, steps):
+    idx = torch.randint(0, cfg.vocab, (8, 512), device="cuda")
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx, torch.roll(idx, -1, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.gpu
+def test_gpu_defaults_train_the_1_9b_gpt_under_each_cap():
+    import copy
+    from trainstream.bench.models import GPT, GPT_1_9B
+    torch.manual_seed(0)
+    base = GPT(GPT_1_9B)
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        for cap_gib in (24, 8, 4):
+            torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            model = copy.deepcopy(base)
+            model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), device="cuda")
+            losses = _gpt_steps(model, opt, GPT_1_9B, 5)
+            opt._synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            report = trainstream.memory_report(model)
+            assert all(map(lambda x: x == x, losses)) and losses[-1] < losses[0], (cap_gib, losses)
+            assert peak < cap_gib * 2**30, (cap_gib, peak / 2**30, report["events"])
+            assert report["mode"] == "offload"
+            del model, opt
+            import gc
+            gc.collect()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_a_model_that_fits_switches_to_fused_adamw():
+    from trainstream.bench.models import GPT, GPTConfig
+    cfg = GPTConfig(dim=768, layers=12, heads=12, vocab=32000)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), device="cuda")
+    losses = _gpt_steps(model, opt, cfg, 4)
+    report = trainstream.memory_report(model)
+    assert report["mode"] == "stock", report["events"]
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert opt._stock.param_groups[0]["fused"] and losses[-1] < losses[0]

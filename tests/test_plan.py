@@ -1,0 +1,76 @@
+"""The planner's choice, table by table: pure byte counts and rates, no engine, no GPU."""
+import pytest
+
+from trainstream.planner import BlockBytes, PlanInputs, device_bytes, make_plan
+
+# Four blocks of 100 bytes of weights that cross as 50 (bf16 under autocast) and push 100
+# after each update, saving 200 bytes of activations; links of 1000 bytes/s.
+BLOCK = dict(weight_bytes=100, crossing_bytes=50, push_bytes=100, act_bytes=200)
+
+
+def inputs(usable, *, compute=0.5, pageable=(True,) * 4, slowdown=0.15, **kw):
+    blocks = [BlockBytes(pageable=p, **BLOCK) for p in pageable]
+    base = dict(blocks=blocks, fixed_bytes=0, usable_bytes=usable, h2d_bytes_per_s=1000.0, d2h_bytes_per_s=1000.0,
+                adamw_s=0.01, grad_bytes=400, outside_push_bytes=0, compute_s=compute,
+                max_activation_slowdown=slowdown)
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+@pytest.mark.parametrize("usable, paged, act_paged, fits, within", [
+    # everything fits: nothing moves
+    (10_000, [], [], True, True),
+    # weights 400 + activations 800 + two blocks crossing (100) must fit in 1050: paging
+    # three blocks' weights costs no PCIe time (2 x 50 in place of the 100 pushed), while
+    # paging activations would double the step: the weights go
+    (1050, [0, 1, 2], [], True, True),
+    # 700: every block's weights paged is not enough (900 with two in flight); three blocks'
+    # activations too (two in flight: 200 + 100 + 400)
+    (700, [0, 1, 2, 3], [0, 1, 2], True, False),
+    # nothing fits: the plan that needs the least memory, flagged
+    (100, [0, 1, 2, 3], [0, 1, 2, 3], False, False),
+])
+def test_the_fastest_placement_that_fits(usable, paged, act_paged, fits, within):
+    plan = make_plan(inputs(usable))
+    assert (plan.paged, plan.act_paged, plan.fits, plan.within_limit) == (paged, act_paged, fits, within)
+    assert plan.device_bytes == device_bytes(inputs(usable), set(paged), set(act_paged))
+    assert (plan.device_bytes <= usable) == fits
+
+
+def test_activation_paging_within_the_slowdown_limit_is_preferred_to_none():
+    # Compute-bound (2 s): paging three blocks' activations (600 bytes each way on top of
+    # 400, 1 s) hides under compute: no slowdown.
+    plan = make_plan(inputs(1000, compute=2.0, pageable=(False,) * 4))
+    assert plan.paged == [] and plan.act_paged == [0, 1, 2] and plan.within_limit and plan.act_slowdown == 0.0
+
+
+def test_unpageable_blocks_keep_their_weights():
+    plan = make_plan(inputs(700, pageable=(False, True, True, False)))
+    assert not {0, 3} & set(plan.paged)
+
+
+def test_over_the_slowdown_limit_only_when_nothing_else_fits():
+    # Only activations can move (no pageable weights): the step doubles, beyond 15%.
+    plan = make_plan(inputs(1000, pageable=(False,) * 4))
+    assert plan.fits and plan.act_paged and not plan.within_limit and plan.act_slowdown > 0.15
+    # Allowing the slowdown makes it an ordinary choice.
+    assert make_plan(inputs(1000, pageable=(False,) * 4, slowdown=5.0)).within_limit
+
+
+def test_explicit_choices_are_kept():
+    plan = make_plan(inputs(700, weights="fixed", fixed_paged=(1, 2)))
+    assert plan.paged == [1, 2] and plan.fits
+    plan = make_plan(inputs(1050, activations="fixed", fixed_act_paged=(3,)))
+    assert plan.act_paged == [3]
+
+
+def test_host_adamw_bound_makes_paging_free():
+    # When the host AdamW takes longer than every transfer, paging activations costs
+    # nothing: the step time stays the AdamW's.
+    plan = make_plan(inputs(700, adamw_s=5.0))
+    assert plan.step_s == 5.0 and plan.act_slowdown == 0.0 and plan.within_limit
+
+
+def test_describe_gives_the_numbers():
+    text = make_plan(inputs(1050)).describe(1050)
+    assert "3 blocks' weights paged" in text and "predicted step" in text and "host AdamW" in text
