@@ -81,11 +81,14 @@ def pinned_limit(ram_total: int, device: torch.device) -> int:
 def _device_memory(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        # Memory the caching allocator holds but has not handed out is ours to use.
+        reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+        free += reserved - allocated
         # A per-process cap (set_per_process_memory_fraction) binds before the card does.
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
         if fraction < 1.0:
             capped = int(fraction * total)
-            total, free = capped, min(free, capped - torch.cuda.memory_reserved(device))
+            total, free = capped, max(0, min(free, capped - allocated))
         return total, free
     total, available = ram_total_and_available()
     return total, available
