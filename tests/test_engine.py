@@ -504,3 +504,18 @@ def test_saved_activations_are_measured_per_block():
     assert all(b >= 4 * 16 * 64 * 4 * 5 for b in measured.values()), measured
     _, _, (paged, _) = train("gpt", PAGED, steps=1)
     assert trainstream.memory_report(paged)["plan"]["activation_bytes_per_block"] == measured
+
+
+@pytest.mark.parametrize("opts", [RESIDENT, PAGED, {}], ids=["resident", "paged", "auto"])
+def test_a_deleted_wrapped_model_is_freed(opts):
+    """Hooks torch keeps in C++ (invisible to the cycle collector) must not hold the engine:
+    otherwise every model wrapped in a process keeps its device memory until exit."""
+    import weakref
+    _, _, (model, opt) = train("mlp", opts, steps=3)
+    refs = [weakref.ref(model), weakref.ref(model._trainstream_engine), *map(weakref.ref, model.parameters())]
+    del model, opt
+    gc.collect()
+    import time
+    time.sleep(0.05)  # the lander thread lets go of its last unit
+    gc.collect()
+    assert all(r() is None for r in refs)

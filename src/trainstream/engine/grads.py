@@ -13,6 +13,8 @@ for in the end-of-backward callback.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import deque
 
 import torch
@@ -30,6 +32,12 @@ def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return flat[:n].view(g.dtype).view(g.shape)
 
 
+def _post_accumulate(streamer_ref, slot_ref, param) -> None:
+    streamer, slot = streamer_ref(), slot_ref()
+    if streamer is not None and slot is not None:
+        streamer._on_grad(slot)
+
+
 class GradStreamer:
     def __init__(self, engine):
         self.engine = engine
@@ -40,10 +48,15 @@ class GradStreamer:
         self._hooks = []
 
     def install(self) -> None:
+        # The hook dict is owned by the parameter's C++ autograd metadata, which Python's
+        # cyclic GC cannot see: a hook holding the streamer (-> engine -> model -> param) or
+        # the slot (-> param) strongly would make param, engine and model immortal. So the
+        # hook holds both weakly; they are alive whenever backward can run.
+        streamer = weakref.ref(self)
         for unit in self.engine.units:
             for slot in unit.trainable:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    lambda p, slot=slot: self._on_grad(slot)))
+                    functools.partial(_post_accumulate, streamer, weakref.ref(slot))))
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -24,6 +24,9 @@ class Lander:
     def __init__(self, pager):
         self._pager = weakref.ref(pager)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Wake an idle thread as soon as the pager (the engine) is collected, so it exits
+        # at once instead of at its next poll; the finalizer holds only the queue.
+        weakref.finalize(pager, self._queue.put, None)
         self._thread = None
         self.error: BaseException | None = None
 
@@ -80,4 +83,8 @@ class Lander:
                         pager.push(unit)
             except BaseException as e:  # surfaced on the training thread at the next guard or step
                 self.error = e
-            del pager
+            # Drop every reference before blocking in _next() again: this frame outlives the
+            # engine, and a Unit left here keeps its slots' parameters (device weights) and
+            # an AdamWHandle (host tensors) alive until the thread notices the engine is gone.
+            del pager, unit
+            handle = None
