@@ -51,7 +51,6 @@ class Adapter:
         self._timing: dict = {}      # block -> (start, end) events or times of this pass
         self.timed_passes = 0
         self.compute_dtype = None    # the autocast dtype the first pass ran under
-        self.settled_at = None
         opts = engine.opts
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
@@ -190,8 +189,6 @@ class Adapter:
             new_paged = sorted(set(new_paged) | set(paged))
             new_acts = sorted(set(new_acts) | set(act_paged))
         if (new_paged, new_acts) == (paged, act_paged):
-            if settling and self.settled_at is None and engine.steps == self.SETTLE_STEPS:
-                self.settled_at = engine.steps
             return
         why = "settling" if settling else "watchdog: the step's peak passed the usable memory"
         self.pending = (new_paged, new_acts)
