@@ -146,3 +146,16 @@ def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: s
     (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
     (out_dir / f"{stem}.md").write_text(f"### {suite} ({env_line(env)})\n\n{markdown}\n")
     return out_dir / f"{stem}.json"
+
+
+def case_in_subprocess(module: str, case: dict):
+    """Run `python -m module CASE_JSON` and return the JSON its last stdout line printed, or
+    None with the tail of its output when it failed (a case's memory cap, pinned memory and
+    crashes stay in its own process)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", module, json.dumps(case)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line[:1] in "{["]
+    if proc.returncode != 0 or not lines:
+        return None, (proc.stderr or proc.stdout)[-600:]
+    return json.loads(lines[-1]), None

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 
 import torch
 
-from .common import markdown_table
+from .common import case_in_subprocess, markdown_table
 
 GiB = 1 << 30
 MLP_BATCH = 2048
@@ -109,13 +107,8 @@ def run_case(case: dict) -> dict:
 
 
 def _run_in_subprocess(case: dict) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "trainstream.bench.engine", json.dumps(case)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"oom": False, "error": (proc.stderr or proc.stdout)[-600:]}
-    return json.loads(lines[-1])
+    result, error = case_in_subprocess("trainstream.bench.engine", case)
+    return result if error is None else {"oom": False, "error": error}
 
 
 def _weight_bytes_per_crossing(model_name: str) -> int:

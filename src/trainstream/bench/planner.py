@@ -15,14 +15,12 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 
 import torch
 
-from .common import markdown_table
+from .common import case_in_subprocess, markdown_table
 
 GiB = 1 << 30
 BATCH, SEQ = 8, 512
@@ -115,13 +113,8 @@ def run_sweep(case: dict) -> list:
 
 
 def _sweep_in_subprocess(case: dict) -> list:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "trainstream.bench.planner", json.dumps(case)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    if proc.returncode != 0 or not lines:
-        return [{"setting": s, "error": (proc.stderr or proc.stdout)[-400:]} for s in case["settings"]]
-    return json.loads(lines[-1])
+    result, error = case_in_subprocess("trainstream.bench.planner", case)
+    return result if error is None else [{"setting": s, "error": error} for s in case["settings"]]
 
 
 def _profile_times() -> dict:
