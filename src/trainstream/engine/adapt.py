@@ -3,15 +3,19 @@
 - Each pass it samples the device memory at block boundaries (the running peak); the
   device's own peak counter, when it rises during a step, tells how much more the parts it
   cannot see (the loss, the head's logits) add on top: the correction.
-- The first forward passes also time each block's forward (compute) and count its saved
-  activations (engine.py). After each of the first SETTLE_STEPS steps the planner replans
+- The first forward passes count each block's saved activations (engine.py), and the
+  passes after the first (which warms up: library handles, the allocator) time each
+  block's forward. After each of the first SETTLE_STEPS steps the planner replans
   with those figures; a new placement is applied at the start of the next forward pass.
 - Later, the watchdog: when a step's peak passes the usable memory (longer sequences, a
   bigger batch), it pages more, never less.
 - Online guard, every forward pass with activation_offload="auto": before a block runs,
   if what is allocated plus the activations the rest of the pass will save (as this
   pass's blocks have shown) would not fit, the block's activations are paged. That keeps
-  the very first pass, and a pass that suddenly grows, from running out of memory.
+  the very first pass, and a pass that suddenly grows, from running out of memory. Once
+  the plan has been made from measured activations, the guard leaves a pass alone as long
+  as its blocks save no more than the plan counted (the plan also counts what the guard
+  cannot see, such as the logits; second-guessing it paged blocks the plan kept).
 - offload="auto": after SWITCH_AFTER steps, if the model, its gradients, torch AdamW's
   state and the measured activations fit, the run switches to torch's fused AdamW on the
   device (switch.py).
@@ -50,6 +54,8 @@ class Adapter:
         self.block_s: dict = {}      # block -> fastest forward measured (seconds)
         self._timing: dict = {}      # block -> (start, end) events or times of this pass
         self.timed_passes = 0
+        self.passes = 0              # training forward passes seen
+        self.planned_act = 0         # per-block activation bytes the current plan counted (0: none yet)
         self.compute_dtype = None    # the autocast dtype the first pass ran under
         opts = engine.opts
         self.weights_auto = opts.param_offload == "auto"
@@ -71,7 +77,9 @@ class Adapter:
         if now is not None and now > self.pass_peak:
             self.pass_peak = now
 
-    def new_pass(self, timed: bool) -> None:
+    def new_pass(self) -> None:
+        self.passes += 1
+        timed = self.passes > 1 and self.timed_passes < self.TIMED_PASSES
         self.pass_peak = 0
         self._pass_act = 0
         self.sample()
@@ -135,8 +143,11 @@ class Adapter:
         per_block = max(self._pass_act, max(measured.values(), default=0))
         if per_block == 0:
             return
-        rest = sum(1 for u in engine.block_units[unit.block:] if not u.act_paged)
         largest = max(u.nbytes for u in engine.block_units)
+        # A block's growth also holds the next block's weights when those are fetched ahead.
+        if self.planned_act and self._pass_act <= 1.1 * self.planned_act + largest:
+            return
+        rest = sum(1 for u in engine.block_units[unit.block:] if not u.act_paged)
         projected = now + rest * per_block + self.unseen + largest
         if projected > self.usable:
             unit.act_paged = True
@@ -149,7 +160,7 @@ class Adapter:
     def _inputs(self, correction: int):
         e = self.engine
         return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
-                           inflight=e.max_inflight_bytes, act_bytes=e.activation_bytes or None,
+                           act_bytes=e.activation_bytes or None,
                            compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
 
     def current(self) -> tuple:
@@ -174,6 +185,7 @@ class Adapter:
         if not (self.weights_auto or self.acts_auto) or not engine.activation_bytes:
             return
         paged, act_paged = self.current()
+        self.planned_act = max(engine.activation_bytes.values())
         predicted = device_bytes(self._inputs(0), set(paged), set(act_paged))
         if observed is not None:
             # Only ever added: a plan that predicts more than was measured stays as it is (the
@@ -183,6 +195,8 @@ class Adapter:
         if not settling and (observed is None or observed <= self.usable):
             return
         plan = make_plan(self._inputs(self.correction))
+        if not plan.fits:
+            self.planned_act = 0  # nothing to trust: the guard keeps judging every pass
         new_paged = plan.paged if self.weights_auto else paged
         new_acts = plan.act_paged if self.acts_auto else act_paged
         if not settling:  # the watchdog only pages more

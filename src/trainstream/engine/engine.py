@@ -166,7 +166,7 @@ class Engine:
         else:
             self._measuring = False
         if torch.is_grad_enabled():
-            self.adapter.new_pass(timed=self.adapter.timed_passes < self.adapter.TIMED_PASSES)
+            self.adapter.new_pass()
         for unit in self.outside_units:
             self.weights.guard(unit)
 

@@ -13,9 +13,21 @@ update that finishes next, not on one the pool has put off.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import weakref
+
+# Landers with a running thread. At interpreter exit each is stopped before Python tears
+# itself down: a daemon thread still inside a native wait when that happens is killed
+# mid-call (Python 3.12 exits such threads by unwinding them), which aborts the process.
+_running: "weakref.WeakSet[Lander]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for lander in list(_running):
+        lander.stop()
 
 
 class Lander:
@@ -35,6 +47,7 @@ class Lander:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="trainstream-lander", daemon=True)
             self._thread.start()
+            _running.add(self)
         self._queue.put(unit)
 
     def stop(self) -> None:
@@ -42,6 +55,7 @@ class Lander:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        _running.discard(self)
 
     def raise_error(self) -> None:
         if self.error is not None:

@@ -60,7 +60,7 @@ def default_inflight_bytes(profile) -> int:
     return int(min(GiB, profile.vram_total_bytes // 10))
 
 
-def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *, inflight: int,
+def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *,
                 act_bytes: dict | None = None, compute_s: float = 0.0, correction: int = 0,
                 compute_dtype=None) -> PlanInputs:
     """The planner's view of this model on this machine. `act_bytes`: saved activations per
@@ -76,9 +76,10 @@ def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: i
                          u.block not in unpageable) for u in block_units]
     trainable = [s for u in block_units + outside_units for s in u.trainable]
     largest_block = max([u.nbytes for u in block_units] or [0])
-    # Outside weights stay resident; one block's gradients on their way out and the
-    # transfers max_inflight_bytes allows are held on top of the plan's own bytes.
-    fixed = sum(u.nbytes for u in outside_units) + largest_block + inflight + correction
+    # Outside weights stay resident; one block's gradients are held on their way out. Memory
+    # that transfers keep from reuse after the engine let go of it (max_inflight_bytes) is not
+    # counted: the allocator counts it free, and frees it for good before it would fail.
+    fixed = sum(u.nbytes for u in outside_units) + largest_block + correction
     if act_bytes is None:
         fixed += int(UNKNOWN_ACTIVATION_SHARE * usable)
 
@@ -109,8 +110,7 @@ def choose(opts, block_units, outside_units, unpageable: list, profile, model_by
         paged = [i for i in paged if i not in unpageable]
     act = _explicit("activation_offload", opts.activation_offload, n) if opts.activation_offload != "auto" else []
     if "auto" in (opts.param_offload, opts.activation_offload):
-        inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
-        plan = make_plan(plan_inputs(opts, block_units, outside_units, unpageable, profile, usable, inflight=inflight))
+        plan = make_plan(plan_inputs(opts, block_units, outside_units, unpageable, profile, usable))
         if opts.param_offload == "auto":
             paged = plan.paged
         notes.append(f"plan at wrap() (activations not measured yet: {UNKNOWN_ACTIVATION_SHARE:.0%} of the usable "
