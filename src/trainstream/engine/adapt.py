@@ -38,6 +38,7 @@ class Adapter:
     SETTLE_STEPS = 3
     SWITCH_AFTER = 2
     TIMED_PASSES = 2
+    UNSEEN_SHARE = 0.4  # of the usable memory, kept by the first pass's guard for what runs after the stack
 
     def __init__(self, engine, profile, unpageable: list, on_device: int):
         self.engine = engine
@@ -46,6 +47,7 @@ class Adapter:
         self.usable = usable_device_bytes(engine.opts, profile, on_device)
         self.correction = 0          # measured peak minus predicted (bytes), from the last step
         self.unseen = 0              # what the device's peak counter saw above our samples
+        self.unseen_measured = False  # a step has ended on a device that counts its peak
         self.pass_peak = 0
         self._device_max = 0
         self._enter_alloc = 0
@@ -148,7 +150,11 @@ class Adapter:
         if self.planned_act and self._pass_act <= 1.1 * self.planned_act + largest:
             return
         rest = sum(1 for u in engine.block_units[unit.block:] if not u.act_paged)
-        projected = now + rest * per_block + self.unseen + largest
+        # Before a step has shown what runs after the stack (the head's logits, the loss and
+        # their gradients: 1.5 GiB for the 1.9B GPT at 8 x 512 tokens), a share of the usable
+        # memory is kept for it; the H200's 4 GiB run ran out of memory there without it.
+        after_stack = self.unseen if self.unseen_measured else int(self.UNSEEN_SHARE * self.usable)
+        projected = now + rest * per_block + after_stack + largest
         if projected > self.usable:
             unit.act_paged = True
             self.record("guard", f"block {unit.block}: activations paged during the pass (allocated "
@@ -178,6 +184,7 @@ class Adapter:
                 self.unseen = max(self.unseen, peak - self.pass_peak)
                 self._device_max = peak
             observed = self.pass_peak + self.unseen
+            self.unseen_measured = True
         if engine.steps == self.SWITCH_AFTER and engine.opts.offload == "auto":
             from .switch import maybe_switch
             if maybe_switch(engine, observed):
