@@ -7,8 +7,10 @@
   the reference the planner's choice is held to.
 - The hardware profile: time of the first measurement and of a cached wrap-time lookup.
 
-Every setting runs in its own process (the cap is per process, and nothing one setting
-leaves behind can change another's memory).
+Every setting of the 1.9B GPT runs in its own process (the cap is per process, and nothing
+one setting leaves behind can change another's memory). The two 85M runs share a process
+and take their timed windows in turns, so that drift of the machine's speed over the run
+cannot decide a 2% comparison.
 """
 from __future__ import annotations
 
@@ -39,9 +41,7 @@ def _config(name: str):
     return GPT_1_9B if name == "gpt-1.9b" else GPTConfig(dim=768, layers=12, heads=12, vocab=32000)
 
 
-def _train(model, opt, batch, warmup: int, steps: int, windows: int = 1) -> dict:
-    """Mean step time over `steps` steps, in `windows` timed windows; the median window is
-    reported (a step of the 85M model is 20 ms: one slow window should not decide)."""
+def _stepper(model, opt, batch):
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(*batch)
@@ -49,28 +49,95 @@ def _train(model, opt, batch, warmup: int, steps: int, windows: int = 1) -> dict
         opt.step()
         opt.zero_grad()
         return loss
+    return step
 
-    for _ in range(warmup):
-        step()
+
+def _settle(opt) -> None:
     torch.cuda.synchronize()
     if hasattr(opt, "_synchronize"):
         opt._synchronize()
+
+
+def _window(step, opt, steps: int) -> tuple:
+    """Mean seconds per step over `steps` steps, and the last loss."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    _settle(opt)
+    return (time.perf_counter() - t) / steps, loss
+
+
+def _train(model, opt, batch, warmup: int, steps: int, windows: int = 1) -> dict:
+    """Mean step time over `steps` steps, in `windows` timed windows; the median window is
+    reported."""
+    step = _stepper(model, opt, batch)
+    for _ in range(warmup):
+        step()
+    _settle(opt)
     torch.cuda.reset_peak_memory_stats()
     means = []
     for _ in range(windows):
-        t = time.perf_counter()
-        for _ in range(steps):
-            loss = step()
-        torch.cuda.synchronize()
-        if hasattr(opt, "_synchronize"):
-            opt._synchronize()
-        means.append((time.perf_counter() - t) / steps)
+        mean, loss = _window(step, opt, steps)
+        means.append(mean)
     return {"s_per_step": sorted(means)[len(means) // 2], "window_s_per_step": means,
-            "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "loss": float(loss)}
+            "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "loss": loss.item()}
+
+
+def _start(setting, base):
+    """The model and optimizer of one setting, and the seconds wrap() (or .cuda()) took."""
+    import trainstream
+    model = copy.deepcopy(base)
+    t = time.perf_counter()
+    if setting == "stock":
+        model = model.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = trainstream.wrap(model, opt, device="cuda", **setting)
+    return model, opt, time.perf_counter() - t
+
+
+def _report(model) -> dict:
+    import trainstream
+    if not hasattr(model, "_trainstream_engine"):
+        return {}
+    report = trainstream.memory_report(model)
+    return dict(mode=report["mode"], paged_blocks=len(report["params"]["paged_blocks"]),
+                activation_paged_blocks=len(report["params"]["activation_paged_blocks"]),
+                moves=sum(1 for h in report["plan"]["history"] if h["kind"] == "applied"),
+                history=[f"step {h['step']}: {h['message']}" for h in report["plan"]["history"]])
+
+
+def _interleaved(case: dict, base, batch) -> list:
+    """Every setting alive at once, their timed windows taken in turns: a step of the 85M
+    model is 20 ms, and the GPU's and host's speed drift between processes and over a run
+    by more than the 2% compared. Each setting's peak is its own: what the others hold at
+    rest is taken off."""
+    runs = []
+    for setting in case["settings"]:
+        held = torch.cuda.memory_allocated()
+        model, opt, wrap_s = _start(setting, base)
+        step = _stepper(model, opt, batch)
+        for _ in range(case["warmup"]):
+            step()
+        _settle(opt)
+        runs.append(dict(setting=setting, model=model, opt=opt, step=step, wrap_s=wrap_s, means=[], peak=0,
+                         rest=torch.cuda.memory_allocated() - held))
+    total_rest = sum(r["rest"] for r in runs)
+    for _ in range(case.get("windows", 1)):
+        for r in runs:
+            torch.cuda.reset_peak_memory_stats()
+            mean, r["loss"] = _window(r["step"], r["opt"], case["steps"])
+            r["means"].append(mean)
+            r["peak"] = max(r["peak"], torch.cuda.max_memory_allocated() - (total_rest - r["rest"]))
+    return [dict(setting=r["setting"], wrap_s=r["wrap_s"], s_per_step=sorted(r["means"])[len(r["means"]) // 2],
+                 window_s_per_step=r["means"], peak_GiB=r["peak"] / GiB, loss=r["loss"].item(), **_report(r["model"]))
+            for r in runs]
 
 
 def run_sweep(case: dict) -> list:
-    """One process: one model, one cap, every setting in `case["settings"]`."""
+    """One process: one model, one cap, every setting in `case["settings"]` (one after the
+    other, or with `interleave` all at once, windows taken in turns)."""
     import trainstream
     from .models import GPT
     if case.get("cap_gib"):
@@ -81,6 +148,8 @@ def run_sweep(case: dict) -> list:
     base = GPT(cfg)
     idx = torch.randint(0, cfg.vocab, (BATCH, SEQ), device="cuda")
     batch = (idx, torch.roll(idx, -1, 1))
+    if case.get("interleave"):
+        return _interleaved(case, base, batch)
     out = []
     for setting in case["settings"]:
         gc.collect()
@@ -89,24 +158,12 @@ def run_sweep(case: dict) -> list:
               torch.cuda.get_per_process_memory_fraction(), "reserved", torch.cuda.memory_reserved(),
               "allocated", torch.cuda.memory_allocated(), "profile", trainstream.profile_hardware("cuda"),
               file=sys.stderr, flush=True)
-        model = copy.deepcopy(base)
         row = {"setting": setting}
+        model = opt = None
         try:
-            t = time.perf_counter()
-            if setting == "stock":
-                model = model.cuda()
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            else:
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                model, opt = trainstream.wrap(model, opt, device="cuda", **setting)
-            row["wrap_s"] = time.perf_counter() - t
+            model, opt, row["wrap_s"] = _start(setting, base)
             row.update(_train(model, opt, batch, case["warmup"], case["steps"], case.get("windows", 1)))
-            if hasattr(model, "_trainstream_engine"):
-                report = trainstream.memory_report(model)
-                row.update(mode=report["mode"], paged_blocks=len(report["params"]["paged_blocks"]),
-                           activation_paged_blocks=len(report["params"]["activation_paged_blocks"]),
-                           moves=sum(1 for h in report["plan"]["history"] if h["kind"] == "applied"),
-                           history=[f"step {h['step']}: {h['message']}" for h in report["plan"]["history"]])
+            row.update(_report(model))
         except torch.OutOfMemoryError as e:
             row.update(oom=True, error=str(e).split("\n")[0][:160])
         except MemoryError as e:  # wrap() refused: the setting cannot fit under this cap
@@ -146,10 +203,10 @@ def run(*, quick: bool = False) -> dict:
     # The defaults settle in the first 3 steps and apply the last move at the 4th forward.
     steps = dict(warmup=5, steps=3 if quick else 10)
     rows = []
-    for setting in ("stock", {}):
-        for r in _sweep_in_subprocess(dict(model="gpt-85m", cap_gib=None, settings=[setting], warmup=4,
-                                           steps=10 if quick else 20, windows=1 if quick else 5)):
-            rows.append(dict(model="GPT 85M", cap_GiB=None, run=_label(r["setting"]), **r))
+    # Both 85M runs in one process, timed in turns (see _interleaved).
+    for r in _sweep_in_subprocess(dict(model="gpt-85m", cap_gib=None, settings=["stock", {}], warmup=4,
+                                       steps=10 if quick else 20, windows=3 if quick else 9, interleave=True)):
+        rows.append(dict(model="GPT 85M", cap_GiB=None, run=_label(r["setting"]), **r))
     for cap in (24, 8, 4):
         for setting in [{}] + SETTINGS[cap]:
             for r in _sweep_in_subprocess(dict(model="gpt-1.9b", cap_gib=cap, settings=[setting], **steps)):

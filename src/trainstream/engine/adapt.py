@@ -58,6 +58,7 @@ class Adapter:
         self.timed_passes = 0
         self.passes = 0              # training forward passes seen
         self.planned_act = 0         # per-block activation bytes the current plan counted (0: none yet)
+        self._guarded: list = []     # blocks the guard paged in this pass (its history entry's list)
         self.compute_dtype = None    # the autocast dtype the first pass ran under
         opts = engine.opts
         self.weights_auto = opts.param_offload == "auto"
@@ -80,6 +81,7 @@ class Adapter:
             self.pass_peak = now
 
     def new_pass(self) -> None:
+        self._close_guard()
         self.passes += 1
         timed = self.passes > 1 and self.timed_passes < self.TIMED_PASSES
         self.pass_peak = 0
@@ -157,9 +159,19 @@ class Adapter:
         projected = now + rest * per_block + after_stack + largest
         if projected > self.usable:
             unit.act_paged = True
-            self.record("guard", f"block {unit.block}: activations paged during the pass (allocated "
-                        f"{now / GiB:.2f} GiB + {rest} blocks x {per_block / GiB:.3f} GiB of activations would pass "
-                        f"{self.usable / GiB:.2f} GiB usable)", allocated=now, projected=projected)
+            self._guarded.append(unit.block)
+            if len(self._guarded) == 1:  # one entry per pass; the blocks after this one join its list
+                self.record("guard", f"block {unit.block}: activations paged during the pass (allocated "
+                            f"{now / GiB:.2f} GiB + {rest} blocks x {per_block / GiB:.3f} GiB of activations would "
+                            f"pass {self.usable / GiB:.2f} GiB usable)", allocated=now, projected=projected,
+                            blocks=self._guarded)
+
+    def _close_guard(self) -> None:
+        """End of a pass: say how many blocks the guard paged in it, when more than one."""
+        if len(self._guarded) > 1:
+            self.engine.events.add(f"the guard paged the activations of {len(self._guarded)} blocks in that pass: "
+                                   f"{_ranges(self._guarded)}")
+        self._guarded = []
 
     # -- after each step -----------------------------------------------------------------------------
 
@@ -175,6 +187,7 @@ class Adapter:
 
     def after_step(self) -> None:
         engine = self.engine
+        self._close_guard()
         self._collect_times()
         self.sample()
         observed = None
@@ -248,3 +261,14 @@ class Adapter:
 
 def _gib(n) -> str:
     return "unknown" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def _ranges(blocks: list) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10"."""
+    runs = []
+    for b in blocks:
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ", ".join(str(a) if a == z else f"{a}-{z}" for a, z in runs)
