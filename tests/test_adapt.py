@@ -88,7 +88,7 @@ def test_the_online_guard_pages_activations_during_a_pass():
     assert_same_bits(resident, (losses, {k: v.clone() for k, v in model.state_dict().items()}))
 
 
-def test_the_guard_trusts_a_plan_made_from_measured_activations_until_a_pass_grows():
+def test_the_guard_projects_as_the_plan_does_and_pages_when_a_pass_grows():
     model, batch, loss_fn = tiny_mlp()
     model, opt = trainstream.wrap(model, None, device="cpu", offload=True, param_offload=False,
                                   activation_offload="auto", profile=machine(vram_gib=8 / 1024))
@@ -98,16 +98,28 @@ def test_the_guard_trusts_a_plan_made_from_measured_activations_until_a_pass_gro
         loss_fn(model, batch(i, "cpu")).backward()
         opt.step()
         opt.zero_grad()
-    measured = max(engine.activation_bytes.values())
-    assert adapter.planned_act == measured
-    unit = engine.block_units[1]
-    crowded = adapter.usable - KiB  # no room for even one more block's activations
-    adapter._pass_act = measured  # this pass saves what the plan counted: left alone
-    adapter._guard(unit, crowded)
-    assert not unit.act_paged
-    adapter._pass_act = 100 * measured + max(u.nbytes for u in engine.block_units)  # a longer sequence
-    adapter._guard(unit, crowded)
-    assert unit.act_paged and "activations paged during the pass" in history(model, "guard")[-1]["message"]
+    acts = sum(engine.activation_bytes.values())
+    assert acts > 0
+    adapter.unseen, adapter.unseen_measured = 100 * KiB, True  # as a step on a GPU would have shown
+    unit = engine.block_units[0]
+    # Allocated + every block's measured activations + the unseen part: exactly the usable memory.
+    exact = adapter.usable - acts - adapter.unseen
+    adapter._pass_act = 0
+    adapter._guard(unit, exact)
+    assert not unit.act_paged and not history(model, "guard")
+    # The pass's first block saved ten times what was measured (a longer sequence): the rest of
+    # the pass is projected at that size, and this block's activations are paged.
+    adapter._pass_act = 10 * max(engine.activation_bytes.values())
+    adapter._guard(engine.block_units[1], exact)
+    assert engine.block_units[1].act_paged
+    assert "activations paged during the pass" in history(model, "guard")[-1]["message"]
+    # At block 2, blocks 0 and 1 have saved theirs (now allocated): one byte more than fits.
+    adapter._pass_act = 0
+    done = engine.activation_bytes[0] + engine.activation_bytes[1]
+    adapter._guard(engine.block_units[2], exact + done)
+    assert not engine.block_units[2].act_paged
+    adapter._guard(engine.block_units[2], exact + done + 1)
+    assert engine.block_units[2].act_paged
 
 
 def test_offload_auto_switches_to_fused_adamw_when_everything_fits():

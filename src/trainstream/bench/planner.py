@@ -115,6 +115,10 @@ def _interleaved(case: dict, base, batch) -> list:
     rest is taken off."""
     runs = []
     for setting in case["settings"]:
+        # A fresh peak for each wrap(): the adapter reads what the device's peak shows above
+        # its own samples, and an earlier run's peak is not this one's.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()
         model, opt, wrap_s = _start(setting, base)
         step = _stepper(model, opt, batch)

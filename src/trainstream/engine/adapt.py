@@ -12,10 +12,9 @@
 - Online guard, every forward pass with activation_offload="auto": before a block runs,
   if what is allocated plus the activations the rest of the pass will save (as this
   pass's blocks have shown) would not fit, the block's activations are paged. That keeps
-  the very first pass, and a pass that suddenly grows, from running out of memory. Once
-  the plan has been made from measured activations, the guard leaves a pass alone as long
-  as its blocks save no more than the plan counted (the plan also counts what the guard
-  cannot see, such as the logits; second-guessing it paged blocks the plan kept).
+  the very first pass, and a pass that suddenly grows, from running out of memory. Its
+  projection is the plan's own accounting (each block's measured activations, what a
+  step showed on top of the samples), so a plan that fits as measured is left alone.
 - offload="auto": after SWITCH_AFTER steps, if the model, its gradients, torch AdamW's
   state and the measured activations fit, the run switches to torch's fused AdamW on the
   device (switch.py).
@@ -49,15 +48,17 @@ class Adapter:
         self.unseen = 0              # what the device's peak counter saw above our samples
         self.unseen_measured = False  # a step has ended on a device that counts its peak
         self.pass_peak = 0
+        # 0, not the device's peak before wrap(): a peak from before (the model on the device,
+        # another run) then counts as this run's unseen part, which errs on the safe side.
         self._device_max = 0
         self._enter_alloc = 0
-        self._pass_act = 0           # largest activation growth of a block in this pass
+        self._enter_fetched = 0
+        self._pass_act = 0           # largest growth of a block in this pass, its weight fetches taken off
         self.pending = None          # (paged, act_paged) to apply at the next forward pass
         self.block_s: dict = {}      # block -> fastest forward measured (seconds)
         self._timing: dict = {}      # block -> (start, end) events or times of this pass
         self.timed_passes = 0
         self.passes = 0              # training forward passes seen
-        self.planned_act = 0         # per-block activation bytes the current plan counted (0: none yet)
         self._guarded: list = []     # blocks the guard paged in this pass (its history entry's list)
         self.compute_dtype = None    # the autocast dtype the first pass ran under
         opts = engine.opts
@@ -96,6 +97,7 @@ class Adapter:
         now = self.allocated()
         self.sample()
         self._enter_alloc = now
+        self._enter_fetched = self.engine.weights.fetched_bytes
         if self._timing is not None:
             self._timing[unit.block] = [self._mark(), None]
         if now is not None and self.acts_auto and not unit.act_paged:
@@ -105,7 +107,9 @@ class Adapter:
         now = self.allocated()
         self.sample()
         if now is not None and self._enter_alloc is not None and not unit.act_paged:
-            self._pass_act = max(self._pass_act, now - self._enter_alloc)
+            # Weights fetched during the block (its own, the next block's ahead) are not activations.
+            fetched = self.engine.weights.fetched_bytes - self._enter_fetched
+            self._pass_act = max(self._pass_act, now - self._enter_alloc - fetched)
         if self._timing is not None and unit.block in self._timing:
             self._timing[unit.block][1] = self._mark()
 
@@ -147,24 +151,27 @@ class Adapter:
         per_block = max(self._pass_act, max(measured.values(), default=0))
         if per_block == 0:
             return
-        largest = max(u.nbytes for u in engine.block_units)
-        # A block's growth also holds the next block's weights when those are fetched ahead.
-        if self.planned_act and self._pass_act <= 1.1 * self.planned_act + largest:
-            return
-        rest = sum(1 for u in engine.block_units[unit.block:] if not u.act_paged)
-        # Before a step has shown what runs after the stack (the head's logits, the loss and
-        # their gradients: 1.5 GiB for the 1.9B GPT at 8 x 512 tokens), a share of the usable
-        # memory is kept for it; the H200's 4 GiB run ran out of memory there without it.
-        after_stack = self.unseen if self.unseen_measured else int(self.UNSEEN_SHARE * self.usable)
-        projected = now + rest * per_block + after_stack + largest
+        # The activations the rest of the pass will save: each block's measured bytes, or this
+        # pass's largest so far when that is more (a longer sequence than measured).
+        rest_units = [u for u in engine.block_units[unit.block:] if not u.act_paged]
+        rest = sum(max(measured.get(u.block, 0), self._pass_act) or per_block for u in rest_units)
+        if self.unseen_measured:
+            after_stack = self.unseen  # what a step's peak showed above the block boundaries
+        else:
+            # Before a step has shown what runs after the stack (the head's logits, the loss and
+            # their gradients: 1.5 GiB for the 1.9B GPT at 8 x 512 tokens), a share of the usable
+            # memory is kept for it, and a block's gradients; the H200's 4 GiB run ran out of
+            # memory there without it.
+            after_stack = int(self.UNSEEN_SHARE * self.usable) + max(u.nbytes for u in engine.block_units)
+        projected = now + rest + after_stack
         if projected > self.usable:
             unit.act_paged = True
             self._guarded.append(unit.block)
             if len(self._guarded) == 1:  # one entry per pass; the blocks after this one join its list
                 self.record("guard", f"block {unit.block}: activations paged during the pass (allocated "
-                            f"{now / GiB:.2f} GiB + {rest} blocks x {per_block / GiB:.3f} GiB of activations would "
-                            f"pass {self.usable / GiB:.2f} GiB usable)", allocated=now, projected=projected,
-                            blocks=self._guarded)
+                            f"{now / GiB:.2f} GiB + {len(rest_units)} blocks' activations {rest / GiB:.2f} GiB + "
+                            f"{after_stack / GiB:.2f} GiB after the stack would pass {self.usable / GiB:.2f} GiB "
+                            f"usable)", allocated=now, projected=projected, blocks=self._guarded)
 
     def _close_guard(self) -> None:
         """End of a pass: say how many blocks the guard paged in it, when more than one."""
@@ -205,7 +212,6 @@ class Adapter:
         if not (self.weights_auto or self.acts_auto) or not engine.activation_bytes:
             return
         paged, act_paged = self.current()
-        self.planned_act = max(engine.activation_bytes.values())
         predicted = device_bytes(self._inputs(0), set(paged), set(act_paged))
         if observed is not None:
             # Only ever added: a plan that predicts more than was measured stays as it is (the
@@ -215,8 +221,6 @@ class Adapter:
         if not settling and (observed is None or observed <= self.usable):
             return
         plan = make_plan(self._inputs(self.correction))
-        if not plan.fits:
-            self.planned_act = 0  # nothing to trust: the guard keeps judging every pass
         new_paged = plan.paged if self.weights_auto else paged
         new_acts = plan.act_paged if self.acts_auto else act_paged
         if not settling:  # the watchdog only pages more

@@ -33,6 +33,7 @@ class WeightPager:
         self.backend = engine.backend
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
         self.ahead_bytes = 0              # fetched ahead of use, not yet attached
+        self.fetched_bytes = 0            # device bytes fetched since wrap (the adapter takes them off a block's growth)
         # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
         self.lock = threading.RLock()
         self.lander = Lander(self)
@@ -178,6 +179,7 @@ class WeightPager:
                 dev.copy_(src, non_blocking=True)
                 fetched[s] = dev
         unit.fetched, unit.fetch_dtypes = fetched, dtypes
+        self.fetched_bytes += sum(d.numel() * d.element_size() for d in fetched.values())
         unit.fetch_event = backend.record(backend.copy_in)
         unit.ahead = ahead
         if ahead:
