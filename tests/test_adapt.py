@@ -206,3 +206,21 @@ def test_gpu_a_model_that_fits_switches_to_fused_adamw():
     assert report["mode"] == "stock", report["events"]
     assert all(p.device.type == "cuda" for p in model.parameters())
     assert opt._stock.param_groups[0]["fused"] and losses[-1] < losses[0]
+
+
+def test_verbose_prints_each_decision_as_it_happens(capsys):
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, verbose=True, **AUTO,
+                                  profile=machine(vram_gib=3 / 1024))
+    at_wrap = capsys.readouterr().out
+    assert "trainstream: plan at wrap()" in at_wrap and "blocks paged" in at_wrap
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()  # the first step's replan is printed by the step that made it
+    after_step = capsys.readouterr().out
+    assert "trainstream: settling: measured peak" in after_step
+    loss_fn(model, batch(1, "cpu"))  # the move is printed when the next forward makes it
+    assert "trainstream: weights paged for blocks []" in capsys.readouterr().out
+    # The events log holds the same lines, time-stamped.
+    events = trainstream.memory_report(model)["events"]
+    assert all(line.split("trainstream: ", 1)[1] in events
+               for line in (at_wrap + after_step).splitlines() if line.startswith("trainstream: "))
