@@ -81,6 +81,7 @@ class Engine:
         # Saved-activation bytes per block, measured over the first MEASURED_PASSES forward
         # passes with autograd on (the planner sizes activation paging from them).
         self.activation_bytes: dict = {}
+        self.activation_measured_paged: dict = {}  # block -> its weights were paged when measured
         self._measured_passes = 0
         self._measuring = False              # this forward pass counts activations
         self._counting: dict | None = None  # storage pointer -> (weak ref, bytes), in the block running now
@@ -233,7 +234,9 @@ class Engine:
     def _stop_counting(self, unit, measured: bool) -> None:
         if measured:
             total = self._counted
-            self.activation_bytes[unit.block] = max(self.activation_bytes.get(unit.block, 0), total)
+            if total >= self.activation_bytes.get(unit.block, 0):
+                self.activation_bytes[unit.block] = total
+                self.activation_measured_paged[unit.block] = unit.paged
             self._counting = None
 
     def pack(self, unit, t: torch.Tensor):

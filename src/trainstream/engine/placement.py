@@ -60,20 +60,38 @@ def default_inflight_bytes(profile) -> int:
     return int(min(GiB, profile.vram_total_bytes // 10))
 
 
+def _bf16_linear(slot, compute_dtype) -> bool:
+    # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py); resident,
+    # autocast copies them to bf16 and backward keeps the copies.
+    return compute_dtype == torch.bfloat16 and slot.is_linear and slot.dtype == torch.float32
+
+
+def cast_bytes(unit, compute_dtype) -> int:
+    """Saved-activation bytes of `unit` that are autocast's copies of its weights: there
+    while the weights are resident, not when they are paged (they arrive in bf16)."""
+    return sum(s.param.numel() * 2 for s in unit.slots if _bf16_linear(s, compute_dtype))
+
+
 def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *,
-                act_bytes: dict | None = None, compute_s: float = 0.0, correction: int = 0,
-                compute_dtype=None) -> PlanInputs:
+                act_bytes: dict | None = None, measured_paged: dict | None = None, compute_s: float = 0.0,
+                correction: int = 0, compute_dtype=None) -> PlanInputs:
     """The planner's view of this model on this machine. `act_bytes`: saved activations per
     block as measured (None before the first pass: a share of the memory is held back for
-    them instead); `correction`: measured peak minus predicted, from the adapter."""
+    them instead), `measured_paged`: which blocks had their weights paged when measured;
+    `correction`: measured peak minus predicted, from the adapter."""
     def crossing(u):
-        # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py).
-        return sum(s.param.numel() * 2 if compute_dtype == torch.bfloat16 and s.is_linear
-                   and s.dtype == torch.float32 else s.nbytes for s in u.slots)
+        return sum(s.param.numel() * 2 if _bf16_linear(s, compute_dtype) else s.nbytes for s in u.slots)
 
-    blocks = [BlockBytes(u.nbytes, crossing(u), sum(s.nbytes for s in u.trainable),
-                         (act_bytes or {}).get(u.block, max((act_bytes or {0: 0}).values(), default=0)),
-                         u.block not in unpageable) for u in block_units]
+    acts = act_bytes or {}
+    fallback = max(acts.values(), default=0)
+    blocks = []
+    for u in block_units:
+        measured = acts.get(u.block, fallback)
+        cast = cast_bytes(u, compute_dtype)
+        if (measured_paged or {}).get(u.block) and measured:
+            measured += cast  # measured without the copies: the resident figure has them
+        blocks.append(BlockBytes(u.nbytes, crossing(u), sum(s.nbytes for s in u.trainable), measured,
+                                 u.block not in unpageable, cast if measured else 0))
     trainable = [s for u in block_units + outside_units for s in u.trainable]
     largest_block = max([u.nbytes for u in block_units] or [0])
     # Outside weights stay resident; one block's gradients are held on their way out. Memory

@@ -6,6 +6,9 @@ Device bytes of a placement: the fixed part (modules outside the stack, transien
 engine and the user's loss hold, the adaptation's measured correction), every resident
 block's weights, every block's saved activations unless they are paged, and the transfers
 in flight (two paged blocks' weights, `prefetch_depth + 1` blocks' paged activations).
+Under bf16 autocast a resident block also saves autocast's bf16 copies of its weights for
+backward (`cast_bytes`); a paged block's weights arrive in bf16 and are not copied, so
+paging a block's weights (and not its activations) frees those too.
 
 Step time of a placement: the largest of four times that overlap one another (compute,
 host-to-device bytes over the measured bandwidth, device-to-host bytes likewise, and the
@@ -32,8 +35,9 @@ class BlockBytes:
     weight_bytes: int        # on the device while resident
     crossing_bytes: int      # one fetch of the paged weights (the compute dtype's size)
     push_bytes: int          # the trainable weights' copy after each update, when resident
-    act_bytes: int = 0       # saved activations of one forward pass (measured; 0 when unknown)
+    act_bytes: int = 0       # saved activations of one forward pass, weights resident (measured; 0 when unknown)
     pageable: bool = True    # False: shares a parameter with the outside (tied weights)
+    cast_bytes: int = 0      # of act_bytes: autocast's copies of the weights, not saved once they are paged
 
 
 @dataclass
@@ -81,7 +85,7 @@ def device_bytes(inp: PlanInputs, paged, act_paged) -> int:
     b = inp.blocks
     need = inp.fixed_bytes
     need += sum(x.weight_bytes for i, x in enumerate(b) if i not in paged)
-    need += sum(x.act_bytes for i, x in enumerate(b) if i not in act_paged)
+    need += sum(x.act_bytes - (x.cast_bytes if i in paged else 0) for i, x in enumerate(b) if i not in act_paged)
     if paged:
         need += 2 * max(b[i].crossing_bytes for i in paged)
     if act_paged:
@@ -119,9 +123,12 @@ def make_plan(inp: PlanInputs) -> Plan:
     all_acts = sum(x.act_bytes for x in b)
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
     best, best_key, smallest = None, None, None
+    act_sets = [set(a.chosen) for a in act_opts]
     for w in weight_opts:
-        for a in act_opts:
+        casts = [(i, b[i].cast_bytes) for i in w.chosen if b[i].cast_bytes]
+        for a, a_set in zip(act_opts, act_sets):
             need = inp.fixed_bytes + all_weights - w.freed + all_acts - a.freed
+            need -= sum(c for i, c in casts if i not in a_set)  # paged weights are not copied by autocast
             need += 2 * w.in_flight + (inp.prefetch_depth + 1) * a.in_flight
             terms = {"compute": inp.compute_s, "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
                      "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s, "adamw": inp.adamw_s}
