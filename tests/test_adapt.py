@@ -243,6 +243,9 @@ def test_activations_measured_with_weights_paged_are_planned_with_autocasts_copi
                       act_bytes=acts, measured_paged=paged_when, compute_dtype=torch.bfloat16)
     assert inp.blocks[0].act_bytes == inp.blocks[1].act_bytes == acts[1]
     assert inp.blocks[0].cast_bytes == cast
+    # So does the cost of stock training (offload="auto"), where every block is resident.
+    from trainstream.engine.switch import stock_bytes
+    assert stock_bytes(engine)["activations (measured)"] == len(engine.block_units) * acts[1]
     # The guard's view follows the placement of the moment.
     assert adapter._measured_now(engine.block_units[0]) == acts[0]
     engine.block_units[0].paged = False
