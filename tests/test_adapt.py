@@ -230,7 +230,7 @@ def test_activations_measured_with_weights_paged_are_planned_with_autocasts_copi
     """Under bf16 autocast a resident block also saves autocast's bf16 copies of its Linear
     weights; a paged one fetches them in bf16 and saves none. The planner gets every block's
     activations as they are with the weights resident."""
-    from trainstream.engine.placement import cast_bytes, plan_inputs
+    from trainstream.engine.placement import activations_as_placed, cast_bytes
     _, _, (model, _) = train("gpt", dict(param_offload=[0], activation_offload=False), steps=2,
                              autocast=torch.bfloat16)
     engine = model._trainstream_engine
@@ -238,16 +238,12 @@ def test_activations_measured_with_weights_paged_are_planned_with_autocasts_copi
     assert paged_when[0] and not paged_when[1]
     cast = cast_bytes(engine.block_units[1], torch.bfloat16)
     assert cast > 0 and acts[1] - acts[0] == cast  # same shapes: the copies are the whole difference
-    adapter = engine.adapter
-    inp = plan_inputs(engine.opts, engine.block_units, engine.outside_units, [], adapter.profile, adapter.usable,
-                      act_bytes=acts, measured_paged=paged_when, compute_dtype=torch.bfloat16)
+    inp = engine.adapter._inputs(0)
     assert inp.blocks[0].act_bytes == inp.blocks[1].act_bytes == acts[1]
     assert inp.blocks[0].cast_bytes == cast
     # So does the cost of stock training (offload="auto"), where every block is resident.
     from trainstream.engine.switch import stock_bytes
     assert stock_bytes(engine)["activations (measured)"] == len(engine.block_units) * acts[1]
     # The guard's view follows the placement of the moment.
-    assert adapter._measured_now(engine.block_units[0]) == acts[0]
-    engine.block_units[0].paged = False
-    assert adapter._measured_now(engine.block_units[0]) == acts[1]
-    engine.block_units[0].paged = True
+    assert activations_as_placed(engine, engine.block_units[0], paged=True) == acts[0]
+    assert activations_as_placed(engine, engine.block_units[1], paged=True) == acts[0]

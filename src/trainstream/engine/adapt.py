@@ -28,7 +28,7 @@ import time
 import torch
 
 from ..planner.plan import device_bytes, make_plan
-from .placement import cast_bytes, plan_inputs, usable_device_bytes
+from .placement import activations_as_placed, plan_inputs, usable_device_bytes
 
 GiB = 1 << 30
 
@@ -154,7 +154,7 @@ class Adapter:
         # The activations the rest of the pass will save: each block's measured bytes, or this
         # pass's largest so far when that is more (a longer sequence than measured).
         rest_units = [u for u in engine.block_units[unit.block:] if not u.act_paged]
-        rest = sum(max(self._measured_now(u), self._pass_act) or per_block for u in rest_units)
+        rest = sum(max(activations_as_placed(engine, u, u.paged), self._pass_act) or per_block for u in rest_units)
         if self.unseen_measured:
             after_stack = self.unseen  # what a step's peak showed above the block boundaries
         else:
@@ -173,16 +173,6 @@ class Adapter:
                             f"{after_stack / GiB:.2f} GiB after the stack would pass {self.usable / GiB:.2f} GiB "
                             f"usable)", allocated=now, projected=projected, blocks=self._guarded)
 
-    def _measured_now(self, unit) -> int:
-        """`unit`'s measured activations as its weights are placed now: autocast's copies of
-        the weights are saved while they are resident, not when they are paged."""
-        engine = self.engine
-        measured = engine.activation_bytes.get(unit.block, 0)
-        if measured and engine.activation_measured_paged.get(unit.block) != unit.paged:
-            cast = cast_bytes(unit, self.compute_dtype)
-            measured = measured + cast if not unit.paged else max(measured - cast, 0)
-        return measured
-
     def _close_guard(self) -> None:
         """End of a pass: say how many blocks the guard paged in it, when more than one."""
         if len(self._guarded) > 1:
@@ -195,7 +185,8 @@ class Adapter:
     def _inputs(self, correction: int):
         e = self.engine
         return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
-                           act_bytes=e.activation_bytes or None, measured_paged=e.activation_measured_paged,
+                           act_bytes={u.block: activations_as_placed(e, u, paged=False) for u in e.block_units
+                                      if u.block in e.activation_bytes} or None,
                            compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
 
     def current(self) -> tuple:

@@ -33,7 +33,7 @@ class WeightPager:
         self.backend = engine.backend
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
         self.ahead_bytes = 0              # fetched ahead of use, not yet attached
-        self.fetched_bytes = 0            # device bytes fetched since wrap (the adapter takes them off a block's growth)
+        self.fetched_bytes = 0            # device bytes fetched since wrap (the adapter: growth that is not activations)
         # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
         self.lock = threading.RLock()
         self.lander = Lander(self)
@@ -213,7 +213,8 @@ class WeightPager:
             self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
             s.param.data = s.placeholder
         # The memory returns to the allocator once compute passes this point.
-        self.engine.inflight.add(self.backend.record(), sum(d.numel() * d.element_size() for d in unit.fetched.values()))
+        freed = sum(d.numel() * d.element_size() for d in unit.fetched.values())
+        self.engine.inflight.add(self.backend.record(), freed)
         if unit.ahead:
             self.ahead_bytes -= unit.nbytes
         unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None

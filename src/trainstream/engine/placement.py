@@ -72,13 +72,23 @@ def cast_bytes(unit, compute_dtype) -> int:
     return sum(s.param.numel() * 2 for s in unit.slots if _bf16_linear(s, compute_dtype))
 
 
+def activations_as_placed(engine, unit, paged: bool) -> int:
+    """`unit`'s measured saved-activation bytes (0 if not measured) as they are with its
+    weights paged or resident: measured one way, the other differs by autocast's copies."""
+    measured = engine.activation_bytes.get(unit.block, 0)
+    if measured and engine.activation_measured_paged.get(unit.block) != paged:
+        cast = cast_bytes(unit, engine.adapter.compute_dtype)
+        measured = max(measured - cast, 0) if paged else measured + cast
+    return measured
+
+
 def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *,
-                act_bytes: dict | None = None, measured_paged: dict | None = None, compute_s: float = 0.0,
-                correction: int = 0, compute_dtype=None) -> PlanInputs:
+                act_bytes: dict | None = None, compute_s: float = 0.0, correction: int = 0,
+                compute_dtype=None) -> PlanInputs:
     """The planner's view of this model on this machine. `act_bytes`: saved activations per
-    block as measured (None before the first pass: a share of the memory is held back for
-    them instead), `measured_paged`: which blocks had their weights paged when measured;
-    `correction`: measured peak minus predicted, from the adapter."""
+    block with its weights resident (activations_as_placed; None before the first pass: a
+    share of the memory is held back for them instead); `correction`: measured peak minus
+    predicted, from the adapter."""
     def crossing(u):
         return sum(s.param.numel() * 2 if _bf16_linear(s, compute_dtype) else s.nbytes for s in u.slots)
 
@@ -88,8 +98,6 @@ def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: i
     for u in block_units:
         measured = acts.get(u.block, fallback)
         cast = cast_bytes(u, compute_dtype)
-        if (measured_paged or {}).get(u.block) and measured:
-            measured += cast  # measured without the copies: the resident figure has them
         blocks.append(BlockBytes(u.nbytes, crossing(u), sum(s.nbytes for s in u.trainable), measured,
                                  u.block not in unpageable, cast if measured else 0))
     trainable = [s for u in block_units + outside_units for s in u.trainable]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .placement import cast_bytes
+from .placement import activations_as_placed
 
 GiB = 1 << 30
 
@@ -35,18 +35,9 @@ def stock_bytes(engine) -> dict:
         "weights": sum(s.nbytes for s in params.values()),
         "gradients": sum(s.nbytes for s in trainable),
         "AdamW moments": 2 * sum(s.nbytes for s in trainable),
-        "activations (measured)": sum(_resident_form(engine, u) for u in engine.block_units),
+        "activations (measured)": sum(activations_as_placed(engine, u, paged=False) for u in engine.block_units),
         "loss and head (measured)": engine.adapter.unseen,
     }
-
-
-def _resident_form(engine, unit) -> int:
-    """A block's measured activations as stock training saves them: with autocast's copies
-    of its weights, which a block measured while paged did not make."""
-    measured = engine.activation_bytes.get(unit.block, 0)
-    if measured and engine.activation_measured_paged.get(unit.block):
-        measured += cast_bytes(unit, engine.adapter.compute_dtype)
-    return measured
 
 
 def maybe_switch(engine, observed_peak) -> bool:

@@ -17,8 +17,9 @@ computes in; a resident block's trainable weights cross once (the update's push)
 activations of a paged block cross once each way. Gradients cross out once.
 
 The choice: among the placements that fit, the fastest; of equally fast ones, the one
-that pages the fewest blocks' activations, then the fewest blocks' weights. Activation paging may not add more than `max_activation_slowdown` to
-the time of the same weight placement without it; when nothing fits within that limit,
+that pages the fewest blocks' activations, then the fewest blocks' weights. Activation
+paging may not add more than `max_activation_slowdown` to the time of the same weight
+placement without it; when nothing fits within that limit,
 the fastest placement that fits is taken and the plan says so (the alternative is running
 out of memory). Blocks are paged from the front of the stack: the first blocks' saved
 activations are held the longest (from their forward to the end of backward).
