@@ -104,17 +104,17 @@ def test_the_guard_projects_as_the_plan_does_and_pages_when_a_pass_grows():
     unit = engine.block_units[0]
     # Allocated + every block's measured activations + the unseen part: exactly the usable memory.
     exact = adapter.usable - acts - adapter.unseen
-    adapter._pass_act = 0
+    adapter._pass_act, adapter._pass_growth = 0, 1.0
     adapter._guard(unit, exact)
     assert not unit.act_paged and not history(model, "guard")
     # The pass's first block saved ten times what was measured (a longer sequence): the rest of
-    # the pass is projected at that size, and this block's activations are paged.
-    adapter._pass_act = 10 * max(engine.activation_bytes.values())
+    # the pass is projected that much larger, and this block's activations are paged.
+    adapter._pass_growth = 10.0
     adapter._guard(engine.block_units[1], exact)
     assert engine.block_units[1].act_paged
     assert "activations paged during the pass" in history(model, "guard")[-1]["message"]
     # At block 2, blocks 0 and 1 have saved theirs (now allocated): one byte more than fits.
-    adapter._pass_act = 0
+    adapter._pass_growth = 1.0
     done = engine.activation_bytes[0] + engine.activation_bytes[1]
     adapter._guard(engine.block_units[2], exact + done)
     assert not engine.block_units[2].act_paged
@@ -226,24 +226,30 @@ def test_verbose_prints_each_decision_as_it_happens(capsys):
                for line in (at_wrap + after_step).splitlines() if line.startswith("trainstream: "))
 
 
-def test_activations_measured_with_weights_paged_are_planned_with_autocasts_copies():
-    """Under bf16 autocast a resident block also saves autocast's bf16 copies of its Linear
-    weights; a paged one fetches them in bf16 and saves none. The planner gets every block's
-    activations as they are with the weights resident."""
-    from trainstream.engine.placement import activations_as_placed, cast_bytes
+def test_activations_are_recorded_as_with_the_weights_resident_autocasts_copies_included():
+    """Under bf16 autocast a resident block also saves autocast's bf16 copies of its weights;
+    a paged one fetches them in bf16 and saves none. Every block's activations are recorded
+    as they are with its weights resident, with the copies' share beside them."""
+    from trainstream.engine.placement import activations_as_placed
+    from trainstream.engine.switch import stock_bytes
     _, _, (model, _) = train("gpt", dict(param_offload=[0], activation_offload=False), steps=2,
                              autocast=torch.bfloat16)
     engine = model._trainstream_engine
-    acts, paged_when = engine.activation_bytes, engine.activation_measured_paged
-    assert paged_when[0] and not paged_when[1]
-    cast = cast_bytes(engine.block_units[1], torch.bfloat16)
-    assert cast > 0 and acts[1] - acts[0] == cast  # same shapes: the copies are the whole difference
+    acts, casts = engine.activation_bytes, engine.activation_cast
+    copies = sum(m.weight.numel() * 2 for m in model.layers[1].modules() if isinstance(m, torch.nn.Linear))
+    # Block 1 (resident) saved the copies, found by their autograd history; block 0 (paged)
+    # saved none, and is recorded with what it would have saved resident. Same shapes: same bytes.
+    assert casts[1] == casts[0] == copies > 0
+    assert acts[0] == acts[1]
+    assert activations_as_placed(engine, engine.block_units[0], paged=True) == acts[0] - copies
     inp = engine.adapter._inputs(0)
-    assert inp.blocks[0].act_bytes == inp.blocks[1].act_bytes == acts[1]
-    assert inp.blocks[0].cast_bytes == cast
-    # So does the cost of stock training (offload="auto"), where every block is resident.
-    from trainstream.engine.switch import stock_bytes
-    assert stock_bytes(engine)["activations (measured)"] == len(engine.block_units) * acts[1]
-    # The guard's view follows the placement of the moment.
-    assert activations_as_placed(engine, engine.block_units[0], paged=True) == acts[0]
-    assert activations_as_placed(engine, engine.block_units[1], paged=True) == acts[0]
+    assert inp.blocks[0].act_bytes == acts[0] and inp.blocks[0].cast_bytes == copies
+    assert stock_bytes(engine)["activations (measured)"] == sum(acts.values())
+
+
+def test_a_weight_copy_backward_does_not_keep_is_not_counted():
+    # The first Linear's input needs no gradient: backward keeps no copy of its weight (only
+    # of its input); every later Linear's input does, so its weight's copy is kept.
+    _, _, (model, _) = train("mlp", RESIDENT, steps=1, autocast=torch.bfloat16)
+    casts = model._trainstream_engine.activation_cast
+    assert casts[0] == 0 and casts[1] == model[1].weight.numel() * 2

@@ -54,6 +54,7 @@ class Adapter:
         self._enter_alloc = 0
         self._enter_fetched = 0
         self._pass_act = 0           # largest growth of a block in this pass, its weight fetches taken off
+        self._pass_growth = 1.0      # largest growth / measured activations of a block in this pass
         self.pending = None          # (paged, act_paged) to apply at the next forward pass
         self.block_s: dict = {}      # block -> fastest forward measured (seconds)
         self._timing: dict = {}      # block -> (start, end) events or times of this pass
@@ -87,6 +88,7 @@ class Adapter:
         timed = self.passes > 1 and self.timed_passes < self.TIMED_PASSES
         self.pass_peak = 0
         self._pass_act = 0
+        self._pass_growth = 1.0
         self.sample()
         self._timing = {} if timed else None
         if self.compute_dtype is None and torch.is_autocast_enabled(self.engine.backend.device.type):
@@ -109,7 +111,16 @@ class Adapter:
         if now is not None and self._enter_alloc is not None and not unit.act_paged:
             # Weights fetched during the block (its own, the next block's ahead) are not activations.
             fetched = self.engine.weights.fetched_bytes - self._enter_fetched
-            self._pass_act = max(self._pass_act, now - self._enter_alloc - fetched)
+            grown = now - self._enter_alloc - fetched
+            self._pass_act = max(self._pass_act, grown)
+            measured = activations_as_placed(self.engine, unit, unit.paged)
+            if measured:
+                # Autocast also holds copies of resident trainable weights that backward does not
+                # keep (a Linear whose input needs no gradient): growth, but not activations.
+                unsaved = 0
+                if not unit.paged and torch.is_autocast_enabled(self.engine.backend.device.type):
+                    unsaved = max(_copies_bound(unit) - self.engine.activation_cast.get(unit.block, 0), 0)
+                self._pass_growth = max(self._pass_growth, (grown - unsaved) / measured)
         if self._timing is not None and unit.block in self._timing:
             self._timing[unit.block][1] = self._mark()
 
@@ -151,10 +162,15 @@ class Adapter:
         per_block = max(self._pass_act, max(measured.values(), default=0))
         if per_block == 0:
             return
-        # The activations the rest of the pass will save: each block's measured bytes, or this
-        # pass's largest so far when that is more (a longer sequence than measured).
+        # The activations the rest of the pass will save: each block's measured bytes as placed
+        # now, grown as much as this pass's blocks have grown over theirs (a longer sequence
+        # than measured); a block not measured yet, as the largest seen. A block whose
+        # activations are paged still holds autocast's copies of its resident weights.
         rest_units = [u for u in engine.block_units[unit.block:] if not u.act_paged]
-        rest = sum(max(activations_as_placed(engine, u, u.paged), self._pass_act) or per_block for u in rest_units)
+        rest = sum(int(activations_as_placed(engine, u, u.paged) * self._pass_growth) or per_block
+                   for u in rest_units)
+        rest += sum(engine.activation_cast.get(u.block, 0) for u in engine.block_units[unit.block:]
+                    if u.act_paged and not u.paged)
         if self.unseen_measured:
             after_stack = self.unseen  # what a step's peak showed above the block boundaries
         else:
@@ -185,8 +201,7 @@ class Adapter:
     def _inputs(self, correction: int):
         e = self.engine
         return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
-                           act_bytes={u.block: activations_as_placed(e, u, paged=False) for u in e.block_units
-                                      if u.block in e.activation_bytes} or None,
+                           act_bytes=e.activation_bytes or None, act_cast=e.activation_cast,
                            compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
 
     def current(self) -> tuple:
@@ -277,3 +292,8 @@ def _ranges(blocks: list) -> str:
         else:
             runs.append([b, b])
     return ", ".join(str(a) if a == z else f"{a}-{z}" for a, z in runs)
+
+
+def _copies_bound(unit) -> int:
+    """The most autocast can hold in copies of `unit`'s trainable fp32 weight matrices."""
+    return sum(s.param.numel() * 2 for s in unit.trainable if s.dtype == torch.float32 and s.param.dim() >= 2)

@@ -23,6 +23,7 @@ from .device import Backend, HostArena, TransferLedger
 from .grads import GradStreamer
 from .layout import arena_bytes, host_buffers
 from .params import WeightPager
+from .placement import cast_bytes
 from .report import EventLog
 
 GiB = 1 << 30
@@ -36,6 +37,30 @@ class SavedWeight:
         self.slot = slot
         self.dtypes = slot.unit.fetch_dtypes  # how the unit was fetched for this forward
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+_VIEWS = {"TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0",
+          "ExpandBackward0", "AliasBackward0"}
+
+
+def _is_weight_copy(t: torch.Tensor, unit) -> bool:
+    """Is `t` (a view of) autocast's copy of one of `unit`'s trainable weights? Its autograd
+    history is then views, one ToCopyBackward0, and the weight's AccumulateGrad."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name not in _VIEWS and name != "ToCopyBackward0":
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        if name == "ToCopyBackward0":
+            leaf = nxt[0]
+            return type(leaf).__name__ == "AccumulateGrad" and any(leaf.variable is s.param for s in unit.slots)
+        fn = nxt[0]
+    return False
 
 
 def _tensors_in(out):
@@ -80,12 +105,15 @@ class Engine:
         self._entered: set = set()   # blocks whose backward has started this pass
         # Saved-activation bytes per block, measured over the first MEASURED_PASSES forward
         # passes with autograd on (the planner sizes activation paging from them).
+        # Both with the block's weights resident: under bf16 autocast those include autocast's
+        # copies of its trainable weights (activation_cast), which a paged block does not make.
         self.activation_bytes: dict = {}
-        self.activation_measured_paged: dict = {}  # block -> its weights were paged when measured
+        self.activation_cast: dict = {}
         self._measured_passes = 0
         self._measuring = False              # this forward pass counts activations
         self._counting: dict | None = None  # storage pointer -> (weak ref, bytes), in the block running now
         self._counted = 0
+        self._counted_cast = 0       # of _counted: autocast's copies of the block's weights
         self._handles: list = []
         self._forwards: dict = {}    # block module -> its own forward attribute, if it had one
 
@@ -229,14 +257,19 @@ class Engine:
             return False
         self._counting = {}
         self._counted = 0
+        self._counted_cast = 0
         return True
 
     def _stop_counting(self, unit, measured: bool) -> None:
         if measured:
-            total = self._counted
+            total, cast = self._counted, self._counted_cast
+            if unit.paged:
+                # Its weights came in bf16: autocast made no copies, which resident it would.
+                cast = cast_bytes(unit)
+                total += cast
             if total >= self.activation_bytes.get(unit.block, 0):
                 self.activation_bytes[unit.block] = total
-                self.activation_measured_paged[unit.block] = unit.paged
+                self.activation_cast[unit.block] = cast
             self._counting = None
 
     def pack(self, unit, t: torch.Tensor):
@@ -251,6 +284,8 @@ class Engine:
             if seen is None or seen[0].expired():  # a paged storage's address may be reused in the block
                 self._counting[ptr] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
                 self._counted += t.untyped_storage().nbytes()
+                if _is_weight_copy(t, unit):
+                    self._counted_cast += t.untyped_storage().nbytes()
         if (not unit.act_paged or ptr in self.resident_storages
                 or t.untyped_storage().nbytes() < self.opts.min_offload_bytes):
             return t

@@ -33,7 +33,7 @@ class WeightPager:
         self.backend = engine.backend
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
         self.ahead_bytes = 0              # fetched ahead of use, not yet attached
-        self.fetched_bytes = 0            # device bytes fetched since wrap (the adapter: growth that is not activations)
+        self.fetched_bytes = 0            # device bytes fetched since wrap (growth that is not activations)
         # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
         self.lock = threading.RLock()
         self.lander = Lander(self)

@@ -60,46 +60,37 @@ def default_inflight_bytes(profile) -> int:
     return int(min(GiB, profile.vram_total_bytes // 10))
 
 
-def _bf16_linear(slot, compute_dtype) -> bool:
-    # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py); resident,
-    # autocast copies them to bf16 and backward keeps the copies.
-    return compute_dtype == torch.bfloat16 and slot.is_linear and slot.dtype == torch.float32
-
-
-def cast_bytes(unit, compute_dtype) -> int:
-    """Saved-activation bytes of `unit` that are autocast's copies of its weights: there
-    while the weights are resident, not when they are paged (they arrive in bf16)."""
-    return sum(s.param.numel() * 2 for s in unit.slots if _bf16_linear(s, compute_dtype))
+def cast_bytes(unit) -> int:
+    """The bf16 copies autocast would make of `unit`'s fp32 weight matrices had they been
+    resident, as this pass fetched them in bf16 (params.py); an upper bound of what backward
+    keeps (a Linear whose input needs no gradient keeps no copy of its weight)."""
+    return sum(s.param.numel() * 2 for s in unit.slots
+               if unit.fetch_dtypes.get(s) == torch.bfloat16 and s.dtype == torch.float32 and s.param.dim() >= 2)
 
 
 def activations_as_placed(engine, unit, paged: bool) -> int:
-    """`unit`'s measured saved-activation bytes (0 if not measured) as they are with its
-    weights paged or resident: measured one way, the other differs by autocast's copies."""
+    """`unit`'s measured saved-activation bytes (0 if not measured) with its weights paged
+    or resident: paged, without autocast's copies of them."""
     measured = engine.activation_bytes.get(unit.block, 0)
-    if measured and engine.activation_measured_paged.get(unit.block) != paged:
-        cast = cast_bytes(unit, engine.adapter.compute_dtype)
-        measured = max(measured - cast, 0) if paged else measured + cast
-    return measured
+    return measured - engine.activation_cast.get(unit.block, 0) if paged else measured
 
 
 def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *,
-                act_bytes: dict | None = None, compute_s: float = 0.0, correction: int = 0,
-                compute_dtype=None) -> PlanInputs:
+                act_bytes: dict | None = None, act_cast: dict | None = None, compute_s: float = 0.0,
+                correction: int = 0, compute_dtype=None) -> PlanInputs:
     """The planner's view of this model on this machine. `act_bytes`: saved activations per
-    block with its weights resident (activations_as_placed; None before the first pass: a
-    share of the memory is held back for them instead); `correction`: measured peak minus
-    predicted, from the adapter."""
+    block with its weights resident (None before the first pass: a share of the memory is
+    held back for them instead), `act_cast`: of those, autocast's copies of the weights;
+    `correction`: measured peak minus predicted, from the adapter."""
     def crossing(u):
-        return sum(s.param.numel() * 2 if _bf16_linear(s, compute_dtype) else s.nbytes for s in u.slots)
+        # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py).
+        return sum(s.param.numel() * 2 if compute_dtype == torch.bfloat16 and s.is_linear
+                   and s.dtype == torch.float32 else s.nbytes for s in u.slots)
 
-    acts = act_bytes or {}
-    fallback = max(acts.values(), default=0)
-    blocks = []
-    for u in block_units:
-        measured = acts.get(u.block, fallback)
-        cast = cast_bytes(u, compute_dtype)
-        blocks.append(BlockBytes(u.nbytes, crossing(u), sum(s.nbytes for s in u.trainable), measured,
-                                 u.block not in unpageable, cast if measured else 0))
+    acts, casts = act_bytes or {}, act_cast or {}
+    fallback = max(acts.values(), default=0)  # a block not measured (no copies counted for it)
+    blocks = [BlockBytes(u.nbytes, crossing(u), sum(s.nbytes for s in u.trainable), acts.get(u.block, fallback),
+                         u.block not in unpageable, casts.get(u.block, 0)) for u in block_units]
     trainable = [s for u in block_units + outside_units for s in u.trainable]
     largest_block = max([u.nbytes for u in block_units] or [0])
     # Outside weights stay resident; one block's gradients are held on their way out. Memory

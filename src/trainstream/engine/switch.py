@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from .placement import activations_as_placed
-
 GiB = 1 << 30
 
 
@@ -35,7 +33,7 @@ def stock_bytes(engine) -> dict:
         "weights": sum(s.nbytes for s in params.values()),
         "gradients": sum(s.nbytes for s in trainable),
         "AdamW moments": 2 * sum(s.nbytes for s in trainable),
-        "activations (measured)": sum(activations_as_placed(engine, u, paged=False) for u in engine.block_units),
+        "activations (measured)": sum(engine.activation_bytes.values()),  # as with the weights resident
         "loss and head (measured)": engine.adapter.unseen,
     }
 

@@ -6,9 +6,11 @@ Device bytes of a placement: the fixed part (modules outside the stack, transien
 engine and the user's loss hold, the adaptation's measured correction), every resident
 block's weights, every block's saved activations unless they are paged, and the transfers
 in flight (two paged blocks' weights, `prefetch_depth + 1` blocks' paged activations).
-Under bf16 autocast a resident block also saves autocast's bf16 copies of its weights for
-backward (`cast_bytes`); a paged block's weights arrive in bf16 and are not copied, so
-paging a block's weights (and not its activations) frees those too.
+Under bf16 autocast a resident block also holds autocast's bf16 copies of its trainable
+weights (`cast_bytes`, part of its measured activations): autocast keeps them until the
+forward ends, saved for backward or not. A paged block's weights arrive in bf16 and are not
+copied. So paging a block's weights frees its weights and the copies; paging its
+activations frees the rest of them.
 
 Step time of a placement: the largest of four times that overlap one another (compute,
 host-to-device bytes over the measured bandwidth, device-to-host bytes likewise, and the
@@ -38,7 +40,7 @@ class BlockBytes:
     push_bytes: int          # the trainable weights' copy after each update, when resident
     act_bytes: int = 0       # saved activations of one forward pass, weights resident (measured; 0 when unknown)
     pageable: bool = True    # False: shares a parameter with the outside (tied weights)
-    cast_bytes: int = 0      # of act_bytes: autocast's copies of the weights, not saved once they are paged
+    cast_bytes: int = 0      # of act_bytes: autocast's copies of the weights, held while they are resident
 
 
 @dataclass
@@ -85,8 +87,8 @@ class Plan:
 def device_bytes(inp: PlanInputs, paged, act_paged) -> int:
     b = inp.blocks
     need = inp.fixed_bytes
-    need += sum(x.weight_bytes for i, x in enumerate(b) if i not in paged)
-    need += sum(x.act_bytes - (x.cast_bytes if i in paged else 0) for i, x in enumerate(b) if i not in act_paged)
+    need += sum(x.weight_bytes + x.cast_bytes for i, x in enumerate(b) if i not in paged)
+    need += sum(x.act_bytes - x.cast_bytes for i, x in enumerate(b) if i not in act_paged)
     if paged:
         need += 2 * max(b[i].crossing_bytes for i in paged)
     if act_paged:
@@ -116,20 +118,17 @@ def make_plan(inp: PlanInputs) -> Plan:
     b = inp.blocks
     pageable = [i for i, x in enumerate(b) if x.pageable]
     # A paged block's weights cross twice instead of being pushed once after the update.
-    weight_opts = _options(b, inp.fixed_paged, inp.weights, pageable, lambda x: x.weight_bytes,
+    weight_opts = _options(b, inp.fixed_paged, inp.weights, pageable, lambda x: x.weight_bytes + x.cast_bytes,
                            lambda x: x.crossing_bytes, lambda x: 2 * x.crossing_bytes - x.push_bytes)
-    act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))), lambda x: x.act_bytes,
-                        lambda x: x.act_bytes, lambda x: x.act_bytes)
+    act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))),
+                        lambda x: x.act_bytes - x.cast_bytes, lambda x: x.act_bytes, lambda x: x.act_bytes)
     all_weights = sum(x.weight_bytes for x in b)
     all_acts = sum(x.act_bytes for x in b)
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
     best, best_key, smallest = None, None, None
-    act_sets = [set(a.chosen) for a in act_opts]
     for w in weight_opts:
-        casts = [(i, b[i].cast_bytes) for i in w.chosen if b[i].cast_bytes]
-        for a, a_set in zip(act_opts, act_sets):
+        for a in act_opts:
             need = inp.fixed_bytes + all_weights - w.freed + all_acts - a.freed
-            need -= sum(c for i, c in casts if i not in a_set)  # paged weights are not copied by autocast
             need += 2 * w.in_flight + (inp.prefetch_depth + 1) * a.in_flight
             terms = {"compute": inp.compute_s, "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
                      "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s, "adamw": inp.adamw_s}
