@@ -55,27 +55,36 @@ float block_absmax(const T* x, int64_t start, int64_t end, float init) {
   return acc[0];
 }
 
-// A full block of a common size (K): converted to fp32 once into a local array, then its
-// absmax and its codes are taken from that. With the trip counts known at compile time this
-// is straight-line vector code; reading the input twice instead (absmax, then codes) left
-// the absmax loop scalar, at 0.84 GB/s of bf16 per AVX2 thread against 1.25 this way.
-template <typename T, bool kFlush, int K>
-inline float code_block_fixed(const T* x, uint32_t* codes) {
-  float v[K];
-  for (int i = 0; i < K; ++i) v[i] = load_q<T, kFlush>(x, i);
-  float acc[8];  // bitsandbytes reduces from -FLT_MAX, so an all-NaN block keeps that value
-  for (int k = 0; k < 8; ++k) acc[k] = -3.40282347e38f;
+// Max |v[i]| over a fixed-size block, from `init`; a NaN keeps the running max, as fmaxf
+// does. Eight running maxima and a tree: straight-line vector code.
+template <int K>
+inline float absmax_fixed(const float* v, float init) {
+  float acc[8];
+  for (int k = 0; k < 8; ++k) acc[k] = init;
   for (int i = 0; i < K; i += 8) {
     for (int k = 0; k < 8; ++k) {
       const float m = __builtin_fabsf(v[i + k]);
-      acc[k] = m > acc[k] ? m : acc[k];  // a NaN keeps the running max, as fmaxf does
+      acc[k] = m > acc[k] ? m : acc[k];
     }
   }
   for (int w = 4; w > 0; w >>= 1)
     for (int k = 0; k < w; ++k) acc[k] = acc[k + w] > acc[k] ? acc[k + w] : acc[k];
-  const float r = 1.0f / acc[0];  // +inf for an all-zero block: 0 * inf = NaN -> code 0
-  for (int i = 0; i < K; ++i) codes[i] = quant::nf4_code(v[i] * r);
   return acc[0];
+}
+
+// A full block of a common size (K): converted to fp32 once into a local array, then its
+// absmax and its codes are taken from that. With the trip counts known at compile time this
+// is straight-line vector code; reading the input twice instead (absmax, then codes) left
+// the absmax loop scalar and the quantize a third slower.
+template <typename T, bool kFlush, int K>
+inline float code_block_fixed(const T* x, uint32_t* codes) {
+  float v[K];
+  for (int i = 0; i < K; ++i) v[i] = load_q<T, kFlush>(x, i);
+  // bitsandbytes reduces from -FLT_MAX, so an all-NaN block keeps that value.
+  const float m = absmax_fixed<K>(v, -3.40282347e38f);
+  const float r = 1.0f / m;  // +inf for an all-zero block: 0 * inf = NaN -> code 0
+  for (int i = 0; i < K; ++i) codes[i] = quant::nf4_code(v[i] * r);
+  return m;
 }
 
 // Blocks are coded into an L1-resident scratch of 32-bit codes piece by piece (a narrower
@@ -150,25 +159,15 @@ void nf4_dequantize(const QuantArgs& a, int64_t e0, int64_t e1) {
   }
 }
 
-// int8's counterpart of code_block_fixed: absmax from 0 (NaN ignored), codes from the
-// block converted once. 1.4 -> 2.1 GB/s of bf16 per AVX2 thread.
+// int8's counterpart of code_block_fixed.
 template <typename T, int K>
 inline float int8_block_fixed(const T* x, int8_t* q) {
   float v[K];
   for (int i = 0; i < K; ++i) v[i] = load(x, i);
-  float acc[8];
-  for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
-  for (int i = 0; i < K; i += 8) {
-    for (int k = 0; k < 8; ++k) {
-      const float m = __builtin_fabsf(v[i + k]);
-      acc[k] = m > acc[k] ? m : acc[k];
-    }
-  }
-  for (int w = 4; w > 0; w >>= 1)
-    for (int k = 0; k < w; ++k) acc[k] = acc[k + w] > acc[k] ? acc[k + w] : acc[k];
-  const float r = 127.0f / acc[0];
+  const float m = absmax_fixed<K>(v, 0.0f);  // NaN ignored; an all-NaN block gives 0
+  const float r = 127.0f / m;
   for (int i = 0; i < K; ++i) q[i] = quant::int8_code(v[i] * r);
-  return acc[0];
+  return m;
 }
 
 template <typename T, int K>
@@ -200,24 +199,26 @@ void int8_dequantize(const QuantArgs& a, int64_t e0, int64_t e1) {
   }
 }
 
-template <typename T>
-void nf4_quantize_bs(const QuantArgs& a, int64_t b0, int64_t b1) {
-  switch (a.block_size) {
-    case 64: return nf4_quantize<T, 64>(a, b0, b1);
-    case 128: return nf4_quantize<T, 128>(a, b0, b1);
-    case 256: return nf4_quantize<T, 256>(a, b0, b1);
-    default: return nf4_quantize<T, 0>(a, b0, b1);
+// Calls f(std::integral_constant<int, K>) with K the block size when it is one of the
+// common sizes the fixed-size block loops are built for, else K = 0.
+template <typename F>
+void with_fixed_block_size(int64_t block_size, F&& f) {
+  switch (block_size) {
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
+    default: return f(std::integral_constant<int, 0>{});
   }
 }
 
 template <typename T>
+void nf4_quantize_bs(const QuantArgs& a, int64_t b0, int64_t b1) {
+  with_fixed_block_size(a.block_size, [&](auto k) { nf4_quantize<T, decltype(k)::value>(a, b0, b1); });
+}
+
+template <typename T>
 void int8_quantize_bs(const QuantArgs& a, int64_t b0, int64_t b1) {
-  switch (a.block_size) {
-    case 64: return int8_quantize<T, 64>(a, b0, b1);
-    case 128: return int8_quantize<T, 128>(a, b0, b1);
-    case 256: return int8_quantize<T, 256>(a, b0, b1);
-    default: return int8_quantize<T, 0>(a, b0, b1);
-  }
+  with_fixed_block_size(a.block_size, [&](auto k) { int8_quantize<T, decltype(k)::value>(a, b0, b1); });
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ import time
 import torch
 
 from ..planner.plan import device_bytes, make_plan
-from .placement import activations_as_placed, plan_inputs, usable_device_bytes
+from .placement import activations_as_placed, plan_inputs, usable_device_bytes, weight_copy_bytes
 
 GiB = 1 << 30
 
@@ -119,7 +119,7 @@ class Adapter:
                 # keep (a Linear whose input needs no gradient): growth, but not activations.
                 unsaved = 0
                 if not unit.paged and torch.is_autocast_enabled(self.engine.backend.device.type):
-                    unsaved = max(_copies_bound(unit) - self.engine.activation_cast.get(unit.block, 0), 0)
+                    unsaved = max(weight_copy_bytes(unit.trainable) - self.engine.activation_cast.get(unit.block, 0), 0)
                 self._pass_growth = max(self._pass_growth, (grown - unsaved) / measured)
         if self._timing is not None and unit.block in self._timing:
             self._timing[unit.block][1] = self._mark()
@@ -292,8 +292,3 @@ def _ranges(blocks: list) -> str:
         else:
             runs.append([b, b])
     return ", ".join(str(a) if a == z else f"{a}-{z}" for a, z in runs)
-
-
-def _copies_bound(unit) -> int:
-    """The most autocast can hold in copies of `unit`'s trainable fp32 weight matrices."""
-    return sum(s.param.numel() * 2 for s in unit.trainable if s.dtype == torch.float32 and s.param.dim() >= 2)

@@ -104,9 +104,9 @@ class Engine:
         self.resident_storages: set = set()
         self._entered: set = set()   # blocks whose backward has started this pass
         # Saved-activation bytes per block, measured over the first MEASURED_PASSES forward
-        # passes with autograd on (the planner sizes activation paging from them).
-        # Both with the block's weights resident: under bf16 autocast those include autocast's
-        # copies of its trainable weights (activation_cast), which a paged block does not make.
+        # passes with autograd on (the planner sizes activation paging from them), as they are
+        # with the block's weights resident: under bf16 autocast they include autocast's copies
+        # of its trainable weights (activation_cast), which a paged block does not make.
         self.activation_bytes: dict = {}
         self.activation_cast: dict = {}
         self._measured_passes = 0

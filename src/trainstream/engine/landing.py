@@ -20,7 +20,8 @@ import weakref
 
 # Landers with a running thread. At interpreter exit each is stopped before Python tears
 # itself down: a daemon thread still inside a native wait when that happens is killed
-# mid-call (Python 3.12 exits such threads by unwinding them), which aborts the process.
+# mid-call (Python ends such threads by unwinding them when they retake the GIL), which
+# aborts the process.
 _running: "weakref.WeakSet[Lander]" = weakref.WeakSet()
 
 

@@ -60,12 +60,17 @@ def default_inflight_bytes(profile) -> int:
     return int(min(GiB, profile.vram_total_bytes // 10))
 
 
+def weight_copy_bytes(slots) -> int:
+    """Bytes of bf16 copies of the fp32 weight matrices among `slots` (what autocast makes
+    of resident weights; biases and norms are not kept by backward, so not counted)."""
+    return sum(s.param.numel() * 2 for s in slots if s.dtype == torch.float32 and s.param.dim() >= 2)
+
+
 def cast_bytes(unit) -> int:
-    """The bf16 copies autocast would make of `unit`'s fp32 weight matrices had they been
-    resident, as this pass fetched them in bf16 (params.py); an upper bound of what backward
-    keeps (a Linear whose input needs no gradient keeps no copy of its weight)."""
-    return sum(s.param.numel() * 2 for s in unit.slots
-               if unit.fetch_dtypes.get(s) == torch.bfloat16 and s.dtype == torch.float32 and s.param.dim() >= 2)
+    """The copies autocast would make of `unit`'s weights had they been resident, as this
+    pass fetched them in bf16 (params.py); an upper bound of what backward keeps (a Linear
+    whose input needs no gradient keeps no copy of its weight)."""
+    return weight_copy_bytes([s for s in unit.slots if unit.fetch_dtypes.get(s) == torch.bfloat16])
 
 
 def activations_as_placed(engine, unit, paged: bool) -> int:
