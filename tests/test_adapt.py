@@ -62,6 +62,28 @@ def test_the_watchdog_pages_more_when_a_step_grows():
     assert history(model, "applied")
 
 
+@pytest.mark.parametrize("param_offload", [[0], False], ids=["backward hook", "no backward hook"])
+def test_what_runs_after_the_stack_is_measured_and_planned_on_top_of_the_activations(param_offload):
+    # The loss (the head, on a language model) raises the device's peak above the memory
+    # allocated at the stack's end; the adapter reads the rise when backward reaches the stack
+    # (or, with no block paged and so no hook there, at the step's end), keeps the largest,
+    # and the plan puts it on top of the activations held at the forward's end.
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=param_offload,
+                                  activation_offload="auto", profile=machine(vram_gib=8 / 1024))
+    adapter = model._trainstream_engine.adapter
+    fake = FakeDevice(adapter, 2 * MiB)
+    for i, head in enumerate([3 * MiB, 1 * MiB, 4 * MiB]):
+        loss = loss_fn(model, batch(i, "cpu"))
+        fake.peak = max(fake.peak, fake.now + head)  # the loss and its gradient, after the stack
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        # Step 1's head stays below step 0's peak: the counter does not move, nothing is learnt.
+        assert adapter.after_stack == [3 * MiB, 3 * MiB, 4 * MiB][i] and adapter.after_stack_measured
+    assert adapter._inputs(0).after_stack_bytes == 4 * MiB
+
+
 def test_the_online_guard_pages_activations_during_a_pass():
     resident = train("mlp", RESIDENT, steps=4)
     torch.manual_seed(0)
@@ -100,10 +122,10 @@ def test_the_guard_projects_as_the_plan_does_and_pages_when_a_pass_grows():
         opt.zero_grad()
     acts = sum(engine.activation_bytes.values())
     assert acts > 0
-    adapter.unseen, adapter.unseen_measured = 100 * KiB, True  # as a step on a GPU would have shown
+    adapter.after_stack, adapter.after_stack_measured = 100 * KiB, True  # as a step on a GPU would have shown
     unit = engine.block_units[0]
-    # Allocated + every block's measured activations + the unseen part: exactly the usable memory.
-    exact = adapter.usable - acts - adapter.unseen
+    # Allocated + every block's measured activations + what runs after the stack: exactly the usable memory.
+    exact = adapter.usable - acts - adapter.after_stack
     adapter._pass_act, adapter._pass_growth = 0, 1.0
     adapter._guard(unit, exact)
     assert not unit.act_paged and not history(model, "guard")

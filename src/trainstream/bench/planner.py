@@ -170,6 +170,7 @@ def run_sweep(case: dict) -> list:
             row.update(_report(model))
         except torch.OutOfMemoryError as e:
             row.update(oom=True, error=str(e).split("\n")[0][:160])
+            row.update(_report(model))  # the plan's history up to the failure (empty if wrap() failed)
         except MemoryError as e:  # wrap() refused: the setting cannot fit under this cap
             row.update(oom=True, error=str(e)[:300])
         out.append(row)

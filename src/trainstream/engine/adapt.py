@@ -1,8 +1,12 @@
 """The adapter: measures what the plan could only guess, and moves blocks until it fits.
 
-- Each pass it samples the device memory at block boundaries (the running peak); the
-  device's own peak counter, when it rises during a step, tells how much more the parts it
-  cannot see (the loss, the head's logits) add on top: the correction.
+- Each pass it samples the device memory at block boundaries (the running peak), and
+  reads the device's own peak counter at the pass's start, at the stack's end and when
+  backward reaches the stack: when the counter rises between the last two, the rise is
+  what runs after the stack (the head's logits, the loss and their gradients) adds above
+  the memory allocated at the stack's end. That lasts until the step's end and sits on
+  top of every block's activations, so the plan counts it there (`after_stack`); what is
+  left of the measured peak above the prediction is the correction.
 - The first forward passes count each block's saved activations (engine.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
@@ -13,8 +17,8 @@
   if what is allocated plus the activations the rest of the pass will save (as this
   pass's blocks have shown) would not fit, the block's activations are paged. That keeps
   the very first pass, and a pass that suddenly grows, from running out of memory. Its
-  projection is the plan's own accounting (each block's measured activations, what a
-  step showed on top of the samples), so a plan that fits as measured is left alone.
+  projection is the plan's own accounting (each block's measured activations, what runs
+  after the stack), so a plan that fits as measured is left alone.
 - offload="auto": after SWITCH_AFTER steps, if the model, its gradients, torch AdamW's
   state and the measured activations fit, the run switches to torch's fused AdamW on the
   device (switch.py).
@@ -37,7 +41,7 @@ class Adapter:
     SETTLE_STEPS = 3
     SWITCH_AFTER = 2
     TIMED_PASSES = 2
-    UNSEEN_SHARE = 0.4  # of the usable memory, kept by the first pass's guard for what runs after the stack
+    AFTER_STACK_SHARE = 0.4  # of the usable memory, kept by the first pass's guard for what runs after the stack
 
     def __init__(self, engine, profile, unpageable: list, on_device: int):
         self.engine = engine
@@ -45,12 +49,13 @@ class Adapter:
         self.unpageable = unpageable
         self.usable = usable_device_bytes(engine.opts, profile, on_device)
         self.correction = 0          # measured peak minus predicted (bytes), from the last step
-        self.unseen = 0              # what the device's peak counter saw above our samples
-        self.unseen_measured = False  # a step has ended on a device that counts its peak
-        self.pass_peak = 0
-        # 0, not the device's peak before wrap(): a peak from before (the model on the device,
-        # another run) then counts as this run's unseen part, which errs on the safe side.
-        self._device_max = 0
+        self.after_stack = 0         # bytes the head and the loss add above the stack's end (largest seen)
+        self.after_stack_measured = False  # a step has ended on a device that counts its peak
+        self.pass_peak = 0           # the largest sample of this pass
+        self.stack_end = None        # allocated when this pass's last block ended
+        self._peak_at_pass_start = None
+        self._peak_at_stack_end = None
+        self._head_open = False      # the stack has ended, backward has not reached it yet
         self._enter_alloc = 0
         self._enter_fetched = 0
         self._pass_act = 0           # largest growth of a block in this pass, its weight fetches taken off
@@ -89,6 +94,9 @@ class Adapter:
         self.pass_peak = 0
         self._pass_act = 0
         self._pass_growth = 1.0
+        self.stack_end = None
+        self._head_open = False
+        self._peak_at_pass_start = self.device_peak()
         self.sample()
         self._timing = {} if timed else None
         if self.compute_dtype is None and torch.is_autocast_enabled(self.engine.backend.device.type):
@@ -123,6 +131,24 @@ class Adapter:
                 self._pass_growth = max(self._pass_growth, (grown - unsaved) / measured)
         if self._timing is not None and unit.block in self._timing:
             self._timing[unit.block][1] = self._mark()
+        if now is not None and unit is self.engine.block_units[-1]:
+            self.stack_end, self._peak_at_stack_end, self._head_open = now, self.device_peak(), True
+
+    def backward_reaches_stack(self) -> None:
+        """Backward has come through the head and the loss to the last block."""
+        self.sample()
+        self._close_head(self.device_peak())
+
+    def _close_head(self, peak) -> None:
+        """If the device's peak rose since the stack's end, the new peak is what ran after the
+        stack (or, read at the step's end without a backward hook, that and backward: more,
+        which errs on the safe side). Otherwise it stayed below an earlier peak: nothing learnt."""
+        if not self._head_open:
+            return
+        self._head_open = False
+        if peak > self._peak_at_stack_end:
+            self.after_stack = max(self.after_stack, peak - self.stack_end)
+            self.after_stack_measured = True
 
     def _mark(self):
         backend = self.engine.backend
@@ -171,14 +197,14 @@ class Adapter:
                    for u in rest_units)
         rest += sum(engine.activation_cast.get(u.block, 0) for u in engine.block_units[unit.block:]
                     if u.act_paged and not u.paged)
-        if self.unseen_measured:
-            after_stack = self.unseen  # what a step's peak showed above the block boundaries
+        if self.after_stack_measured:
+            after_stack = self.after_stack
         else:
             # Before a step has shown what runs after the stack (the head's logits, the loss and
             # their gradients: 1.5 GiB for the 1.9B GPT at 8 x 512 tokens), a share of the usable
             # memory is kept for it, and a block's gradients; the H200's 4 GiB run ran out of
             # memory there without it.
-            after_stack = int(self.UNSEEN_SHARE * self.usable) + max(u.nbytes for u in engine.block_units)
+            after_stack = int(self.AFTER_STACK_SHARE * self.usable) + max(u.nbytes for u in engine.block_units)
         projected = now + rest + after_stack
         if projected > self.usable:
             unit.act_paged = True
@@ -202,7 +228,8 @@ class Adapter:
         e = self.engine
         return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
                            act_bytes=e.activation_bytes or None, act_cast=e.activation_cast,
-                           compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
+                           after_stack=self.after_stack, compute_s=self.compute_s(), correction=correction,
+                           compute_dtype=self.compute_dtype)
 
     def current(self) -> tuple:
         units = self.engine.block_units
@@ -216,11 +243,16 @@ class Adapter:
         observed = None
         peak = self.device_peak()
         if peak is not None:
-            if peak > self._device_max:  # the device's peak was set in this step: see what we missed
-                self.unseen = max(self.unseen, peak - self.pass_peak)
-                self._device_max = peak
-            observed = self.pass_peak + self.unseen
-            self.unseen_measured = True
+            self._close_head(peak)
+            if not self.after_stack_measured:
+                # The peak never rose after the stack's end: a higher one was set before (the
+                # model on the device before wrap()). Taking it as the head's errs on the safe side.
+                self.after_stack = max(peak - (self.stack_end if self.stack_end is not None else self.pass_peak), 0)
+                self.after_stack_measured = True
+            if peak > self._peak_at_pass_start:
+                observed = peak  # the counter rose during this step: its value is this step's peak
+            else:  # this step stayed below an earlier peak: its own, as sampled and as the head adds
+                observed = max(self.pass_peak, (self.stack_end or 0) + self.after_stack)
         if engine.steps == self.SWITCH_AFTER and engine.opts.offload == "auto":
             from .switch import maybe_switch
             if maybe_switch(engine, observed):

@@ -316,6 +316,8 @@ class Engine:
         i = unit.block
         if i in self._entered:
             return
+        if not self._entered:
+            self.adapter.backward_reaches_stack()
         self._entered.add(i)
         self.adapter.sample()
         blocks = self.block_units

@@ -2,8 +2,8 @@
 
 After the adapter's first measured steps, stock training is costed: every weight, the
 trainable ones' gradients, torch AdamW's two moments (in the parameter's dtype, as torch
-keeps them), the activations measured per block, and what the device's peak showed on
-top of our samples (the loss, the logits). If that fits in the usable memory, the engine
+keeps them), the activations measured per block, and what the device's peak showed the
+head and the loss add after the stack. If that fits in the usable memory, the engine
 unwraps itself (weights back on the device, hooks removed) and the optimizer the user
 holds hands every call to a ``torch.optim.AdamW(fused=True)`` that shares its param
 groups (LR schedulers keep working) and starts from the migrated state: the host fp32
@@ -34,7 +34,7 @@ def stock_bytes(engine) -> dict:
         "gradients": sum(s.nbytes for s in trainable),
         "AdamW moments": 2 * sum(s.nbytes for s in trainable),
         "activations (measured)": sum(engine.activation_bytes.values()),  # as with the weights resident
-        "loss and head (measured)": engine.adapter.unseen,
+        "loss and head (measured)": engine.adapter.after_stack,
     }
 
 

@@ -2,10 +2,16 @@
 
 A pure function of byte counts and rates, so it is tested table by table without a GPU.
 
-Device bytes of a placement: the fixed part (modules outside the stack, transients the
-engine and the user's loss hold, the adaptation's measured correction), every resident
-block's weights, every block's saved activations unless they are paged, and the transfers
-in flight (two paged blocks' weights, `prefetch_depth + 1` blocks' paged activations).
+Device bytes of a placement: the fixed part (modules outside the stack, one block's
+gradients on their way out, the adaptation's measured correction), every resident block's
+weights, the weights in flight (two paged blocks'), and the saved activations at their
+peak. That is the larger of two moments:
+- the end of the forward pass: every block's activations that are not paged, with what
+  runs after the stack on top (the head's logits, the loss: `after_stack_bytes`, measured);
+- backward fetching a paged block's activations back: `prefetch_depth + 1` blocks' worth,
+  above the not-paged activations of the blocks before it (backward reaches them later).
+Adding the two would count the logits and the fetched activations as held at once; they
+never are, and on the H200 that sum was 0.75 GiB more than the 24 GiB cap's peak.
 Under bf16 autocast a resident block also holds autocast's bf16 copies of its trainable
 weights (`cast_bytes`, part of its measured activations): autocast keeps them until the
 forward ends, saved for backward or not. A paged block's weights arrive in bf16 and are not
@@ -60,6 +66,7 @@ class PlanInputs:
     activations: str = "auto"  # "auto", or "fixed": keep `fixed_act_paged`
     fixed_paged: tuple = ()
     fixed_act_paged: tuple = ()
+    after_stack_bytes: int = 0  # what the head and the loss add at the end of the forward (measured)
 
 
 @dataclass
@@ -84,16 +91,25 @@ class Plan:
         return text
 
 
+def activation_peak(inp: PlanInputs, act_paged) -> int:
+    """Device bytes of saved activations at their peak (see the module docstring); autocast's
+    copies of resident weights are counted with the weights."""
+    kept = fetched = 0
+    for i, x in enumerate(inp.blocks):
+        if i in act_paged:
+            fetched = max(fetched, kept + (inp.prefetch_depth + 1) * x.act_bytes)
+        else:
+            kept += x.act_bytes - x.cast_bytes
+    return max(kept + inp.after_stack_bytes, fetched)
+
+
 def device_bytes(inp: PlanInputs, paged, act_paged) -> int:
     b = inp.blocks
     need = inp.fixed_bytes
     need += sum(x.weight_bytes + x.cast_bytes for i, x in enumerate(b) if i not in paged)
-    need += sum(x.act_bytes - x.cast_bytes for i, x in enumerate(b) if i not in act_paged)
     if paged:
         need += 2 * max(b[i].crossing_bytes for i in paged)
-    if act_paged:
-        need += (inp.prefetch_depth + 1) * max(b[i].act_bytes for i in act_paged)
-    return need
+    return need + activation_peak(inp, set(act_paged))
 
 
 class _Option:
@@ -101,6 +117,7 @@ class _Option:
 
     def __init__(self, blocks: list, chosen: list, size, crossing, moved):
         self.chosen = chosen
+        self.chosen_set = set(chosen)
         self.freed = sum(size(blocks[i]) for i in chosen)   # device bytes no longer held for good
         self.in_flight = max((crossing(blocks[i]) for i in chosen), default=0)  # the largest one crossing
         self.moved = sum(moved(blocks[i]) for i in chosen)  # PCIe bytes added per step
@@ -122,14 +139,13 @@ def make_plan(inp: PlanInputs) -> Plan:
                            lambda x: x.crossing_bytes, lambda x: 2 * x.crossing_bytes - x.push_bytes)
     act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))),
                         lambda x: x.act_bytes - x.cast_bytes, lambda x: x.act_bytes, lambda x: x.act_bytes)
-    all_weights = sum(x.weight_bytes for x in b)
-    all_acts = sum(x.act_bytes for x in b)
+    all_weights = sum(x.weight_bytes + x.cast_bytes for x in b)
+    acts = {id(a): activation_peak(inp, a.chosen_set) for a in act_opts}
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
     best, best_key, smallest = None, None, None
     for w in weight_opts:
         for a in act_opts:
-            need = inp.fixed_bytes + all_weights - w.freed + all_acts - a.freed
-            need += 2 * w.in_flight + (inp.prefetch_depth + 1) * a.in_flight
+            need = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight + acts[id(a)]
             terms = {"compute": inp.compute_s, "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
                      "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s, "adamw": inp.adamw_s}
             step = max(terms.values())
