@@ -109,3 +109,17 @@ def test_the_logits_and_fetched_activations_are_never_counted_as_held_at_once():
     plan = make_plan(inputs(1000, after_stack_bytes=300))
     assert plan.fits and plan.device_bytes == device_bytes(inputs(1000, after_stack_bytes=300),
                                                            set(plan.paged), set(plan.act_paged)) <= 1000
+
+
+def test_backward_fetches_a_paged_block_with_the_one_ahead_of_it_above_what_is_still_held():
+    # Uneven blocks, one fetched ahead (prefetch_depth 1), 100 bytes after the stack of which
+    # 50 are still held in backward (a caller's logits). At block 2's backward: blocks 1 and
+    # 2 fetched back (400 + 200), block 0's not-paged 200 still held, and the head's 50.
+    blocks = [BlockBytes(weight_bytes=100, crossing_bytes=50, push_bytes=100, act_bytes=a) for a in (200, 400, 200, 200)]
+    inp = PlanInputs(blocks=blocks, fixed_bytes=0, usable_bytes=10_000, h2d_bytes_per_s=1000.0, d2h_bytes_per_s=1000.0,
+                     adamw_s=0.01, grad_bytes=400, outside_push_bytes=0, after_stack_bytes=100,
+                     held_after_stack_bytes=50)
+    weights = 400
+    assert device_bytes(inp, set(), {1, 2}) == weights + max(200 + 200 + 100, 200 + 400 + 200 + 50)
+    # Not side by side ({0, 2}): block 2 is fetched alone, above block 1's 400 (not paged).
+    assert device_bytes(inp, set(), {0, 2}) == weights + max(400 + 200 + 100, 400 + 200 + 50)

@@ -1,12 +1,14 @@
 """The adapter: measures what the plan could only guess, and moves blocks until it fits.
 
 - Each pass it samples the device memory at block boundaries (the running peak), and
-  reads the device's own peak counter at the pass's start, at the stack's end and when
-  backward reaches the stack: when the counter rises between the last two, the rise is
-  what runs after the stack (the head's logits, the loss and their gradients) adds above
-  the memory allocated at the stack's end. That lasts until the step's end and sits on
-  top of every block's activations, so the plan counts it there (`after_stack`); what is
-  left of the measured peak above the prediction is the correction.
+  reads the device's own peak counter at the step's start (its value at the end is the
+  step's peak if it rose), at the stack's end and when backward reaches the stack: when
+  the counter rises between the last two, the rise is what runs after the stack (the
+  head's logits, the loss and their gradients) adds above the memory allocated at the
+  stack's end. It sits on top of every block's activations,
+  so the plan counts it there (`after_stack`); what the head still holds when backward
+  reaches the stack (a caller's logits) is counted through backward (`held_after_stack`).
+  What is left of the measured peak above the prediction is the correction.
 - The first forward passes count each block's saved activations (engine.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
@@ -16,9 +18,10 @@
 - Online guard, every forward pass with activation_offload="auto": before a block runs,
   if what is allocated plus the activations the rest of the pass will save (as this
   pass's blocks have shown) would not fit, the block's activations are paged. That keeps
-  the very first pass, and a pass that suddenly grows, from running out of memory. Its
-  projection is the plan's own accounting (each block's measured activations, what runs
-  after the stack), so a plan that fits as measured is left alone.
+  the very first pass, and a pass that suddenly grows, from running out of memory. It
+  projects the end of the forward as the plan does (each block's measured activations,
+  what runs after the stack); the plan also keeps room for a block's gradients and its
+  correction, so a placement the plan chose passes the guard.
 - offload="auto": after SWITCH_AFTER steps, if the model, its gradients, torch AdamW's
   state and the measured activations fit, the run switches to torch's fused AdamW on the
   device (switch.py).
@@ -51,9 +54,11 @@ class Adapter:
         self.correction = 0          # measured peak minus predicted (bytes), from the last step
         self.after_stack = 0         # bytes the head and the loss add above the stack's end (largest seen)
         self.after_stack_measured = False  # a step has ended on a device that counts its peak
-        self.pass_peak = 0           # the largest sample of this pass
+        self.after_stack_provisional = False  # taken from a peak set before this run (see after_step)
+        self.held_after_stack = 0    # of those, still allocated when backward reaches the stack (largest seen)
+        self.step_peak = 0           # the largest sample since the step began (every micro-batch's pass)
         self.stack_end = None        # allocated when this pass's last block ended
-        self._peak_at_pass_start = None
+        self._peak_at_step_start = None  # the device's peak counter when the step's first pass began
         self._peak_at_stack_end = None
         self._head_open = False      # the stack has ended, backward has not reached it yet
         self._enter_alloc = 0
@@ -84,19 +89,20 @@ class Adapter:
 
     def sample(self) -> None:
         now = self.allocated()
-        if now is not None and now > self.pass_peak:
-            self.pass_peak = now
+        if now is not None and now > self.step_peak:
+            self.step_peak = now
 
     def new_pass(self) -> None:
         self._close_guard()
         self.passes += 1
         timed = self.passes > 1 and self.timed_passes < self.TIMED_PASSES
-        self.pass_peak = 0
         self._pass_act = 0
         self._pass_growth = 1.0
         self.stack_end = None
         self._head_open = False
-        self._peak_at_pass_start = self.device_peak()
+        if self._peak_at_step_start is None:
+            self.step_peak = 0
+            self._peak_at_step_start = self.device_peak()
         self.sample()
         self._timing = {} if timed else None
         if self.compute_dtype is None and torch.is_autocast_enabled(self.engine.backend.device.type):
@@ -137,6 +143,9 @@ class Adapter:
     def backward_reaches_stack(self) -> None:
         """Backward has come through the head and the loss to the last block."""
         self.sample()
+        now = self.allocated()
+        if now is not None and self._head_open:
+            self.held_after_stack = max(self.held_after_stack, now - self.stack_end)
         self._close_head(self.device_peak())
 
     def _close_head(self, peak) -> None:
@@ -147,8 +156,9 @@ class Adapter:
             return
         self._head_open = False
         if peak > self._peak_at_stack_end:
-            self.after_stack = max(self.after_stack, peak - self.stack_end)
-            self.after_stack_measured = True
+            rise = peak - self.stack_end
+            self.after_stack = rise if self.after_stack_provisional else max(self.after_stack, rise)
+            self.after_stack_measured, self.after_stack_provisional = True, False
 
     def _mark(self):
         backend = self.engine.backend
@@ -228,8 +238,8 @@ class Adapter:
         e = self.engine
         return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
                            act_bytes=e.activation_bytes or None, act_cast=e.activation_cast,
-                           after_stack=self.after_stack, compute_s=self.compute_s(), correction=correction,
-                           compute_dtype=self.compute_dtype)
+                           after_stack=self.after_stack, held_after_stack=self.held_after_stack,
+                           compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
 
     def current(self) -> tuple:
         units = self.engine.block_units
@@ -242,17 +252,24 @@ class Adapter:
         self.sample()
         observed = None
         peak = self.device_peak()
-        if peak is not None:
+        step_start, self._peak_at_step_start = self._peak_at_step_start, None
+        if peak is not None and step_start is not None:  # a device that counts its peak; a forward ran
             self._close_head(peak)
             if not self.after_stack_measured:
                 # The peak never rose after the stack's end: a higher one was set before (the
-                # model on the device before wrap()). Taking it as the head's errs on the safe side.
-                self.after_stack = max(peak - (self.stack_end if self.stack_end is not None else self.pass_peak), 0)
-                self.after_stack_measured = True
-            if peak > self._peak_at_pass_start:
+                # model on the device before wrap()). Taking it as the head's errs on the safe
+                # side, until a step measures the head (the value is replaced then, not maxed).
+                self.after_stack = max(peak - (self.stack_end if self.stack_end is not None else self.step_peak), 0)
+                self.after_stack_measured = self.after_stack_provisional = True
+            if peak > step_start:
                 observed = peak  # the counter rose during this step: its value is this step's peak
-            else:  # this step stayed below an earlier peak: its own, as sampled and as the head adds
-                observed = max(self.pass_peak, (self.stack_end or 0) + self.after_stack)
+            else:
+                # This step stayed below an earlier peak: its own, as sampled, and as the head adds
+                # at the stack's end (not a provisional figure: that is the earlier peak, not this
+                # step's).
+                observed = self.step_peak
+                if self.stack_end is not None and not self.after_stack_provisional:
+                    observed = max(observed, self.stack_end + self.after_stack)
         if engine.steps == self.SWITCH_AFTER and engine.opts.offload == "auto":
             from .switch import maybe_switch
             if maybe_switch(engine, observed):

@@ -82,11 +82,13 @@ def activations_as_placed(engine, unit, paged: bool) -> int:
 
 def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *,
                 act_bytes: dict | None = None, act_cast: dict | None = None, after_stack: int = 0,
-                compute_s: float = 0.0, correction: int = 0, compute_dtype=None) -> PlanInputs:
+                held_after_stack: int = 0, compute_s: float = 0.0, correction: int = 0,
+                compute_dtype=None) -> PlanInputs:
     """The planner's view of this model on this machine. `act_bytes`: saved activations per
     block with its weights resident (None before the first pass: a share of the memory is
     held back for them instead), `act_cast`: of those, autocast's copies of the weights;
-    `after_stack`: what the head and the loss add at the end of the forward (measured);
+    `after_stack`: what the head and the loss add at the end of the forward, and
+    `held_after_stack` what of it backward still finds held (both measured);
     `correction`: measured peak minus predicted, from the adapter."""
     def crossing(u):
         # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py).
@@ -120,7 +122,7 @@ def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: i
         fixed_paged=tuple(i for i in fixed_list(opts.param_offload) if i not in unpageable),
         fixed_act_paged=tuple(_explicit("activation_offload", opts.activation_offload, len(block_units))
                               if opts.activation_offload != "auto" else ()),
-        after_stack_bytes=after_stack)
+        after_stack_bytes=after_stack, held_after_stack_bytes=held_after_stack)
 
 
 def choose(opts, block_units, outside_units, unpageable: list, profile, model_bytes_on_device: int) -> Placement:

@@ -8,10 +8,12 @@ weights, the weights in flight (two paged blocks'), and the saved activations at
 peak. That is the larger of two moments:
 - the end of the forward pass: every block's activations that are not paged, with what
   runs after the stack on top (the head's logits, the loss: `after_stack_bytes`, measured);
-- backward fetching a paged block's activations back: `prefetch_depth + 1` blocks' worth,
-  above the not-paged activations of the blocks before it (backward reaches them later).
-Adding the two would count the logits and the fetched activations as held at once; they
-never are, and on the H200 that sum was 0.75 GiB more than the 24 GiB cap's peak.
+- backward fetching a paged block's activations back: its own and the `prefetch_depth`
+  paged blocks' before it (fetched ahead), above the not-paged activations of the blocks
+  before it (backward reaches them later) and what the head still holds then
+  (`held_after_stack_bytes`: the logits, while the caller keeps them).
+Adding the two would count the head's peak and the fetched activations as held at once;
+they never are.
 Under bf16 autocast a resident block also holds autocast's bf16 copies of its trainable
 weights (`cast_bytes`, part of its measured activations): autocast keeps them until the
 forward ends, saved for backward or not. A paged block's weights arrive in bf16 and are not
@@ -67,6 +69,7 @@ class PlanInputs:
     fixed_paged: tuple = ()
     fixed_act_paged: tuple = ()
     after_stack_bytes: int = 0  # what the head and the loss add at the end of the forward (measured)
+    held_after_stack_bytes: int = 0  # of that, still held when backward reaches the stack (measured)
 
 
 @dataclass
@@ -94,13 +97,16 @@ class Plan:
 def activation_peak(inp: PlanInputs, act_paged) -> int:
     """Device bytes of saved activations at their peak (see the module docstring); autocast's
     copies of resident weights are counted with the weights."""
-    kept = fetched = 0
-    for i, x in enumerate(inp.blocks):
+    b, depth = inp.blocks, inp.prefetch_depth
+    kept = fetched = 0  # kept: the not-paged activations of the blocks before block i
+    for i, x in enumerate(b):
         if i in act_paged:
-            fetched = max(fetched, kept + (inp.prefetch_depth + 1) * x.act_bytes)
+            window = sum(b[j].act_bytes for j in range(max(i - depth, 0), i + 1) if j in act_paged)
+            fetched = max(fetched, kept + window)
         else:
             kept += x.act_bytes - x.cast_bytes
-    return max(kept + inp.after_stack_bytes, fetched)
+    backward = fetched + inp.held_after_stack_bytes if fetched else 0
+    return max(kept + inp.after_stack_bytes, backward)
 
 
 def device_bytes(inp: PlanInputs, paged, act_paged) -> int:
@@ -138,7 +144,8 @@ def make_plan(inp: PlanInputs) -> Plan:
     weight_opts = _options(b, inp.fixed_paged, inp.weights, pageable, lambda x: x.weight_bytes + x.cast_bytes,
                            lambda x: x.crossing_bytes, lambda x: 2 * x.crossing_bytes - x.push_bytes)
     act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))),
-                        lambda x: x.act_bytes - x.cast_bytes, lambda x: x.act_bytes, lambda x: x.act_bytes)
+                        lambda x: x.act_bytes - x.cast_bytes, lambda x: 0,  # in flight: activation_peak
+                        lambda x: x.act_bytes)
     all_weights = sum(x.weight_bytes + x.cast_bytes for x in b)
     acts = {id(a): activation_peak(inp, a.chosen_set) for a in act_opts}
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
