@@ -174,6 +174,30 @@ def test_opcheck(fmt):
                           (codes, absmax, 64, torch.empty(333, dtype=torch.bfloat16)))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_traced_code_takes_the_registered_op_and_eager_code_the_same_values(fmt):
+    # Eager calls on plain tensors skip torch.library's dispatch (ops/quant.py); traced code
+    # must still see the registered op: reading data_ptr() of a fake tensor would break the
+    # graph, which fullgraph=True turns into an error.
+    quantize, dequantize = getattr(ops, f"quantize_{fmt}"), getattr(ops, f"dequantize_{fmt}")
+    x = sample(333, torch.bfloat16)
+
+    def round_trip(x):
+        codes, absmax = quantize(x, 64)
+        return dequantize(codes, absmax, [333], torch.bfloat16, 64), codes, absmax
+
+    traced = torch.compile(round_trip, backend="aot_eager", fullgraph=True)(x)
+    eager = round_trip(x)
+    registered = getattr(torch.ops.trainstream, f"quantize_{fmt}")(x, 64)
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager))
+    assert torch.equal(eager[1], registered[0]) and torch.equal(eager[2], registered[1])
+    # A dispatch mode sees the op too (FakeTensorMode: shapes only, no native call).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake_codes, fake_absmax = quantize(mode.from_tensor(x), 64)
+    assert fake_codes.shape == eager[1].shape and fake_absmax.shape == eager[2].shape
+
+
 def test_quantized_weight_holder():
     w = sample(96 * 40, torch.bfloat16).view(96, 40)
     for fmt in ("nf4", "int8"):

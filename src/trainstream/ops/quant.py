@@ -19,7 +19,8 @@ NF4, one of denormals only, which count as zero as in bitsandbytes) has absmax 0
 dequantizes to zeros. Frozen weights are expected to be finite.
 
 Each op is a ``torch.library`` custom op with a fake implementation, so ``torch.compile``
-can trace it.
+can trace it; eager calls on plain tensors run the same implementation without the
+dispatcher's layers (see ``_direct``).
 """
 from __future__ import annotations
 
@@ -60,16 +61,42 @@ def _run(dequantize: bool, fmt: int, values: torch.Tensor, codes: torch.Tensor, 
         native.quant_queue(get_pool(), *args).wait()
 
 
-def _make_ops(fmt: int, code_dtype: torch.dtype):
-    name = _FORMAT_NAMES[fmt]
+def _code_dtype(fmt: int) -> torch.dtype:
+    return torch.uint8 if fmt == NF4 else torch.int8
+
+
+def _quantize_impl(fmt: int, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    codes = torch.empty(code_numel(fmt, x.numel()), dtype=_code_dtype(fmt), device=x.device)
+    absmax = torch.empty(-(-x.numel() // block_size), dtype=torch.float32, device=x.device)
+    _run(False, fmt, x, codes, absmax, block_size)
+    return codes, absmax
+
+
+def _dequantize_impl(fmt: int, codes, absmax, shape, dtype, block_size: int) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=codes.device)
+    _run(True, fmt, out, codes, absmax, block_size)
+    return out
+
+
+def _direct(*tensors) -> bool:
+    """Run the implementation without torch.library's dispatch? Its layers cost tens of
+    microseconds a call, as much as dequantizing a 7B model's weight takes on a GPU, and a
+    LoRA step dequantizes every frozen weight twice. Only for plain tensors in eager code:
+    traced code (torch.compile, export), fake or subclassed tensors and active dispatch
+    modes take the registered op."""
+    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors):
+        return False
+    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return dispatch_modes is not None and dispatch_modes() == 0
+
+
+def _make_ops(fmt: int):
+    name, code_dtype = _FORMAT_NAMES[fmt], _code_dtype(fmt)
 
     @torch.library.custom_op(f"trainstream::quantize_{name}", mutates_args=())
     def quantize_op(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.contiguous()
-        codes = torch.empty(code_numel(fmt, x.numel()), dtype=code_dtype, device=x.device)
-        absmax = torch.empty(-(-x.numel() // block_size), dtype=torch.float32, device=x.device)
-        _run(False, fmt, x, codes, absmax, block_size)
-        return codes, absmax
+        return _quantize_impl(fmt, x, block_size)
 
     @quantize_op.register_fake
     def _(x, block_size):
@@ -80,9 +107,7 @@ def _make_ops(fmt: int, code_dtype: torch.dtype):
     @torch.library.custom_op(f"trainstream::dequantize_{name}", mutates_args=())
     def dequantize_op(codes: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
                       block_size: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=codes.device)
-        _run(True, fmt, out, codes, absmax, block_size)
-        return out
+        return _dequantize_impl(fmt, codes, absmax, shape, dtype, block_size)
 
     @dequantize_op.register_fake
     def _(codes, absmax, shape, dtype, block_size):
@@ -99,8 +124,8 @@ def _make_ops(fmt: int, code_dtype: torch.dtype):
     return quantize_op, dequantize_op, dequantize_out_op
 
 
-_nf4_ops = _make_ops(NF4, torch.uint8)
-_int8_ops = _make_ops(INT8, torch.int8)
+_nf4_ops = _make_ops(NF4)
+_int8_ops = _make_ops(INT8)
 
 
 def _check_values(x: torch.Tensor, what: str) -> None:
@@ -112,7 +137,10 @@ def _check_values(x: torch.Tensor, what: str) -> None:
 
 def _quantize(fmt: int, x: torch.Tensor, block_size: int):
     _check_values(x, "x")
-    return (_nf4_ops if fmt == NF4 else _int8_ops)[0](x, check_block_size(block_size))
+    block_size = check_block_size(block_size)
+    if _direct(x):
+        return _quantize_impl(fmt, x, block_size)
+    return (_nf4_ops if fmt == NF4 else _int8_ops)[0](x, block_size)
 
 
 def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
@@ -120,7 +148,7 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
     block_size = check_block_size(block_size)
     shape = tuple(int(s) for s in shape)
     n = math.prod(shape)
-    code_dtype = torch.uint8 if fmt == NF4 else torch.int8
+    code_dtype = _code_dtype(fmt)
     if codes.dtype != code_dtype or codes.numel() != code_numel(fmt, n) or not codes.is_contiguous():
         raise ValueError(f"dequantize_{name}: codes must be a contiguous {code_dtype} tensor of "
                          f"{code_numel(fmt, n)} elements for shape {shape}, got {codes.dtype} with {codes.numel()}")
@@ -136,11 +164,16 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
         raise ValueError(f"dequantize_{name}: dtype must be one of {[str(d) for d in VALUE_DTYPES]}, got {dtype}")
     ops = _nf4_ops if fmt == NF4 else _int8_ops
     if out is None:
+        if _direct(codes, absmax):
+            return _dequantize_impl(fmt, codes, absmax, shape, dtype, block_size)
         return ops[1](codes, absmax, list(shape), dtype, block_size)
     if out.shape != torch.Size(shape) or out.dtype != dtype or out.device != codes.device or not out.is_contiguous():
         raise ValueError(f"dequantize_{name}: out must be a contiguous {dtype} tensor of shape {shape} on "
                          f"{codes.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-    ops[2](codes, absmax, block_size, out)
+    if _direct(codes, absmax, out):
+        _run(True, fmt, out, codes, absmax, block_size)
+    else:
+        ops[2](codes, absmax, block_size, out)
     return out
 
 
