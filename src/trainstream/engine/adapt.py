@@ -5,10 +5,10 @@
   step's peak if it rose), at the stack's end and when backward reaches the stack: when
   the counter rises between the last two, the rise is what runs after the stack (the
   head's logits, the loss and their gradients) adds above the memory allocated at the
-  stack's end. It sits on top of every block's activations,
-  so the plan counts it there (`after_stack`); what the head still holds when backward
-  reaches the stack (a caller's logits) is counted through backward (`held_after_stack`).
-  What is left of the measured peak above the prediction is the correction.
+  stack's end. It sits on top of every block's activations, so the plan counts it there
+  (`after_stack`); what the head still holds when backward reaches the stack (a caller's
+  logits) is counted through backward (`held_after_stack`). What is left of the measured
+  peak above the prediction is the correction.
 - The first forward passes count each block's saved activations (engine.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
@@ -55,7 +55,7 @@ class Adapter:
         self.after_stack = 0         # bytes the head and the loss add above the stack's end (largest seen)
         self.after_stack_measured = False  # a step has ended on a device that counts its peak
         self.after_stack_provisional = False  # taken from a peak set before this run (see after_step)
-        self.held_after_stack = 0    # of those, still allocated when backward reaches the stack (largest seen)
+        self.held_after_stack = 0    # of that, still allocated when backward reaches the stack (largest seen)
         self.step_peak = 0           # the largest sample since the step began (every micro-batch's pass)
         self.stack_end = None        # allocated when this pass's last block ended
         self._peak_at_step_start = None  # the device's peak counter when the step's first pass began
