@@ -94,6 +94,46 @@ def test_what_runs_after_the_stack_is_measured_and_planned_on_top_of_the_activat
     assert inputs.after_stack_bytes == 12 * MiB and inputs.held_after_stack_bytes == (MiB if hooked else 0)
 
 
+def test_memory_freed_before_backward_is_added_to_the_heads_rise_until_a_pass_frees_none():
+    # The head's forward sets the step's peak; autocast then frees its copies of resident
+    # weights (simulated) before backward, whose own part of the head stays under that peak
+    # and cannot be read. With nothing freed it would have been that much higher: the plan
+    # counts the rise plus what was freed, until a pass that frees nothing measures it.
+    from engine_models import tiny_gpt
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=[0],
+                                  activation_offload="auto", profile=machine(vram_gib=256 / 1024))
+    adapter = model._trainstream_engine.adapter
+    fake = FakeDevice(adapter, 0)
+    at = {}
+
+    def head_forward(m, a, out):  # the logits: the peak rises 3 MiB above the stack's end
+        fake.peak = max(fake.peak, fake.now + 3 * MiB)
+        fake.now += 2 * MiB          # what the head keeps for backward
+
+    def head_backward(m, g):         # the logits' gradient: 4 MiB above what is allocated then
+        fake.peak = max(fake.peak, fake.now + 4 * MiB)
+    model.head.register_forward_hook(head_forward)
+    model.head.register_full_backward_pre_hook(head_backward)
+
+    def step(stack_end, freed):
+        fake.now = stack_end
+        loss = loss_fn(model, batch(0, "cpu"))
+        fake.now -= freed            # autocast's exit
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(10 * MiB, 4 * MiB)
+    # Read: the forward's rise (3). Backward's part, with the 4 MiB still held, could have
+    # reached 2 + 4 = 6 above the stack's end; bounded by 3 + 4 = 7.
+    assert adapter.after_stack == 3 * MiB and adapter.after_stack_bound == 7 * MiB
+    assert adapter._inputs(0).after_stack_bytes == 7 * MiB
+    step(20 * MiB, 0)  # a placement that frees nothing: backward's part is the new peak, 6 MiB
+    assert adapter.after_stack == 6 * MiB and adapter.after_stack_bound == 6 * MiB
+    assert adapter._inputs(0).after_stack_bytes == 6 * MiB
+
+
 def test_a_peak_from_before_wrap_is_taken_as_the_heads_only_until_a_step_measures_it():
     model, batch, loss_fn = tiny_mlp()
     model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=[0],

@@ -9,6 +9,14 @@
   (`after_stack`); what the head still holds when backward reaches the stack (a caller's
   logits) is counted through backward (`held_after_stack`). What is left of the measured
   peak above the prediction is the correction.
+- The counter only climbs, so a backward peak below the forward's cannot be read. Memory
+  freed between the model's forward and backward lowers backward's part by that much
+  (autocast frees its copies of resident weights whose activations are paged when it
+  exits); under the forward's peak it goes unseen, and a placement that frees nothing
+  gets it whole. So the plan counts the rise plus what was freed (`after_stack_bound`, from
+  the last pass whose head set a new peak) when that is more. On the H200 under an 8 GiB
+  cap, the 1.9B GPT's first step read 1.08 GiB and the later ones 1.60 GiB. A loss computed
+  outside the model's forward is not seen as freed.
 - The first forward passes count each block's saved activations (engine.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
@@ -56,6 +64,9 @@ class Adapter:
         self.after_stack_measured = False  # a step has ended on a device that counts its peak
         self.after_stack_provisional = False  # taken from a peak set before this run (see after_step)
         self.held_after_stack = 0    # of that, still allocated when backward reaches the stack (largest seen)
+        self.after_stack_bound = 0   # the last head-peak pass's rise plus what it freed before backward
+        self._fwd_end = None         # allocated when this pass's model forward returned
+        self._bwd_start = None       # allocated when this pass's backward started
         self.step_peak = 0           # the largest sample since the step began (every micro-batch's pass)
         self.stack_end = None        # allocated when this pass's last block ended
         self._peak_at_step_start = None  # the device's peak counter when the step's first pass began
@@ -100,6 +111,7 @@ class Adapter:
         self._pass_growth = 1.0
         self.stack_end = None
         self._head_open = False
+        self._fwd_end = self._bwd_start = None
         if self._peak_at_step_start is None:
             self.step_peak = 0
             self._peak_at_step_start = self.device_peak()
@@ -140,6 +152,20 @@ class Adapter:
         if now is not None and unit is self.engine.block_units[-1]:
             self.stack_end, self._peak_at_stack_end, self._head_open = now, self.device_peak(), True
 
+    def forward_returns(self) -> None:
+        """The model's forward returned (autocast, if any, still holds its copies)."""
+        if self._head_open:
+            self._fwd_end = self.allocated()
+
+    def backward_starts(self) -> None:
+        """The first gradient of the model's output: backward has begun."""
+        if self._head_open and self._fwd_end is not None and self._bwd_start is None:
+            self._bwd_start = self.allocated()
+
+    def planned_after_stack(self) -> int:
+        """What the plan, the guard and the stock-training cost count after the stack."""
+        return max(self.after_stack, self.after_stack_bound)
+
     def backward_reaches_stack(self) -> None:
         """Backward has come through the head and the loss to the last block."""
         self.sample()
@@ -159,6 +185,10 @@ class Adapter:
             rise = peak - self.stack_end
             self.after_stack = rise if self.after_stack_provisional else max(self.after_stack, rise)
             self.after_stack_measured, self.after_stack_provisional = True, False
+            freed = 0
+            if self._fwd_end is not None and self._bwd_start is not None:
+                freed = max(self._fwd_end - self._bwd_start, 0)
+            self.after_stack_bound = rise + freed
 
     def _mark(self):
         backend = self.engine.backend
@@ -208,7 +238,7 @@ class Adapter:
         rest += sum(engine.activation_cast.get(u.block, 0) for u in engine.block_units[unit.block:]
                     if u.act_paged and not u.paged)
         if self.after_stack_measured:
-            after_stack = self.after_stack
+            after_stack = self.planned_after_stack()
         else:
             # Before a step has shown what runs after the stack (the head's logits, the loss and
             # their gradients: 1.5 GiB for the 1.9B GPT at 8 x 512 tokens), a share of the usable
@@ -238,7 +268,7 @@ class Adapter:
         e = self.engine
         return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
                            act_bytes=e.activation_bytes or None, act_cast=e.activation_cast,
-                           after_stack=self.after_stack, held_after_stack=self.held_after_stack,
+                           after_stack=self.planned_after_stack(), held_after_stack=self.held_after_stack,
                            compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
 
     def current(self) -> tuple:

@@ -159,6 +159,7 @@ class Engine:
 
     def install(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self.before_forward()))
+        self._handles.append(self.model.register_forward_hook(lambda m, a, out: self.after_forward(out)))
         for unit, block in zip(self.block_units, self.stack.blocks):
             self._forwards[block] = block.__dict__.get("forward")
             block.forward = self._block_forward(unit, block.forward)
@@ -198,6 +199,19 @@ class Engine:
             self.adapter.new_pass()
         for unit in self.outside_units:
             self.weights.guard(unit)
+
+    def after_forward(self, out) -> None:
+        """The model's forward returned (its autocast, if any, not yet left): the adapter reads
+        what is allocated now and again when backward starts, at the first gradient of an
+        output (see Adapter.forward_returns)."""
+        if not torch.is_grad_enabled() or self.grads.in_backward or self._in_autograd():
+            return
+        outputs = [t for t in _tensors_in(out) if t.requires_grad]
+        if not outputs:
+            return
+        self.adapter.forward_returns()
+        for t in outputs:
+            t.register_hook(lambda grad: self.adapter.backward_starts())
 
     def _block_forward(self, unit, forward):
         engine = self

@@ -34,7 +34,7 @@ def stock_bytes(engine) -> dict:
         "gradients": sum(s.nbytes for s in trainable),
         "AdamW moments": 2 * sum(s.nbytes for s in trainable),
         "activations (measured)": sum(engine.activation_bytes.values()),  # as with the weights resident
-        "loss and head (measured)": engine.adapter.after_stack,
+        "loss and head (measured)": engine.adapter.planned_after_stack(),
     }
 
 
