@@ -16,7 +16,7 @@
   gets it whole. So the plan counts the rise plus what was freed (`after_stack_bound`, from
   the last pass whose head set a new peak) when that is more. On the H200 under an 8 GiB
   cap, the 1.9B GPT's first step read 1.08 GiB and the later ones 1.60 GiB. A loss computed
-  outside the model's forward is not seen as freed.
+  outside the model's forward allocates after the first reading, so less is seen freed.
 - The first forward passes count each block's saved activations (engine.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
