@@ -16,7 +16,8 @@
   gets it whole. So the plan counts the rise plus what was freed (`after_stack_bound`, from
   the last pass whose head set a new peak) when that is more. On the H200 under an 8 GiB
   cap, the 1.9B GPT's first step read 1.08 GiB and the later ones 1.60 GiB. A loss computed
-  outside the model's forward allocates after the first reading, so less is seen freed.
+  outside the model's forward, or an autocast entered inside it, hides what it allocates or
+  frees from the readings, so less (or nothing) is seen freed.
 - The first forward passes count each block's saved activations (engine.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
@@ -157,10 +158,12 @@ class Adapter:
         if self._head_open:
             self._fwd_end = self.allocated()
 
-    def backward_starts(self) -> None:
-        """The first gradient of the model's output: backward has begun."""
+    def backward_starts(self, grad_bytes: int) -> None:
+        """The first gradient of the model's output (`grad_bytes` of it, allocated just now and
+        not freed memory's doing: the logits' gradient, when the loss is computed outside the
+        model): backward has begun."""
         if self._head_open and self._fwd_end is not None and self._bwd_start is None:
-            self._bwd_start = self.allocated()
+            self._bwd_start = self.allocated() - grad_bytes
 
     def planned_after_stack(self) -> int:
         """What the plan, the guard and the stock-training cost count after the stack."""

@@ -182,7 +182,7 @@ class Engine:
 
     def before_forward(self) -> None:
         self.grads.recover()
-        if self.grads.in_backward:
+        if self.grads.in_backward or self._in_autograd():
             return  # a forward recomputed inside backward (checkpointing): nothing to move
         self.adapter.apply_pending()
         self.grads.poll()
@@ -201,17 +201,18 @@ class Engine:
             self.weights.guard(unit)
 
     def after_forward(self, out) -> None:
-        """The model's forward returned (its autocast, if any, not yet left): the adapter reads
-        what is allocated now and again when backward starts, at the first gradient of an
-        output (see Adapter.forward_returns)."""
+        """The model's forward returned (an autocast around the call not yet left): the adapter
+        reads what is allocated now and again when backward starts, at the first gradient of
+        an output (see Adapter.forward_returns)."""
         if not torch.is_grad_enabled() or self.grads.in_backward or self._in_autograd():
             return
-        outputs = [t for t in _tensors_in(out) if t.requires_grad]
+        # Not on a leaf (a parameter or an input handed through): its hooks outlive the pass.
+        outputs = [t for t in _tensors_in(out) if t.requires_grad and not t.is_leaf]
         if not outputs:
             return
         self.adapter.forward_returns()
         for t in outputs:
-            t.register_hook(lambda grad: self.adapter.backward_starts())
+            t.register_hook(lambda grad: self.adapter.backward_starts(grad.untyped_storage().nbytes()))
 
     def _block_forward(self, unit, forward):
         engine = self
