@@ -38,6 +38,16 @@ class FakeDevice:
         adapter.device_peak = lambda: self.peak
 
 
+def on_fake_device(make, vram_mib, now, param_offload=(0,)):
+    """A model wrapped on the CPU path for a card of `vram_mib`, its device memory simulated:
+    (model, optimizer, adapter, fake device, batch, loss_fn)."""
+    model, batch, loss_fn = make()
+    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=list(param_offload),
+                                  activation_offload="auto", profile=machine(vram_gib=vram_mib / 1024))
+    adapter = model._trainstream_engine.adapter
+    return model, opt, adapter, FakeDevice(adapter, now), batch, loss_fn
+
+
 def test_the_watchdog_pages_more_when_a_step_grows():
     model, batch, loss_fn = tiny_mlp()
     model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **AUTO,
@@ -62,21 +72,17 @@ def test_the_watchdog_pages_more_when_a_step_grows():
     assert history(model, "applied")
 
 
-@pytest.mark.parametrize("param_offload", [[0], False], ids=["backward hook", "no backward hook"])
+@pytest.mark.parametrize("param_offload", [(0,), ()], ids=["backward hook", "no backward hook"])
 def test_what_runs_after_the_stack_is_measured_and_planned_on_top_of_the_activations(param_offload):
     # The loss (the head, on a language model) raises the device's peak above the memory
     # allocated at the stack's end. With a block paged, a hook reads the rise when backward
     # reaches the stack, before backward's own transients; with nothing paged there is no
     # hook there, and the step's end reads the rise with backward's in it (more: the safe side).
-    model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=param_offload,
-                                  activation_offload="auto", profile=machine(vram_gib=64 / 1024))
-    adapter = model._trainstream_engine.adapter
-    fake = FakeDevice(adapter, 2 * MiB)
+    model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_mlp, 64, 2 * MiB, param_offload)
     in_backward = {"rise": 0}  # a transient of backward, after the stack: block 1's input gradient
     model[1].register_full_backward_pre_hook(
         lambda m, g: setattr(fake, "peak", max(fake.peak, fake.now + in_backward["rise"])))
-    hooked = param_offload == [0]
+    hooked = bool(param_offload)
     # (head's rise, what the head still holds into backward, backward's transient) per step
     for head, held, rise, after_stack in [(3 * MiB, MiB, 6 * MiB, 3 * MiB if hooked else 7 * MiB),
                                           (12 * MiB, 0, 0, 12 * MiB),
@@ -103,11 +109,7 @@ def test_memory_freed_before_backward_is_added_to_the_heads_rise_until_a_pass_fr
     # and cannot be read. With nothing freed it would have been that much higher: the plan
     # counts the rise plus what was freed, until a pass that frees nothing measures it.
     from engine_models import tiny_gpt
-    model, batch, loss_fn = tiny_gpt()
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=[0],
-                                  activation_offload="auto", profile=machine(vram_gib=256 / 1024))
-    adapter = model._trainstream_engine.adapter
-    fake = FakeDevice(adapter, 0)
+    model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_gpt, 256, 0)
     at = {}
 
     def head_forward(m, a, out):  # the logits: the peak rises 3 MiB above the stack's end
@@ -141,11 +143,7 @@ def test_memory_freed_before_backward_is_added_to_the_heads_rise_until_a_pass_fr
 
 
 def test_a_peak_from_before_wrap_is_taken_as_the_heads_only_until_a_step_measures_it():
-    model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=[0],
-                                  activation_offload="auto", profile=machine(vram_gib=256 / 1024))
-    adapter = model._trainstream_engine.adapter
-    fake = FakeDevice(adapter, 2 * MiB)
+    model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_mlp, 256, 2 * MiB)
     fake.peak = 50 * MiB  # set before wrap(): this run's steps stay below it
     opt.step()  # a step with no forward pass (a warm-up, a learning-rate finder) reads nothing
     assert not adapter.after_stack_measured
@@ -356,14 +354,11 @@ def test_a_weight_copy_backward_does_not_keep_is_not_counted():
     casts = model._trainstream_engine.activation_cast
     assert casts[0] == 0 and casts[1] == model[1].weight.numel() * 2
 
+
 def test_backward_start_is_read_without_the_outputs_own_gradient():
     # A loss computed outside the model: its gradient with respect to the logits is allocated
     # when backward's first reading is taken, and is not memory freed.
-    model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=[0],
-                                  activation_offload="auto", profile=machine(vram_gib=256 / 1024))
-    adapter = model._trainstream_engine.adapter
-    fake = FakeDevice(adapter, 10 * MiB)
+    model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_mlp, 256, 10 * MiB)
     loss = loss_fn(model, batch(0, "cpu"))  # the stack's end and the forward's return, at 10 MiB
     fake.now = 9 * MiB + 3 * MiB            # 1 MiB freed, then a 3 MiB gradient of the logits
     adapter.backward_starts(3 * MiB)

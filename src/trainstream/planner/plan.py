@@ -121,18 +121,19 @@ def device_bytes(inp: PlanInputs, paged, act_paged) -> int:
 class _Option:
     """One set of paged blocks (weights or activations) with the sums a placement needs."""
 
-    def __init__(self, blocks: list, chosen: list, size, crossing, moved):
+    def __init__(self, blocks: list, chosen: list, moved, size=None, crossing=None):
         self.chosen = chosen
         self.chosen_set = set(chosen)
-        self.freed = sum(size(blocks[i]) for i in chosen)   # device bytes no longer held for good
-        self.in_flight = max((crossing(blocks[i]) for i in chosen), default=0)  # the largest one crossing
         self.moved = sum(moved(blocks[i]) for i in chosen)  # PCIe bytes added per step
+        # Weights only (activations are counted at their peak by activation_peak):
+        self.freed = sum(size(blocks[i]) for i in chosen) if size else 0  # device bytes no longer held
+        self.in_flight = max((crossing(blocks[i]) for i in chosen), default=0) if crossing else 0
 
 
-def _options(blocks: list, fixed, mode: str, order: list, size, crossing, moved) -> list:
+def _options(blocks: list, fixed, mode: str, order: list, moved, size=None, crossing=None) -> list:
     if mode == "fixed":
-        return [_Option(blocks, sorted(fixed), size, crossing, moved)]
-    return [_Option(blocks, order[:k], size, crossing, moved) for k in range(len(order) + 1)]
+        return [_Option(blocks, sorted(fixed), moved, size, crossing)]
+    return [_Option(blocks, order[:k], moved, size, crossing) for k in range(len(order) + 1)]
 
 
 def make_plan(inp: PlanInputs) -> Plan:
@@ -141,11 +142,9 @@ def make_plan(inp: PlanInputs) -> Plan:
     b = inp.blocks
     pageable = [i for i, x in enumerate(b) if x.pageable]
     # A paged block's weights cross twice instead of being pushed once after the update.
-    weight_opts = _options(b, inp.fixed_paged, inp.weights, pageable, lambda x: x.weight_bytes + x.cast_bytes,
-                           lambda x: x.crossing_bytes, lambda x: 2 * x.crossing_bytes - x.push_bytes)
-    act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))),
-                        lambda x: x.act_bytes - x.cast_bytes, lambda x: 0,  # in flight: activation_peak
-                        lambda x: x.act_bytes)
+    weight_opts = _options(b, inp.fixed_paged, inp.weights, pageable, lambda x: 2 * x.crossing_bytes - x.push_bytes,
+                           size=lambda x: x.weight_bytes + x.cast_bytes, crossing=lambda x: x.crossing_bytes)
+    act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))), lambda x: x.act_bytes)
     all_weights = sum(x.weight_bytes + x.cast_bytes for x in b)
     acts = {id(a): activation_peak(inp, a.chosen_set) for a in act_opts}
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
