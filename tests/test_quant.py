@@ -108,6 +108,30 @@ def test_nf4_threshold_values_take_the_lower_code():
     assert codes[15:30].tolist() == list(range(1, 16))
 
 
+@pytest.mark.parametrize("block_size", [64, 6])  # a fixed-size block loop and the general one
+def test_nf4_codes_at_every_threshold_match_the_reference_at_every_simd_level(block_size):
+    # Values on each threshold, one ulp either side and a dense sweep of [-1, 1], with a 1.0
+    # in every block so that each value is its own normalized value: every code boundary of
+    # the vectorized search is crossed, at each SIMD level the CPU offers.
+    from trainstream import _native
+    C = _native.lib()
+    t = reference.NF4_THRESHOLDS
+    vals = torch.cat([t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
+                      torch.linspace(-1, 1, 20_001), torch.tensor([float("nan"), -0.0, 1e-40])])
+    per_block = block_size - 1
+    vals = torch.cat([vals, torch.zeros(-vals.numel() % per_block)]).view(-1, per_block)
+    x = torch.cat([torch.ones(vals.shape[0], 1), vals], 1).reshape(-1)
+    expected = reference.quantize_nf4(x, block_size)
+    for level in ("scalar", C.best_simd_level()):
+        C.set_simd_level(level)
+        try:
+            got = ops.quantize_nf4(x, block_size)
+        finally:
+            C.set_simd_level(C.best_simd_level())
+        assert_same_bits(got[0], expected[0])
+        assert_same_bits(got[1], expected[1])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mean_relative_error_on_random_weights(fmt):
     quantize, dequantize = FORMATS[fmt][:2]

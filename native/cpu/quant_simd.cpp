@@ -83,7 +83,7 @@ inline float code_block_fixed(const T* x, uint32_t* codes) {
   // bitsandbytes reduces from -FLT_MAX, so an all-NaN block keeps that value.
   const float m = absmax_fixed<K>(v, -3.40282347e38f);
   const float r = 1.0f / m;  // +inf for an all-zero block: 0 * inf = NaN -> code 0
-  for (int i = 0; i < K; ++i) codes[i] = quant::nf4_code(v[i] * r);
+  for (int i = 0; i < K; ++i) codes[i] = quant::nf4_code_halving(v[i] * r);
   return m;
 }
 
@@ -124,11 +124,11 @@ void nf4_quantize(const QuantArgs& a, int64_t b0, int64_t b1) {
         const float m = block_absmax<T, kFlush>(x, start, end, -3.40282347e38f);
         a.absmax[b] = m;
         r = 1.0f / m;  // +inf for an all-zero block: 0 * inf = NaN -> code 0
-        for (int64_t i = start; i < end; ++i) scratch[i - p0] = quant::nf4_code(load_q<T, kFlush>(x, i) * r);
+        for (int64_t i = start; i < end; ++i) scratch[i - p0] = quant::nf4_code_halving(load_q<T, kFlush>(x, i) * r);
       }
       len = end - p0;
     }
-    if (len & 1) scratch[len++] = quant::nf4_code(0.0f * r);  // odd length: a zero pads the last byte
+    if (len & 1) scratch[len++] = quant::nf4_code_halving(0.0f * r);  // odd length: a zero pads the last byte
     uint8_t* dst = packed + p0 / 2;
     for (int64_t j = 0; j < len / 2; ++j) {
       // One 64-bit load per pair (little-endian: the even element's code is the low half);
