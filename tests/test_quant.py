@@ -89,6 +89,33 @@ def test_non_finite_inputs_behave_as_documented(fmt):
     assert_same_bits(codes, ref_codes)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [64, 256, 6])  # fixed-size block loops and the general one
+def test_blocks_of_special_values_match_the_reference_at_every_simd_level(fmt, block_size):
+    # Per block: all NaN, all zero, -0.0 with denormals, NaN beside the block's max, the max
+    # in the last lane, a negative max: each block's absmax reduction sees its own case.
+    from trainstream import _native
+    C = _native.lib()
+    n = block_size
+    blocks = [torch.full((n,), float("nan")), torch.zeros(n), torch.full((n,), -0.0),
+              torch.full((n,), 1e-40), torch.randn(n), torch.randn(n), torch.randn(n)]
+    blocks[2][n // 2] = -1e-41
+    blocks[4][0], blocks[4][1] = float("nan"), 50.0
+    blocks[5][-1] = 60.0
+    blocks[6][n // 3] = -70.0
+    x = torch.cat(blocks)
+    quantize, reference_quantize = FORMATS[fmt][0], FORMATS[fmt][2]
+    expected = reference_quantize(x, block_size)
+    for level in ("scalar", C.best_simd_level()):
+        C.set_simd_level(level)
+        try:
+            got = quantize(x, block_size)
+        finally:
+            C.set_simd_level(C.best_simd_level())
+        assert_same_bits(got[0], expected[0])
+        assert_same_bits(got[1], expected[1])
+
+
 def test_nf4_packing_first_element_in_high_nibble():
     # Values chosen on NF4 levels: with absmax 1, each maps to its own code.
     x = torch.tensor([-1.0, 1.0, 0.0, 0.0795802995, 0.7229568362], dtype=torch.float32)

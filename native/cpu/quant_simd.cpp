@@ -55,21 +55,40 @@ float block_absmax(const T* x, int64_t start, int64_t end, float init) {
   return acc[0];
 }
 
-// Max |v[i]| over a fixed-size block, from `init`; a NaN keeps the running max, as fmaxf
-// does. Eight running maxima and a tree: straight-line vector code.
+// Max |v[i]| over a fixed-size block (K a multiple of 16), from `init`; a NaN keeps the
+// running max, as fmaxf does. Written with vector types one register wide: left to the
+// vectorizer, the same loop over eight scalar maxima stayed scalar (vmaxss) and was the
+// quantize's costliest part (a type wider than the register spilled to the stack instead).
+// The order of a max reduction cannot change its result: fabs makes both zeros +0, and NaN
+// never enters the running max.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float LaneF32 __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t LaneU32 __attribute__((vector_size(4 * kLanes)));
+
 template <int K>
 inline float absmax_fixed(const float* v, float init) {
-  float acc[8];
-  for (int k = 0; k < 8; ++k) acc[k] = init;
-  for (int i = 0; i < K; i += 8) {
-    for (int k = 0; k < 8; ++k) {
-      const float m = __builtin_fabsf(v[i + k]);
-      acc[k] = m > acc[k] ? m : acc[k];
-    }
+  static_assert(K % 16 == 0, "absmax_fixed reads whole vectors");
+  LaneF32 acc;
+  for (int k = 0; k < kLanes; ++k) acc[k] = init;
+  for (int i = 0; i < K; i += kLanes) {
+    LaneU32 bits;
+    __builtin_memcpy(&bits, v + i, sizeof(bits));
+    bits &= 0x7fffffffu;  // |v|
+    LaneF32 m;
+    __builtin_memcpy(&m, &bits, sizeof(m));
+    acc = m > acc ? m : acc;
   }
-  for (int w = 4; w > 0; w >>= 1)
-    for (int k = 0; k < w; ++k) acc[k] = acc[k + w] > acc[k] ? acc[k + w] : acc[k];
-  return acc[0];
+  float lanes[kLanes];  // stored whole, then read by lane: a tree of independent maxima
+  __builtin_memcpy(lanes, &acc, sizeof(lanes));
+  for (int w = kLanes / 2; w > 0; w >>= 1)
+    for (int k = 0; k < w; ++k) lanes[k] = lanes[k + w] > lanes[k] ? lanes[k + w] : lanes[k];
+  return lanes[0];
 }
 
 // A full block of a common size (K): converted to fp32 once into a local array, then its
@@ -178,7 +197,7 @@ void int8_quantize(const QuantArgs& a, int64_t b0, int64_t b1) {
     const int64_t start = b * a.block_size;
     const int64_t end = start + a.block_size < a.numel ? start + a.block_size : a.numel;
     if (K != 0 && end - start == K) {
-      a.absmax[b] = int8_block_fixed<T, (K ? K : 8)>(x + start, q + start);
+      a.absmax[b] = int8_block_fixed<T, (K ? K : 16)>(x + start, q + start);  // 16: unused when K == 0
       continue;
     }
     const float amax = block_absmax<T, false>(x, start, end, 0.0f);
