@@ -30,6 +30,20 @@ def sample(n, dtype, seed=0, zero_block=None):
     return x.to(dtype)
 
 
+def at_each_simd_level(call):
+    """call() at the scalar level and at the best one this CPU offers: the results, in that order."""
+    from trainstream import _native
+    C = _native.lib()
+    results = []
+    for level in ("scalar", C.best_simd_level()):
+        C.set_simd_level(level)
+        try:
+            results.append(call())
+        finally:
+            C.set_simd_level(C.best_simd_level())
+    return results
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [2, 6, 64, 100, 128, 256, 4096, 8192])
@@ -94,8 +108,6 @@ def test_non_finite_inputs_behave_as_documented(fmt):
 def test_blocks_of_special_values_match_the_reference_at_every_simd_level(fmt, block_size):
     # Per block: all NaN, all zero, -0.0 with denormals, NaN beside the block's max, the max
     # in the last lane, a negative max: each block's absmax reduction sees its own case.
-    from trainstream import _native
-    C = _native.lib()
     n = block_size
     blocks = [torch.full((n,), float("nan")), torch.zeros(n), torch.full((n,), -0.0),
               torch.full((n,), 1e-40), torch.randn(n), torch.randn(n), torch.randn(n)]
@@ -106,12 +118,7 @@ def test_blocks_of_special_values_match_the_reference_at_every_simd_level(fmt, b
     x = torch.cat(blocks)
     quantize, reference_quantize = FORMATS[fmt][0], FORMATS[fmt][2]
     expected = reference_quantize(x, block_size)
-    for level in ("scalar", C.best_simd_level()):
-        C.set_simd_level(level)
-        try:
-            got = quantize(x, block_size)
-        finally:
-            C.set_simd_level(C.best_simd_level())
+    for got in at_each_simd_level(lambda: quantize(x, block_size)):
         assert_same_bits(got[0], expected[0])
         assert_same_bits(got[1], expected[1])
 
@@ -140,8 +147,6 @@ def test_nf4_codes_at_every_threshold_match_the_reference_at_every_simd_level(bl
     # Values on each threshold, one ulp either side and a dense sweep of [-1, 1], with a 1.0
     # in every block so that each value is its own normalized value: every code boundary of
     # the vectorized search is crossed, at each SIMD level the CPU offers.
-    from trainstream import _native
-    C = _native.lib()
     t = reference.NF4_THRESHOLDS
     vals = torch.cat([t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
                       torch.linspace(-1, 1, 20_001), torch.tensor([float("nan"), -0.0, 1e-40])])
@@ -149,12 +154,7 @@ def test_nf4_codes_at_every_threshold_match_the_reference_at_every_simd_level(bl
     vals = torch.cat([vals, torch.zeros(-vals.numel() % per_block)]).view(-1, per_block)
     x = torch.cat([torch.ones(vals.shape[0], 1), vals], 1).reshape(-1)
     expected = reference.quantize_nf4(x, block_size)
-    for level in ("scalar", C.best_simd_level()):
-        C.set_simd_level(level)
-        try:
-            got = ops.quantize_nf4(x, block_size)
-        finally:
-            C.set_simd_level(C.best_simd_level())
+    for got in at_each_simd_level(lambda: ops.quantize_nf4(x, block_size)):
         assert_same_bits(got[0], expected[0])
         assert_same_bits(got[1], expected[1])
 
@@ -169,16 +169,9 @@ def test_mean_relative_error_on_random_weights(fmt):
 
 
 def test_thread_count_and_simd_level_do_not_change_codes():
-    from trainstream import _native
-    C = _native.lib()
     x = sample(300_001, torch.bfloat16, seed=3)
     expected = ops.quantize_nf4(x, 64)
-    for level in ("scalar", C.best_simd_level()):
-        C.set_simd_level(level)
-        try:
-            got = ops.quantize_nf4(x, 64)
-        finally:
-            C.set_simd_level(C.best_simd_level())
+    for got in at_each_simd_level(lambda: ops.quantize_nf4(x, 64)):
         assert_same_bits(got[0], expected[0])
 
 
