@@ -46,7 +46,7 @@ def at_each_simd_level(call):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [2, 6, 64, 100, 128, 256, 4096, 8192])
+@pytest.mark.parametrize("block_size", [2, 6, 32, 64, 100, 128, 256, 4096, 8192])
 @pytest.mark.parametrize("n", [1, 7, 64, 1001, 70_003])
 def test_native_matches_reference(fmt, dtype, block_size, n):
     quantize, dequantize, ref_quantize, ref_dequantize = FORMATS[fmt]
@@ -104,7 +104,7 @@ def test_non_finite_inputs_behave_as_documented(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("block_size", [64, 256, 6])  # fixed-size block loops and the general one
+@pytest.mark.parametrize("block_size", [32, 64, 256, 6])  # fixed-size block loops and the general one
 def test_blocks_of_special_values_match_the_reference_at_every_simd_level(fmt, block_size):
     # Per block: all NaN, all zero, -0.0 with denormals, NaN beside the block's max, the max
     # in the last lane, a negative max: each block's absmax reduction sees its own case.

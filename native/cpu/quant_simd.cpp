@@ -223,6 +223,7 @@ void int8_dequantize(const QuantArgs& a, int64_t e0, int64_t e1) {
 template <typename F>
 void with_fixed_block_size(int64_t block_size, F&& f) {
   switch (block_size) {
+    case 32: return f(std::integral_constant<int, 32>{});
     case 64: return f(std::integral_constant<int, 64>{});
     case 128: return f(std::integral_constant<int, 128>{});
     case 256: return f(std::integral_constant<int, 256>{});
