@@ -92,9 +92,8 @@ inline float absmax_fixed(const float* v, float init) {
 }
 
 // A full block of a common size (K): converted to fp32 once into a local array, then its
-// absmax and its codes are taken from that. With the trip counts known at compile time this
-// is straight-line vector code; reading the input twice instead (absmax, then codes) left
-// the absmax loop scalar and the quantize a third slower.
+// absmax and its codes are taken from that (one conversion of the input, not two). With the
+// trip counts known at compile time the loops have no prologue or epilogue.
 template <typename T, bool kFlush, int K>
 inline float code_block_fixed(const T* x, uint32_t* codes) {
   float v[K];

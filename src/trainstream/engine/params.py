@@ -179,7 +179,7 @@ class WeightPager:
                 dev.copy_(src, non_blocking=True)
                 fetched[s] = dev
         unit.fetched, unit.fetch_dtypes = fetched, dtypes
-        self.fetched_bytes += sum(d.numel() * d.element_size() for d in fetched.values())
+        self.fetched_bytes += _nbytes(fetched.values())
         unit.fetch_event = backend.record(backend.copy_in)
         unit.ahead = ahead
         if ahead:
@@ -213,8 +213,7 @@ class WeightPager:
             self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
             s.param.data = s.placeholder
         # The memory returns to the allocator once compute passes this point.
-        freed = sum(d.numel() * d.element_size() for d in unit.fetched.values())
-        self.engine.inflight.add(self.backend.record(), freed)
+        self.engine.inflight.add(self.backend.record(), _nbytes(unit.fetched.values()))
         if unit.ahead:
             self.ahead_bytes -= unit.nbytes
         unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None
@@ -226,3 +225,7 @@ class WeightPager:
         self.attach(unit, dtypes=dtypes)
         dev = unit.fetched[slot]
         return torch.empty(0, dtype=dtype, device=dev.device).set_(dev.untyped_storage(), offset, size, stride)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -123,7 +123,6 @@ class _Option:
 
     def __init__(self, blocks: list, chosen: list, moved, size=None, crossing=None):
         self.chosen = chosen
-        self.chosen_set = set(chosen)
         self.moved = sum(moved(blocks[i]) for i in chosen)  # PCIe bytes added per step
         # Weights only (activations are counted at their peak by activation_peak):
         self.freed = sum(size(blocks[i]) for i in chosen) if size else 0  # device bytes no longer held
@@ -146,12 +145,13 @@ def make_plan(inp: PlanInputs) -> Plan:
                            size=lambda x: x.weight_bytes + x.cast_bytes, crossing=lambda x: x.crossing_bytes)
     act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))), lambda x: x.act_bytes)
     all_weights = sum(x.weight_bytes + x.cast_bytes for x in b)
-    acts = {id(a): activation_peak(inp, a.chosen_set) for a in act_opts}
+    for a in act_opts:
+        a.peak = activation_peak(inp, set(a.chosen))  # once per option, not per pair
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
     best, best_key, smallest = None, None, None
     for w in weight_opts:
         for a in act_opts:
-            need = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight + acts[id(a)]
+            need = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight + a.peak
             terms = {"compute": inp.compute_s, "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
                      "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s, "adamw": inp.adamw_s}
             step = max(terms.values())
