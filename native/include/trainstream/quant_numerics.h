@@ -37,29 +37,11 @@ TS_HD static uint32_t nf4_code(float s) {
   return c;
 }
 
-// The same code as nf4_code, by halving: four comparisons, each picking the next threshold
-// with selects (no nesting, no table lookup) so that a CPU loop over it vectorizes into
-// compares and blends: about half the vector instructions of 15 compare-and-adds on AVX-512.
-// For s > t a comparison with NaN is false, so NaN still gets code 0. The CPU loops use
-// this; the CUDA kernels keep nf4_code.
-TS_HD static uint32_t nf4_code_halving(float s) {
-  using num::bits_to_float;
-  const float t0 = bits_to_float(0xbf591cd9u), t1 = bits_to_float(0xbf1c5270u), t2 = bits_to_float(0xbeeb8480u),
-              t3 = bits_to_float(0xbeadea76u), t4 = bits_to_float(0xbe703cecu), t5 = bits_to_float(0xbe0d38bcu),
-              t6 = bits_to_float(0xbd3a7871u), t7 = bits_to_float(0x3d22faffu), t8 = bits_to_float(0x3df64863u),
-              t9 = bits_to_float(0x3e5067e0u), t10 = bits_to_float(0x3e9582d4u), t11 = bits_to_float(0x3ec753f9u),
-              t12 = bits_to_float(0x3f006d03u), t13 = bits_to_float(0x3f248dafu), t14 = bits_to_float(0x3f5c89d9u);
-  const bool b3 = s > t7;  // upper half: codes 8-15
-  const float q2 = b3 ? t11 : t3;
-  const float q1a = b3 ? t9 : t1, q1b = b3 ? t13 : t5;
-  const float q0a = b3 ? t8 : t0, q0b = b3 ? t10 : t2, q0c = b3 ? t12 : t4, q0d = b3 ? t14 : t6;
-  const bool b2 = s > q2;
-  const float r1 = b2 ? q1b : q1a;
-  const float r0a = b2 ? q0c : q0a, r0b = b2 ? q0d : q0b;
-  const bool b1 = s > r1;
-  const bool b0 = s > (b1 ? r0b : r0a);
-  return (b3 ? 8u : 0u) + (b2 ? 4u : 0u) + (b1 ? 2u : 0u) + (b0 ? 1u : 0u);
-}
+// nf4_code's thresholds in order, for the host's vector code search (quant_simd.cpp).
+#define TS_NF4_THRESHOLD_BITS                                                                \
+  {0xbf591cd9u, 0xbf1c5270u, 0xbeeb8480u, 0xbeadea76u, 0xbe703cecu, 0xbe0d38bcu, 0xbd3a7871u, \
+   0x3d22faffu, 0x3df64863u, 0x3e5067e0u, 0x3e9582d4u, 0x3ec753f9u, 0x3f006d03u, 0x3f248dafu, \
+   0x3f5c89d9u}
 
 // The 16 NF4 levels (exact fp32 values of bitsandbytes' table).
 #define TS_NF4_LEVELS                                                                       \
