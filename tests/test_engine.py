@@ -1,6 +1,7 @@
 """The offload engine on the CPU path (device="cpu": the same hooks and bookkeeping as on a
 GPU, with streams as no-ops) and, for tests marked gpu, on CUDA."""
 import copy
+import dataclasses
 import gc
 import os
 import subprocess
@@ -54,6 +55,106 @@ def test_paging_bit_exact_bf16_model_and_frozen_params():
 def test_guard_params_false_gives_the_same_run():
     assert_same_bits(train("gpt", dict(PAGED, guard_params=True), steps=3),
                      train("gpt", dict(PAGED, guard_params=False), steps=3))
+
+
+# -- optimizer_mode="gpu": the update on the device over host moments ------------------------------
+
+GPU_MODE = dict(optimizer_mode="gpu")
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_gpu_mode_gives_the_host_modes_bits(name, autocast, base):
+    """The kernel (on the CPU path its host twin) computes the host AdamW's bits; what this
+    checks is the bookkeeping: gradients left on the device, fp32 weights that are their
+    own master, paged weights written in host memory."""
+    host = train(name, base, autocast=autocast, steps=4)
+    device = train(name, dict(base, **GPU_MODE), autocast=autocast, steps=4)
+    assert_same_bits(host, device)
+    engine = device[2][0]._trainstream_engine
+    assert engine.update_on_device and engine.device_grads
+    assert all(s.device_grad is None for u in engine.units for s in u.trainable)
+
+
+@pytest.mark.parametrize("opts", [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],
+                         ids=["accumulation", "clip", "accumulation+clip"])
+def test_gpu_mode_with_clipping_and_accumulation_lands_gradients_on_the_host(opts):
+    for base in (RESIDENT, PAGED):
+        device = train("gpt", dict(base, **GPU_MODE), steps=4, **opts)
+        assert_same_bits(train("gpt", base, steps=4, **opts), device)
+        assert not device[2][0]._trainstream_engine.device_grads
+        assert "land in host memory" in trainstream.memory_report(device[2][0])["events"]
+
+
+def test_gpu_mode_bf16_model_and_frozen_params():
+    frozen = lambda n: n.endswith("fc.weight")  # noqa: E731
+    for base in (RESIDENT, PAGED):
+        a = train("gpt", base, steps=3, dtype=torch.bfloat16, freeze=frozen)
+        b = train("gpt", dict(base, **GPU_MODE), steps=3, dtype=torch.bfloat16, freeze=frozen)
+        assert_same_bits(a, b)
+
+
+def _train_and_move(mode: str) -> dict:
+    """Three steps with every block resident, blocks 0 and 1 paged, three more steps, block 0
+    back: the host weights of a unit updated on the device must be brought level first."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
+                                  offload=True, optimizer_mode=mode, **RESIDENT)
+    engine = model._trainstream_engine
+    for i in range(9):
+        if i in (3, 6):  # applied by the adapter at the next forward, as its replans are
+            engine.adapter.pending = ([0, 1] if i == 3 else [1], [])
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [u.paged for u in engine.block_units] == [False, True, False, False]
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_gpu_mode_blocks_moved_between_steps_keep_their_weights():
+    host, device = _train_and_move("cpu"), _train_and_move("gpu")
+    for k in host:
+        assert torch.equal(host[k], device[k]), k
+
+
+def test_gpu_mode_state_dicts_unwrap_and_switch():
+    _, _, (model, opt) = train("gpt", dict(RESIDENT, **GPU_MODE), steps=3)
+    ref = train("gpt", RESIDENT, steps=3)
+    assert_same_bits(ref, train("gpt", dict(RESIDENT, **GPU_MODE), steps=3))
+    saved = copy.deepcopy(opt.state_dict())
+    for k, v in ref[2][1].state_dict()["state"].items():
+        assert torch.equal(v["exp_avg"], saved["state"][k]["exp_avg"])
+    assert trainstream.unwrap(model) is model and not hasattr(model, "_trainstream_engine")
+    # offload="auto" still switches to stock training from the device mode's state.
+    stock = train("mlp", None, steps=6)
+    auto = train("mlp", dict(offload="auto", profile=machine(vram_gib=24), **GPU_MODE), steps=6)
+    assert trainstream.memory_report(auto[2][0])["mode"] == "stock"
+    assert max_diff(stock[1], auto[1]) < 1e-5
+
+
+class _Backend:
+    is_cuda = True
+
+
+@pytest.mark.parametrize("host_rate, expect", [(5e9, False), (2e8, True)])
+def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect):
+    from trainstream.engine.layout import build_units
+    from trainstream.engine.placement import choose_optimizer_mode, device_update_bytes
+    from trainstream.options import parse
+    model, _, _ = tiny_mlp(layers=4, dim=256)
+    blocks, outside, _ = build_units(model, list(model), set(model.parameters()))
+    opts = parse({"optimizer_mode": "auto"})
+    n = sum(p.numel() for p in model.parameters())
+    assert device_update_bytes(opts, blocks + outside, 4) == (8 * n, 8 * n)  # resident fp32: the moments only
+    profile = dataclasses.replace(machine(), host_adamw_params_per_s=host_rate)
+    on_device, note = choose_optimizer_mode(opts, blocks + outside, profile, 4, _Backend())
+    assert on_device is expect
+    assert ("zero-copy GPU AdamW" if expect else "host AdamW (estimated") in note
+    # The CPU backend never picks the device; "gpu" is taken as asked.
+    assert choose_optimizer_mode(opts, blocks, profile, 4, type("B", (), {"is_cuda": False})())[0] is False
+    assert choose_optimizer_mode(parse({"optimizer_mode": "gpu"}), blocks, profile, 4, _Backend())[0] is True
 
 
 # -- against torch ---------------------------------------------------------------------------------
@@ -270,6 +371,52 @@ def test_gpu_synchronization_stress(opts):
     wrapped = train("mlp", opts, device="cuda", steps=8, lr=1e-3, model_factory=factory)
     assert max_diff(stock[1], wrapped[1]) < 1e-5
     assert wrapped[0] == pytest.approx(stock[0], rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_gpu_optimizer_mode_gpu_gives_the_host_modes_bits(name, autocast, base):
+    """The CUDA kernel on the update stream, beside backward: the same bits as the host AdamW."""
+    assert_same_bits(train(name, base, device="cuda", autocast=autocast, steps=5),
+                     train(name, dict(base, **GPU_MODE), device="cuda", autocast=autocast, steps=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(accumulation=2), dict(clip=0.05)], ids=["accumulation", "clip"])
+def test_gpu_optimizer_mode_gpu_reads_gradients_from_host_memory(opts):
+    for base in (RESIDENT, PAGED):
+        assert_same_bits(train("gpt", base, device="cuda", steps=4, **opts),
+                         train("gpt", dict(base, **GPU_MODE), device="cuda", steps=4, **opts))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [RESIDENT, PAGED, dict(PAGED, max_inflight_bytes=1)], ids=["resident", "paged", "cap"])
+def test_gpu_optimizer_mode_gpu_synchronization_stress(opts):
+    """Tiny compute, large tensors, the update in place on the device: a missing wait between
+    the update stream and compute shows up as a wrong number."""
+    factory = lambda: tiny_mlp(layers=6, dim=2048, rows=2)  # noqa: E731
+    stock = train("mlp", None, device="cuda", steps=8, lr=1e-3, model_factory=factory)
+    wrapped = train("mlp", dict(opts, **GPU_MODE), device="cuda", steps=8, lr=1e-3, model_factory=factory)
+    assert max_diff(stock[1], wrapped[1]) < 1e-5
+    assert wrapped[0] == pytest.approx(stock[0], rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_optimizer_mode_gpu_keeps_gradients_out_of_vram():
+    """Resident weights, gradients updated on the device as they come: the peak stays under
+    weights + all gradients (stock's), like the host mode's."""
+    factory = lambda: tiny_mlp(layers=8, dim=2048, rows=64)  # noqa: E731
+    trainstream.profile_hardware("cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    train("mlp", dict(RESIDENT, **GPU_MODE, max_inflight_bytes=64 << 20), device="cuda", steps=3, lr=1e-3,
+          model_factory=factory)
+    weights = 8 * 2048 * 2048 * 4
+    assert torch.cuda.max_memory_allocated() - before < 1.5 * weights
 
 
 @pytest.mark.gpu

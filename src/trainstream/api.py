@@ -5,12 +5,13 @@ import torch
 
 from . import options as _options
 from .engine.blocks import find_blocks, named_stack
-from .engine.device import Backend
+from .engine.device import Backend, HostArena
 from .engine.engine import Engine
 from .engine.layout import arena_bytes, build_units
 from .engine.optimizer import StreamedAdamW
 from .engine.adapt import Adapter
-from .engine.placement import check_fits, choose, choose_moment_dtype, default_inflight_bytes
+from .engine.placement import (check_fits, choose, choose_moment_dtype, choose_optimizer_mode,
+                               default_inflight_bytes)
 from .engine.report import build_report
 from .engine.state import StateHooks, unwrap as _unwrap
 from .optim.convert import convert_optimizer
@@ -68,9 +69,6 @@ def _adopt_optimizer_settings(opts, optimizer) -> None:
 def _refuse_undelivered(opts) -> None:
     """Options the specification accepts whose behaviour this release does not have yet:
     a clear error instead of a silent fallback."""
-    if opts.optimizer_mode == "gpu":
-        raise NotImplementedError("wrap(): optimizer_mode='gpu' is not available in the engine yet; use 'cpu' "
-                                  "(or trainstream.OffloadAdamW(mode='gpu') on a model that fits in VRAM)")
     if opts.quantize in ("int8", "nf4"):
         raise NotImplementedError(f"wrap(): quantize={opts.quantize!r} is not available in the engine yet; "
                                   "use quantize='none' (the kernels are in trainstream.ops)")
@@ -130,10 +128,21 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if opts.moment_dtype == "auto":
         moment_dtype, moment_note = choose_moment_dtype(opts, block_units + outside_units, profile)
         optimizer.set_moment_dtype(moment_dtype)
-    budget = check_fits(opts, block_units + outside_units, placement, backend, profile, on_device,
-                        optimizer.moment_dtype.itemsize, arena_bytes(block_units + outside_units))
+    units = block_units + outside_units
+    update_on_device, mode_note = choose_optimizer_mode(opts, units, profile, optimizer.moment_dtype.itemsize,
+                                                        backend)
+    pinned = arena_bytes(units)
+    trainable = [s.param for u in units for s in u.trainable]
+    moment_arena_bytes = sum(2 * HostArena.size_of(p.numel(), optimizer.moment_dtype) for p in trainable)
+    if update_on_device and backend.is_cuda:  # the kernel maps the moments (and accumulated gradient sums)
+        pinned += moment_arena_bytes + (4 * sum(p.numel() for p in trainable) if opts.accumulation_steps > 1 else 0)
+    budget = check_fits(opts, units, placement, backend, profile, on_device, optimizer.moment_dtype.itemsize,
+                        pinned)
+    if update_on_device and backend.is_cuda:
+        optimizer.pin_state(trainable, HostArena(backend, moment_arena_bytes).take)
 
     engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
+    engine.update_on_device = update_on_device
     engine.budget = budget
     engine.profile = profile
     if opts.max_inflight_bytes is None:
@@ -148,13 +157,19 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                f"{len(block_units) - len(placement.paged)} resident; activations paged for blocks {placement.act_paged}")
     if moment_note:
         events.add(moment_note)
-    events.add(f"optimizer: host AdamW, moments {str(optimizer.moment_dtype).replace('torch.', '')}, "
-               f"{len(in_optimizer)} trainable tensors")
+    moments = str(optimizer.moment_dtype).replace('torch.', '')
+    if update_on_device:
+        events.add(f"optimizer: zero-copy GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments "
+                   f"({moments}), {len(in_optimizer)} trainable tensors; gradients "
+                   + ("stay on the device until their update" if engine.device_grads else
+                      "land in host memory (clipping or accumulation needs them there)"))
+    else:
+        events.add(f"optimizer: host AdamW, moments {moments}, {len(in_optimizer)} trainable tensors")
+    if mode_note:
+        events.add(mode_note)
     if opts.offload == "auto":
         events.add(f"offload='auto': after {Adapter.SWITCH_AFTER} measured steps, switches to "
                    "torch.optim.AdamW(fused=True) on the device if stock training fits")
-    if opts.optimizer_mode == "auto":
-        events.add("optimizer_mode='auto': host AdamW")
     if opts.quantize == "auto":
         events.add("quantize='auto': nothing quantized")
     if not opts.guard_params:

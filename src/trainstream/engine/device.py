@@ -27,6 +27,23 @@ class _DoneEvent:
 DONE = _DoneEvent()
 
 
+class DeviceUpdate:
+    """A unit's AdamW queued on the device's update stream (optimizer_mode="gpu"): the
+    handle the engine keeps in place of a host job's. Host readers wait() for it; device
+    work that must follow it (the next forward, a copy of the host weights it writes)
+    orders itself after `event` on the GPU instead."""
+    __slots__ = ("event",)
+
+    def __init__(self, event):
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
 class Backend:
     def __init__(self, device: torch.device):
         self.device = device
@@ -34,8 +51,10 @@ class Backend:
         if self.is_cuda:
             self.copy_in = torch.cuda.Stream(device)   # host -> device: weights, activations
             self.copy_out = torch.cuda.Stream(device)  # device -> host: gradients, activations
+            # optimizer_mode="gpu": the zero-copy AdamW, beside backward rather than behind it
+            self.update = torch.cuda.Stream(device)
         else:
-            self.copy_in = self.copy_out = None
+            self.copy_in = self.copy_out = self.update = None
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.device) if self.is_cuda else None

@@ -19,7 +19,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .activations import ActivationPager, PagedTensor
-from .device import Backend, HostArena, TransferLedger
+from .device import Backend, DeviceUpdate, HostArena, TransferLedger
 from .grads import GradStreamer
 from .layout import arena_bytes, host_buffers
 from .params import WeightPager
@@ -63,6 +63,15 @@ def _is_weight_copy(t: torch.Tensor, unit) -> bool:
     return False
 
 
+def _device_update_roles(s, paged: bool) -> tuple:
+    """optimizer_mode="gpu": where the update writes `s`'s new weights, and its host fp32
+    master (None: the fp32 device param is the master, see WeightPager.refresh_host)."""
+    if not paged:
+        return s.param.data, (None if s.dtype == torch.float32 else s.master)
+    copy = s.copy_dtype()
+    return (s.host[copy] if copy is not None else s.master), s.master
+
+
 def _tensors_in(out):
     if isinstance(out, torch.Tensor):
         yield out
@@ -95,6 +104,8 @@ class Engine:
         self.adapter = None          # set by wrap(): measures, replans, moves blocks (adapt.py)
         self.last_grad_norm = None
         self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
+        # optimizer_mode="gpu" (wrap() decides "auto"): AdamW on the device over host moments.
+        self.update_on_device = False
         # wrap() replaces the default with placement.default_inflight_bytes(profile).
         self.max_inflight_bytes = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else GiB
         self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
@@ -116,6 +127,12 @@ class Engine:
         self._counted_cast = 0       # of _counted: autocast's copies of the block's weights
         self._handles: list = []
         self._forwards: dict = {}    # block module -> its own forward attribute, if it had one
+
+    @property
+    def device_grads(self) -> bool:
+        """Gradients stay on the device for their update (optimizer_mode="gpu"), unless
+        clipping (which needs every gradient first) or accumulation keeps them in host memory."""
+        return self.update_on_device and self.opts.accumulation_steps == 1 and self.opts.max_grad_norm is None
 
     # -- installing ----------------------------------------------------------------------------
 
@@ -366,20 +383,53 @@ class Engine:
     def queue_update(self, unit, grad_scale: float = 1.0) -> None:
         slots = [s for s in unit.trainable if s.has_grad]
         if slots:
-            if unit.paged and unit.fetch_event is not None:
-                unit.fetch_event.synchronize()  # a copy from the host weights may still be reading them
-            unit.update_mark = self.backend.record()
             # Numbered by when the next forward needs the unit: blocks update in backward
             # order, but block 0 (and the embeddings before it) are needed first.
             unit.priority = self.update_order().index(unit)
-            for handle, ss in self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale,
-                                                   unit.priority):
-                unit.updates.append(handle)
-                for s in ss:
-                    s.reader = handle
-            if not unit.paged:
-                self.weights.expect_update(unit)
+            if self.update_on_device:
+                self._queue_on_device(unit, slots, grad_scale)
+            else:
+                self._queue_on_host(unit, slots, grad_scale)
         unit.queued = True
+
+    def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
+        if unit.paged and unit.fetch_event is not None:
+            unit.fetch_event.synchronize()  # a copy from the host weights may still be reading them
+        unit.update_mark = self.backend.record()
+        for handle, ss in self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale,
+                                               unit.priority):
+            unit.updates.append(handle)
+            for s in ss:
+                s.reader = handle
+        if not unit.paged:
+            self.weights.expect_update(unit)
+
+    def _queue_on_device(self, unit, slots, grad_scale: float) -> None:
+        """optimizer_mode="gpu": the zero-copy AdamW on the update stream, once compute has
+        produced the gradients and queued every read of the old weights. A resident unit's
+        weights are updated in place on the device (fp32 ones are their own master there);
+        a paged unit's in host memory, where its next fetch reads them."""
+        backend = self.backend
+        stream = backend.update
+        backend.follow_compute(stream)
+        if unit.paged and unit.fetch_event is not None:
+            backend.wait(unit.fetch_event, stream)  # a copy from the host weights may still be reading them
+        targets, masters = zip(*(_device_update_roles(s, unit.paged) for s in slots))
+        grads = [self.grads.grad_of(s) for s in slots]
+        with backend.on(stream):
+            self.optimizer.queue_on_device(backend.device, slots, grads, list(targets), list(masters), grad_scale)
+            for g in grads:
+                if g.device == backend.device:
+                    backend.keep_until(g, stream)
+        handle = DeviceUpdate(backend.record(stream))
+        self.inflight.add(handle.event, sum(g.numel() * g.element_size() for g in grads
+                                            if g.device == backend.device))
+        unit.updates.append(handle)
+        for s in slots:
+            s.reader = handle
+            s.device_grad = None
+        if not unit.paged:
+            unit.h2d_event = handle.event  # the next forward's guard waits for it on the GPU
 
     def update_order(self) -> list:
         # Forward order: the next forward needs the outside modules (embeddings) and block 0 first.

@@ -20,6 +20,7 @@ from collections import deque
 import torch
 
 from .. import ops
+from .device import DONE
 
 
 def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -86,25 +87,39 @@ class GradStreamer:
         if g.is_sparse:
             raise ValueError(f"trainstream: sparse gradients are not supported ({slot.name})")
         engine, backend = self.engine, self.engine.backend
+        nbytes = g.numel() * g.element_size()
+        if engine.device_grads:
+            # optimizer_mode="gpu": the update reads the gradient where it is, as soon as the
+            # unit is complete; the cap holds back a backward that outruns the updates.
+            engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
+            slot.device_grad = g
+            p.grad = None
+            self._landed(slot, DONE)
+            return
         if engine.clip_on_device:
             # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
             # autocast) gives the same bits as the fp32 gradient of the unpaged run.
             slot.norm = torch.linalg.vector_norm(g if g.dtype == torch.float32 else g.float())
         if slot.reader is not None:
-            slot.reader.wait()  # the last host job reading this buffer (long finished, as a rule)
+            slot.reader.wait()  # the last job reading this buffer (long finished, as a rule)
             slot.reader = None
         if slot.stage is None or slot.stage.dtype != g.dtype:
             slot.stage = _view_as(slot.stage_region, g)
-        nbytes = g.numel() * g.element_size()
         engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
         backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
         with backend.on(backend.copy_out):
             slot.stage.copy_(g, non_blocking=True)
             backend.keep_until(g, backend.copy_out)
-        unit = slot.unit
-        unit.grad_event = backend.record(backend.copy_out)
-        engine.inflight.add(unit.grad_event, nbytes)  # the device gradient is freed once copied
+        event = backend.record(backend.copy_out)
+        engine.inflight.add(event, nbytes)  # the device gradient is freed once copied
         p.grad = None
+        self._landed(slot, event)
+
+    def _landed(self, slot, event) -> None:
+        """`slot`'s gradient is on its way (`event`: its copy); the unit is ready for its
+        update once all of its gradients are."""
+        unit = slot.unit
+        unit.grad_event = event
         slot.fresh = True
         unit.landed += 1
         if unit.landed == len(unit.trainable):
@@ -126,6 +141,7 @@ class GradStreamer:
                 unit.landed = 0
                 for s in unit.trainable:
                     s.fresh = False
+                    s.device_grad = None
             self.reset_window()
             self.engine.after_backward()
             self.engine.events.add("a backward pass raised: its gradients were dropped")
@@ -162,8 +178,9 @@ class GradStreamer:
         if engine.opts.accumulation_steps > 1:
             firsts = [s for s in landed if not s.has_grad]
             for s in firsts:
-                if s.grad_sum is None:
-                    s.grad_sum = torch.empty(s.param.shape, dtype=torch.float32)
+                if s.grad_sum is None:  # pinned on a GPU for optimizer_mode="gpu": the kernel maps it
+                    s.grad_sum = (engine.backend.host_empty(s.param.shape, torch.float32) if engine.update_on_device
+                                  else torch.empty(s.param.shape, dtype=torch.float32))
                 s.grad_sum.copy_(s.stage)  # bf16 -> fp32 is exact
             rest = [s for s in landed if s.has_grad]
             if rest:
@@ -192,7 +209,10 @@ class GradStreamer:
         self._partial.clear()
 
     def grad_of(self, slot) -> torch.Tensor:
-        """The gradient the update reads: the landing buffer, or the window's sum."""
+        """The gradient the update reads: on the device (optimizer_mode="gpu" without
+        clipping or accumulation), the landing buffer, or the window's sum."""
+        if slot.device_grad is not None:
+            return slot.device_grad
         return slot.grad_sum if self.engine.opts.accumulation_steps > 1 else slot.stage
 
     def reset_window(self) -> None:

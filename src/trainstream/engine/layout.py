@@ -25,6 +25,7 @@ class Slot:
     stage_region: torch.Tensor | None = None  # reserved host room for the landing buffer
     stage: torch.Tensor | None = None     # the landing buffer, a view of stage_region in the gradient's dtype
     grad_sum: torch.Tensor | None = None  # fp32 sum over the micro-batches (accumulation_steps > 1)
+    device_grad: torch.Tensor | None = None  # optimizer_mode="gpu": the gradient, left where autograd made it
     norm: torch.Tensor | None = None      # device-side L2 norm of this pass's gradient (clipping)
     reader = None                         # the last host job that reads stage / grad_sum
     fresh: bool = False                   # landed in this pass, not yet handed on
@@ -50,12 +51,13 @@ class Unit:
     slots: list
     paged: bool = False           # weights live in host memory and are fetched for each use
     act_paged: bool = False       # saved activations go to host memory during forward
-    # Host updates of this unit's weights still running (optimizer jobs).
+    # Updates of this unit's weights that may still be running: host optimizer jobs, or
+    # DeviceUpdates (optimizer_mode="gpu").
     updates: list = field(default_factory=list)
     stale: bool = False           # resident: the host has newer weights than the device
     update_mark = None            # compute's position when the update was queued (resident)
     priority: int = 0             # when the next forward needs it (the host pool runs lowest first)
-    h2d_event = None              # resident: the new weights' copy to the device
+    h2d_event = None              # resident: the new weights' copy to the device (or their device update)
     landed: int = 0               # gradients landed in the current backward pass
     grad_event = None             # the last of those gradients' copies to the host
     queued: bool = False          # this window's update was handed to the optimizer

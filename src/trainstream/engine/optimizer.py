@@ -34,6 +34,28 @@ class StreamedAdamW(OffloadAdamW):
 
     _engine = None
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
+    pin_moments = False  # optimizer_mode="gpu" on a GPU: the kernel maps the moments
+
+    def _pins_state(self) -> bool:
+        return self.pin_moments
+
+    def pin_state(self, params, take) -> None:
+        """optimizer_mode="gpu" on a GPU: every moment in pinned memory that the kernel maps,
+        carved by `take(shape, dtype)` from one arena (pinning tensor by tensor would round
+        each up to a power of two, and would happen in the first backward); a converted
+        optimizer's moments are copied in."""
+        self.pin_moments = True
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key in ("exp_avg", "exp_avg_sq"):
+                buf = take(p.shape, self.moment_dtype)
+                if key in state:
+                    buf.copy_(state[key])
+                else:
+                    buf.zero_()
+                state[key] = buf
 
     def _check_param(self, p: torch.Tensor) -> None:
         if self._engine is not None:
@@ -48,7 +70,7 @@ class StreamedAdamW(OffloadAdamW):
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state and state[key].dtype != dtype:
-                    state[key] = state[key].to(dtype)
+                    state[key] = self._host_buffer(state[key].to(dtype))
 
     def _engine_or_raise(self):
         if self._engine is None:
@@ -104,30 +126,61 @@ class StreamedAdamW(OffloadAdamW):
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
         `grads` (host tensors), `priority` as in ops.adamw_step. Returns (handle, slots) per
         native job."""
+        out = []
+        for group, items in self._batches(slots, grads, lambda s: s.copy_dtype()):
+            copies = [s.host[s.copy_dtype()] for s, *_ in items] if items[0][0].copy_dtype() is not None else None
+            handle = ops.adamw_step(
+                [s.master for s, *_ in items], [g for _, g, *_ in items],
+                [st["exp_avg"] for _, _, st, _ in items], [st["exp_avg_sq"] for _, _, st, _ in items],
+                [int(st["step"].item()) for _, _, st, _ in items], param_copies=copies, grad_scale=grad_scale,
+                seeds=[self._seed_for(i) for *_, i in items], threads=self.threads, priority=priority,
+                **_hyper(group))
+            out.append((handle, [s for s, *_ in items]))
+        return out
+
+    def queue_on_device(self, device: torch.device, slots: list, grads: list, targets: list, masters: list,
+                        grad_scale: float) -> None:
+        """optimizer_mode="gpu": the zero-copy CUDA AdamW on the current stream for `slots`,
+        reading `grads` and writing the new weights into `targets` (each on the device or in
+        pinned host memory) and the host fp32 `masters` (None where the fp32 target is the
+        master). The moments must be pinned. On the CPU backend the host AdamW, which gives
+        the same bits, stands in and is done when this returns."""
+        where = {s: (t, m) for s, t, m in zip(slots, targets, masters)}
+        key = lambda s: (where[s][0].dtype, where[s][1] is None)  # noqa: E731  (one kernel launch each)
+        for group, items in self._batches(slots, grads, key):
+            states = [st for _, _, st, _ in items]
+            steps = [int(st["step"].item()) for st in states]
+            seeds = [self._seed_for(i) for *_, i in items]
+            tgts = [where[s][0] for s, *_ in items]
+            mstrs = None if where[items[0][0]][1] is None else [where[s][1] for s, *_ in items]
+            gs = [g for _, g, *_ in items]
+            m, v = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+            if device.type == "cuda":
+                ops.adamw_step_mapped(device, tgts, gs, m, v, steps, masters=mstrs, grad_scale=grad_scale,
+                                      seeds=seeds, **_hyper(group))
+            else:
+                copies = None if mstrs is None or all(t is mm for t, mm in zip(tgts, mstrs)) else tgts
+                ops.adamw_step(mstrs or tgts, gs, m, v, steps, param_copies=copies, grad_scale=grad_scale,
+                               seeds=seeds, threads=self.threads, **_hyper(group)).wait()
+
+    def _batches(self, slots: list, grads: list, key):
+        """Count a step for each slot's param and batch them by param group and `key`:
+        yields (group, [(slot, grad, state, index in the optimizer)])."""
         if not hasattr(self, "_where"):
             # Positions only: load_state_dict replaces the group dicts, so look those up each time.
             flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
             self._where = {p: (gi, i) for i, (gi, p) in enumerate(flat)}
-        jobs = {}
+        batches = {}
         for s, g in zip(slots, grads):
             group_index, index = self._where[s.param]
             group = self.param_groups[group_index]
             state = self._state_for(s.param)
             state["step"] += 1
-            copy = s.copy_dtype()
-            key = (id(group), g.dtype, copy)
-            jobs.setdefault(key, (group, []))[1].append((s, g, state, index, copy))
-        out = []
-        for group, items in jobs.values():
-            beta1, beta2 = group["betas"]
-            copies = [s.host[c] for s, _, _, _, c in items] if items[0][4] is not None else None
-            handle = ops.adamw_step(
-                [s.master for s, *_ in items], [g for _, g, *_ in items],
-                [st["exp_avg"] for _, _, st, *_ in items], [st["exp_avg_sq"] for _, _, st, *_ in items],
-                [int(st["step"].item()) for _, _, st, *_ in items],
-                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                grad_scale=grad_scale, seeds=[self._seed_for(i) for *_, i, _ in items],
-                param_copies=copies, threads=self.threads, priority=priority)
-            out.append((handle, [s for s, *_ in items]))
-        return out
+            batches.setdefault((id(group), g.dtype, key(s)), (group, []))[1].append((s, g, state, index))
+        return list(batches.values())
+
+
+def _hyper(group: dict) -> dict:
+    beta1, beta2 = group["betas"]
+    return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"])

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from .device import DeviceUpdate
 from .landing import Lander
 
 def _autocast_dtype(device_type: str):
@@ -112,6 +113,8 @@ class WeightPager:
     def _to_paged(self, unit) -> None:
         backend = self.backend
         for s in unit.slots:
+            if s.trainable and self.engine.update_on_device:
+                refresh_host(s)
             if s.dtype not in s.host:  # a frozen resident param has no host copy yet
                 s.host[s.dtype] = backend.to_host(s.param.data)
             self.engine.resident_storages.discard(s.param.data.untyped_storage().data_ptr())
@@ -129,6 +132,19 @@ class WeightPager:
         unit.paged, unit.fetch_dtypes = False, {}
 
     # -- paged units ---------------------------------------------------------------------------
+
+    def _after_updates(self, unit, stream) -> None:
+        """Order `stream` after `unit`'s updates: on the GPU for device updates (still
+        tracked until done), on the host for host jobs."""
+        pending = []
+        for h in unit.updates:
+            if isinstance(h, DeviceUpdate):
+                self.backend.wait(h.event, stream)
+                if not h.done():
+                    pending.append(h)
+            else:
+                h.wait()
+        unit.updates = pending
 
     def _dtype_for(self, slot, autocast_dtype):
         # bf16 only: an fp16 copy would give fp16 gradients, which the host AdamW does not read.
@@ -164,9 +180,7 @@ class WeightPager:
             if self.ahead_bytes + unit.nbytes > cap and self.ahead_bytes:
                 return  # over the in-flight cap: fetched on demand when its turn comes
             self.engine.inflight.make_room(unit.nbytes, cap, self.ahead_bytes)
-        for h in unit.updates:   # the host AdamW may still be writing these weights
-            h.wait()
-        unit.updates = []
+        self._after_updates(unit, self.backend.copy_in)  # the optimizer may still be writing these weights
         if dtypes is None:
             autocast = _autocast_dtype(self.backend.device.type)
             dtypes = {s: self._dtype_for(s, autocast) for s in unit.slots}
@@ -225,6 +239,18 @@ class WeightPager:
         self.attach(unit, dtypes=dtypes)
         dev = unit.fetched[slot]
         return torch.empty(0, dtype=dtype, device=dev.device).set_(dev.untyped_storage(), offset, size, stride)
+
+
+def refresh_host(s) -> None:
+    """optimizer_mode="gpu" updates a resident param on the device only (its host fp32
+    master too, for a bf16 param): before the host weights are read again (the unit is
+    paged), bring them level. Lower-precision copies are the master rounded to nearest
+    even, as the optimizer writes them."""
+    if s.dtype == torch.float32:
+        s.master.copy_(s.param.data)
+    for dtype, t in s.host.items():
+        if dtype != torch.float32:
+            t.copy_(s.master)
 
 
 def _nbytes(tensors) -> int:

@@ -190,6 +190,48 @@ def choose_moment_dtype(opts, units, profile) -> tuple[torch.dtype, str]:
                             f"(bfloat16: {need16 / GiB:.2f} GiB)")
 
 
+# The zero-copy AdamW reaches about this share of the PCIe bound (the optimizer_gpu bench).
+DEVICE_UPDATE_EFFICIENCY = 0.8
+
+
+def device_update_bytes(opts, units, moment_bytes: int) -> tuple[int, int]:
+    """Bytes optimizer_mode="gpu" moves over PCIe per step, (to the device, to the host):
+    both moments each way; the host fp32 master each way where the device param is not
+    the master (paged, or not fp32); a paged param's new weights written to host memory;
+    and gradients read from host memory when clipping or accumulation lands them there."""
+    host_grads = opts.max_grad_norm is not None or opts.accumulation_steps > 1
+    h2d = d2h = 0
+    for u in units:
+        for s in u.trainable:
+            n = s.param.numel()
+            master = 4 * n if u.paged or s.dtype != torch.float32 else 0
+            h2d += 2 * moment_bytes * n + master + (4 * n if host_grads else 0)
+            d2h += 2 * moment_bytes * n + master
+            if u.paged and (s.dtype != torch.float32 or s.is_linear):
+                d2h += 2 * n  # the lower-precision copy the next fetch reads
+    return h2d, d2h
+
+
+def choose_optimizer_mode(opts, units, profile, moment_bytes: int, backend) -> tuple[bool, str | None]:
+    """optimizer_mode: update on the device? 'auto' compares the host AdamW's measured rate
+    with the zero-copy kernel's PCIe time for this placement."""
+    if opts.optimizer_mode == "cpu":
+        return False, None
+    if opts.optimizer_mode == "gpu":
+        if backend.is_cuda:
+            return True, None
+        return True, "optimizer_mode='gpu' on the CPU backend: the host AdamW stands in for the kernel"
+    if not backend.is_cuda:
+        return False, "optimizer_mode='auto': host AdamW (the CPU backend has no device to update on)"
+    n_train = sum(s.param.numel() for u in units for s in u.trainable)
+    host_s = n_train / profile.host_adamw_params_per_s
+    h2d, d2h = device_update_bytes(opts, units, moment_bytes)
+    device_s = max(h2d / profile.h2d_bytes_per_s, d2h / profile.d2h_bytes_per_s) / DEVICE_UPDATE_EFFICIENCY
+    on_device = device_s < host_s
+    return on_device, (f"optimizer_mode='auto': {'zero-copy GPU AdamW' if on_device else 'host AdamW'} (estimated "
+                       f"{device_s * 1e3:.0f} ms per step on the GPU over PCIe, {host_s * 1e3:.0f} ms on the host)")
+
+
 def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_on_device: int,
                moment_bytes: int, pinned_bytes: int) -> dict:
     """Host, pinned and device bytes this placement needs; MemoryError with the numbers

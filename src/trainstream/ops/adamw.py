@@ -195,6 +195,14 @@ def _check_cuda(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.de
         raise ValueError(f"adamw_step_gpu: {kind}[{i}] has {t.numel()} elements, params[{i}] has {numel}")
 
 
+def _check_reachable(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    """On `device`, or in pinned host memory, which the kernel reads over PCIe."""
+    if t.device.type == "cpu":
+        _check_pinned(kind, i, t, numel)
+    else:
+        _check_cuda(kind, i, t, numel, device)
+
+
 def adamw_step_gpu(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -226,12 +234,33 @@ def adamw_step_gpu(
     from .._native import require_cuda
 
     require_cuda("the GPU AdamW")
-    n = len(params)
-    if n == 0:
+    if not params:
         return
     device = params[0].device
     if device.type != "cuda":
         raise ValueError(f"adamw_step_gpu: params must be CUDA tensors, got {device}")
+    _gpu_launch(device, _check_cuda, params, grads, exp_avgs, exp_avg_sqs, steps, masters=masters, lr=lr,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, seeds=seeds)
+
+
+def adamw_step_mapped(device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters=None,
+                      **hyper) -> None:
+    """:func:`adamw_step_gpu` for the engine: params and grads may each be on `device` or
+    in pinned host memory (a paged block's host weights, gradients landed in host memory
+    for clipping or accumulation); the kernel reaches mapped host memory over PCIe."""
+    from .._native import require_cuda
+
+    require_cuda("the GPU AdamW")
+    if params:
+        _gpu_launch(device, _check_reachable, params, grads, exp_avgs, exp_avg_sqs, steps, masters=masters,
+                    **hyper)
+
+
+def _gpu_launch(device, check_place, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters, lr, beta1=0.9,
+                beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0, grad_scale_tensor=None,
+                seeds=None) -> None:
+    n = len(params)
     param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
                               (torch.float32, torch.bfloat16, torch.float16), n)
     grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n, "adamw_step_gpu")
@@ -247,8 +276,8 @@ def adamw_step_gpu(
     rows, scalars, first_chunk = [], [], 0
     for i, p in enumerate(params):
         numel = p.numel()
-        _check_cuda("params", i, p, numel, device)
-        _check_cuda("grads", i, grads[i], numel, device)
+        check_place("params", i, p, numel, device)
+        check_place("grads", i, grads[i], numel, device)
         _check_pinned("exp_avgs", i, exp_avgs[i], numel)
         _check_pinned("exp_avg_sqs", i, exp_avg_sqs[i], numel)
         if masters is not None:
