@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..ops.adamw import adamw_step_mapped
 from ..optim.offload_adamw import OffloadAdamW
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the host AdamW reads fp32 or bf16 gradients
@@ -156,7 +157,7 @@ class StreamedAdamW(OffloadAdamW):
             gs = [g for _, g, *_ in items]
             m, v = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
             if device.type == "cuda":
-                ops.adamw_step_mapped(device, tgts, gs, m, v, steps, masters=mstrs, grad_scale=grad_scale,
+                adamw_step_mapped(device, tgts, gs, m, v, steps, masters=mstrs, grad_scale=grad_scale,
                                       seeds=seeds, **_hyper(group))
             else:
                 copies = None if mstrs is None or all(t is mm for t, mm in zip(tgts, mstrs)) else tgts
