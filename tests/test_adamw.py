@@ -331,6 +331,29 @@ def test_gpu_adamw_equals_host_adamw_bit_for_bit(grad_dtype, moment_dtype, decou
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_blocks", [1, 3, 64])
+def test_gpu_adamw_on_a_capped_grid_with_mapped_host_tensors(max_blocks):
+    """The engine's launch: fewer blocks than chunks (each loops), gradients and the written
+    weights in pinned host memory as well as on the device."""
+    from trainstream.ops.adamw import adamw_step_mapped
+    sizes = [5, 16385, 100_003, 40_000]
+    cases = [_gpu_case(n, torch.float32, torch.float32, i) for i, n in enumerate(sizes)]
+    host = [clone_all(*c) for c in cases]
+    masters = [c[0].clone().pin_memory() for c in cases]
+    targets = [torch.empty(n, device="cuda") if i % 2 else torch.empty(n).pin_memory() for i, n in enumerate(sizes)]
+    grads = [c[1].cuda() if i % 2 == 0 else c[1].pin_memory() for i, c in enumerate(cases)]
+    steps, seeds = [1, 2, 3, 4], [7, 8, 9, 10]
+    adamw_step_mapped(torch.device("cuda", torch.cuda.current_device()), targets, grads, [c[2] for c in cases],
+                      [c[3] for c in cases], steps, masters=masters, seeds=seeds, max_blocks=max_blocks, **HYPER)
+    torch.cuda.synchronize()
+    ops.adamw_step(*[[h[k] for h in host] for k in range(4)], steps, seeds=seeds, **HYPER).wait()
+    for i in range(len(sizes)):
+        assert_same_bits(masters[i], host[i][0])
+        assert_same_bits(targets[i].cpu(), host[i][0])
+        assert_same_bits(cases[i][2], host[i][2])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gpu_adamw_with_host_masters_writes_the_gpu_copy(param_dtype):
     n = 50_001

@@ -27,7 +27,8 @@ void bind_cuda(py::module_& m) {
   m.def(
       "adamw_gpu_launch",
       [](int64_t tensors, int64_t scalars, int64_t grad_scale, int num_tensors, int64_t num_chunks,
-         bool decoupled, int grad_dtype, int moment_dtype, int param_dtype, int device, int64_t stream) {
+         bool decoupled, int grad_dtype, int moment_dtype, int param_dtype, int device, int64_t stream,
+         int64_t max_blocks) {
         GpuAdamWLaunch L;
         L.tensors = as_ptr<const GpuAdamWTensor>(tensors);
         L.scalars = as_ptr<const float>(scalars);
@@ -40,11 +41,12 @@ void bind_cuda(py::module_& m) {
         L.param_dtype = static_cast<DType>(param_dtype);
         L.device = device;
         L.stream = stream;
+        L.max_blocks = max_blocks;
         adamw_gpu_launch(L);
       },
       py::arg("tensors"), py::arg("scalars"), py::arg("grad_scale"), py::arg("num_tensors"),
       py::arg("num_chunks"), py::arg("decoupled"), py::arg("grad_dtype"), py::arg("moment_dtype"),
-      py::arg("param_dtype"), py::arg("device"), py::arg("stream"));
+      py::arg("param_dtype"), py::arg("device"), py::arg("stream"), py::arg("max_blocks") = 0);
   m.attr("GPU_ADAMW_CHUNK") = kGpuAdamWChunk;
 
   m.def(

@@ -9,7 +9,8 @@ namespace trainstream {
 
 template <typename G, typename M>
 static void launch_typed(const GpuAdamWLaunch& L, cudaStream_t stream) {
-  dim3 grid(static_cast<unsigned>(L.num_chunks));
+  const int64_t blocks = L.max_blocks > 0 && L.max_blocks < L.num_chunks ? L.max_blocks : L.num_chunks;
+  dim3 grid(static_cast<unsigned>(blocks));
   if (L.decoupled)
     adamw_gpu::adamw_kernel<G, M, true><<<grid, 256, 0, stream>>>(L);
   else
@@ -25,6 +26,7 @@ void adamw_gpu_launch(const GpuAdamWLaunch& L) {
                    L.param_dtype == DType::kFloat16,
                "param dtype must be float32, bfloat16 or float16");
   TS_CHECK_ARG(L.num_chunks < (int64_t(1) << 31), "too many chunks for one launch");
+  TS_CHECK_ARG(L.max_blocks >= 0, "max_blocks must be >= 0");
   if (L.num_chunks == 0) return;
   // Our statically linked runtime keeps its own current device: always set it.
   TS_CUDA_CHECK(cudaSetDevice(L.device));

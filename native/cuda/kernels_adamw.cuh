@@ -85,8 +85,7 @@ __device__ __forceinline__ void update_one(const Scalars& s, float gs, float g, 
 
 // G: gradient element type, M: moment element type (float, or uint16_t holding bf16 bits).
 template <typename G, typename M, bool kDecoupled>
-__global__ void __launch_bounds__(256) adamw_kernel(GpuAdamWLaunch L) {
-  const int64_t chunk = blockIdx.x;
+__device__ void update_chunk(const GpuAdamWLaunch& L, int64_t chunk) {
   const int ti = find_tensor(L.tensors, L.num_tensors, chunk);
   const GpuAdamWTensor t = L.tensors[ti];
   const float* sp = L.scalars + int64_t(ti) * kGpuScalarFields;
@@ -155,6 +154,12 @@ __global__ void __launch_bounds__(256) adamw_kernel(GpuAdamWLaunch L) {
   // The slot that straddles the end of the chunk (1 to 3 elements) belongs to one thread.
   for (int64_t j = i; j < end; ++j)
     update_one<M, kDecoupled>(s, gs, load_elem(g, j), master, m, v, j, key, copy_out, pd, t.param);
+}
+
+// One block per chunk, or (max_blocks) fewer blocks that loop over the chunks.
+template <typename G, typename M, bool kDecoupled>
+__global__ void __launch_bounds__(256) adamw_kernel(GpuAdamWLaunch L) {
+  for (int64_t chunk = blockIdx.x; chunk < L.num_chunks; chunk += gridDim.x) update_chunk<G, M, kDecoupled>(L, chunk);
 }
 
 }  // namespace adamw_gpu

@@ -32,6 +32,10 @@ struct GpuAdamWLaunch {
   const float* grad_scale;        // device scalar multiplied into every gradient, or nullptr
   int num_tensors;
   int64_t num_chunks;
+  // At most this many thread blocks, each looping over chunks (0: one block per chunk).
+  // Beside backward, a small grid leaves most SMs to the GEMMs: the kernel waits on PCIe,
+  // and a few SMs keep enough loads in flight to fill it.
+  int64_t max_blocks;
   bool decoupled;
   DType grad_dtype;    // float32 or bfloat16
   DType moment_dtype;  // float32 or bfloat16

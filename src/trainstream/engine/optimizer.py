@@ -140,11 +140,12 @@ class StreamedAdamW(OffloadAdamW):
         return out
 
     def queue_on_device(self, device: torch.device, slots: list, grads: list, targets: list, masters: list,
-                        grad_scale: float) -> None:
+                        grad_scale: float, max_blocks: int = 0) -> None:
         """optimizer_mode="gpu": the zero-copy CUDA AdamW on the current stream for `slots`,
         reading `grads` and writing the new weights into `targets` (each on the device or in
         pinned host memory) and the host fp32 `masters` (None where the fp32 target is the
-        master). The moments must be pinned. On the CPU backend the host AdamW, which gives
+        master). The moments must be pinned; `max_blocks` caps the kernel's grid. On the CPU
+        backend the host AdamW, which gives
         the same bits, stands in and is done when this returns."""
         where = {s: (t, m) for s, t, m in zip(slots, targets, masters)}
         key = lambda s: (where[s][0].dtype, where[s][1] is None)  # noqa: E731  (one kernel launch each)
@@ -158,7 +159,7 @@ class StreamedAdamW(OffloadAdamW):
             m, v = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
             if device.type == "cuda":
                 adamw_step_mapped(device, tgts, gs, m, v, steps, masters=mstrs, grad_scale=grad_scale,
-                                      seeds=seeds, **_hyper(group))
+                                  seeds=seeds, max_blocks=max_blocks, **_hyper(group))
             else:
                 copies = None if mstrs is None or all(t is mm for t, mm in zip(tgts, mstrs)) else tgts
                 ops.adamw_step(mstrs or tgts, gs, m, v, steps, param_copies=copies, grad_scale=grad_scale,

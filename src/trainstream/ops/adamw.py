@@ -245,21 +245,22 @@ def adamw_step_gpu(
 
 
 def adamw_step_mapped(device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters=None,
-                      **hyper) -> None:
+                      max_blocks: int = 0, **hyper) -> None:
     """:func:`adamw_step_gpu` for the engine: params and grads may each be on `device` or
     in pinned host memory (a paged block's host weights, gradients landed in host memory
-    for clipping or accumulation); the kernel reaches mapped host memory over PCIe."""
+    for clipping or accumulation); the kernel reaches mapped host memory over PCIe.
+    `max_blocks` > 0 caps the kernel's grid (see GpuAdamWLaunch.max_blocks)."""
     from .._native import require_cuda
 
     require_cuda("the GPU AdamW")
     if params:
         _gpu_launch(device, _check_reachable, params, grads, exp_avgs, exp_avg_sqs, steps, masters=masters,
-                    **hyper)
+                    max_blocks=max_blocks, **hyper)
 
 
 def _gpu_launch(device, check_place, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters, lr, beta1=0.9,
                 beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0, grad_scale_tensor=None,
-                seeds=None) -> None:
+                seeds=None, max_blocks: int = 0) -> None:
     n = len(params)
     param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
                               (torch.float32, torch.bfloat16, torch.float16), n)
@@ -299,4 +300,4 @@ def _gpu_launch(device, check_place, params, grads, exp_avgs, exp_avg_sqs, steps
         tensors_dev.data_ptr(), scalars_dev.data_ptr(),
         grad_scale_tensor.data_ptr() if grad_scale_tensor is not None else 0,
         n, first_chunk, bool(decoupled), _dtypes.code(grad_dtype), _dtypes.code(moment_dtype),
-        _dtypes.code(param_dtype), device.index, torch.cuda.current_stream(device).cuda_stream)
+        _dtypes.code(param_dtype), device.index, torch.cuda.current_stream(device).cuda_stream, int(max_blocks))
