@@ -83,6 +83,40 @@ __device__ __forceinline__ void update_one(const Scalars& s, float gs, float g, 
   }
 }
 
+// Four elements from `i` on, their values loaded: update, then store master, moments and copy.
+template <typename M, bool kDecoupled>
+__device__ __forceinline__ void update4(const Scalars& s, float gs, int64_t i, const float (&gv)[4], float (&pv)[4],
+                                        float (&mv)[4], float (&vv)[4], float* master, M* m, M* v, uint32_t key,
+                                        bool copy_out, DType pd, int64_t param) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) pv[k] = update<kDecoupled>(s, gs, gv[k], pv[k], mv[k], vv[k]);
+  store4(master, i, pv);
+  if constexpr (sizeof(M) == 4) {
+    store4(reinterpret_cast<float*>(m), i, mv);
+    store4(reinterpret_cast<float*>(v), i, vv);
+  } else {
+    uint16_t mb[4], vb[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t r = num::mix32(key ^ uint32_t(i + k));
+      mb[k] = num::bf16_stochastic(mv[k], r & 0xffffu);
+      vb[k] = num::bf16_stochastic(vv[k], r >> 16);
+    }
+    store4_bits(m, i, mb);
+    store4_bits(v, i, vb);
+  }
+  if (copy_out) {
+    if (pd == DType::kFloat32) {
+      store4(reinterpret_cast<float*>(param), i, pv);
+    } else {
+      uint16_t cb[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) cb[k] = pd == DType::kBFloat16 ? num::bf16_rne(pv[k]) : num::f16_rne(pv[k]);
+      store4_bits(reinterpret_cast<uint16_t*>(param), i, cb);
+    }
+  }
+}
+
 // G: gradient element type, M: moment element type (float, or uint16_t holding bf16 bits).
 template <typename G, typename M, bool kDecoupled>
 __device__ void update_chunk(const GpuAdamWLaunch& L, int64_t chunk) {
@@ -116,40 +150,32 @@ __device__ void update_chunk(const GpuAdamWLaunch& L, int64_t chunk) {
       update_one<M, kDecoupled>(s, gs, load_elem(g, j), master, m, v, j, key, copy_out, pd, t.param);
     return;
   }
+  // Four vector slots per thread per pass, every load issued before any update: the
+  // moments come over PCIe (about a microsecond away), and a capped grid needs many loads
+  // in flight per thread to fill it. Then single slots up to the chunk's end.
+  const int64_t stride = int64_t(blockDim.x) * 4;
   int64_t i = begin + int64_t(threadIdx.x) * 4;
-  for (; i + 3 < end; i += int64_t(blockDim.x) * 4) {
+  for (; i + 3 * stride + 3 < end; i += 4 * stride) {
+    float gv[4][4], pv[4][4], mv[4][4], vv[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      load4(g, i + u * stride, gv[u]);
+      load4(master, i + u * stride, pv[u]);
+      load4(m, i + u * stride, mv[u]);
+      load4(v, i + u * stride, vv[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      update4<M, kDecoupled>(s, gs, i + u * stride, gv[u], pv[u], mv[u], vv[u], master, m, v, key, copy_out, pd,
+                             t.param);
+  }
+  for (; i + 3 < end; i += stride) {
     float gv[4], pv[4], mv[4], vv[4];
     load4(g, i, gv);
     load4(master, i, pv);
     load4(m, i, mv);
     load4(v, i, vv);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) pv[k] = update<kDecoupled>(s, gs, gv[k], pv[k], mv[k], vv[k]);
-    store4(master, i, pv);
-    if constexpr (sizeof(M) == 4) {
-      store4(reinterpret_cast<float*>(m), i, mv);
-      store4(reinterpret_cast<float*>(v), i, vv);
-    } else {
-      uint16_t mb[4], vb[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        uint32_t r = num::mix32(key ^ uint32_t(i + k));
-        mb[k] = num::bf16_stochastic(mv[k], r & 0xffffu);
-        vb[k] = num::bf16_stochastic(vv[k], r >> 16);
-      }
-      store4_bits(m, i, mb);
-      store4_bits(v, i, vb);
-    }
-    if (copy_out) {
-      if (pd == DType::kFloat32) {
-        store4(reinterpret_cast<float*>(t.param), i, pv);
-      } else {
-        uint16_t cb[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) cb[k] = pd == DType::kBFloat16 ? num::bf16_rne(pv[k]) : num::f16_rne(pv[k]);
-        store4_bits(reinterpret_cast<uint16_t*>(t.param), i, cb);
-      }
-    }
+    update4<M, kDecoupled>(s, gs, i, gv, pv, mv, vv, master, m, v, key, copy_out, pd, t.param);
   }
   // The slot that straddles the end of the chunk (1 to 3 elements) belongs to one thread.
   for (int64_t j = i; j < end; ++j)
