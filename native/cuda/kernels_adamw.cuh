@@ -150,22 +150,25 @@ __device__ void update_chunk(const GpuAdamWLaunch& L, int64_t chunk) {
       update_one<M, kDecoupled>(s, gs, load_elem(g, j), master, m, v, j, key, copy_out, pd, t.param);
     return;
   }
-  // Four vector slots per thread per pass, every load issued before any update: the
-  // moments come over PCIe (about a microsecond away), and a capped grid needs many loads
-  // in flight per thread to fill it. Then single slots up to the chunk's end.
+  // fp32 moments: four vector slots per thread per pass, every load issued before any
+  // update. The moments come over PCIe (about a microsecond away), and a capped grid needs
+  // many loads in flight per thread to fill it. bf16 moments keep one slot per pass: with
+  // four, the full grid's rate halved in the optimizer_gpu suite (cause not pinned down).
+  // Then single slots up to the chunk's end.
+  constexpr int kSlots = sizeof(M) == 4 ? 4 : 1;
   const int64_t stride = int64_t(blockDim.x) * 4;
   int64_t i = begin + int64_t(threadIdx.x) * 4;
-  for (; i + 3 * stride + 3 < end; i += 4 * stride) {
-    float gv[4][4], pv[4][4], mv[4][4], vv[4][4];
+  for (; i + (kSlots - 1) * stride + 3 < end; i += kSlots * stride) {
+    float gv[kSlots][4], pv[kSlots][4], mv[kSlots][4], vv[kSlots][4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kSlots; ++u) {
       load4(g, i + u * stride, gv[u]);
       load4(master, i + u * stride, pv[u]);
       load4(m, i + u * stride, mv[u]);
       load4(v, i + u * stride, vv[u]);
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < kSlots; ++u)
       update4<M, kDecoupled>(s, gs, i + u * stride, gv[u], pv[u], mv[u], vv[u], master, m, v, key, copy_out, pd,
                              t.param);
   }
