@@ -95,6 +95,16 @@ def test_gpu_mode_bf16_model_and_frozen_params():
         assert_same_bits(a, b)
 
 
+def test_gpu_mode_keeps_no_finished_update_handles():
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, optimizer_mode="gpu", **RESIDENT)
+    for i in range(5):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(len(u.updates) <= 1 for u in model._trainstream_engine.units)
+
+
 def _train_and_move(mode: str) -> dict:
     """Three steps with every block resident, blocks 0 and 1 paged, three more steps, block 0
     back: the host weights of a unit updated on the device must be brought level first."""

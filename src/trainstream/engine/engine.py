@@ -431,6 +431,9 @@ class Engine:
         handle = DeviceUpdate(backend.record(stream))
         self.inflight.add(handle.event, sum(g.numel() * g.element_size() for g in grads
                                             if g.device == backend.device))
+        # A resident unit's handles are otherwise only dropped by synchronize(): keep the
+        # list to the updates that may still run (one event per step would pile up).
+        unit.updates = [h for h in unit.updates if not h.done()]
         unit.updates.append(handle)
         for s in slots:
             s.reader = handle
