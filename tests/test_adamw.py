@@ -331,6 +331,28 @@ def test_gpu_adamw_equals_host_adamw_bit_for_bit(grad_dtype, moment_dtype, decou
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_adamw_on_a_capped_grid_updates_device_masters(grad_dtype, moment_dtype):
+    """No host masters (the fp32 device params are the master), gradients read from pinned
+    host memory, fewer blocks than chunks."""
+    from trainstream.ops.adamw import adamw_step_mapped
+    sizes = [16385, 100_003, 7]
+    cases = [_gpu_case(n, grad_dtype, moment_dtype, 20 + i) for i, n in enumerate(sizes)]
+    host = [clone_all(*c) for c in cases]
+    params = [c[0].cuda() for c in cases]
+    steps, seeds = [3, 1, 2], [4, 5, 6]
+    adamw_step_mapped(params[0].device, params, [c[1].pin_memory() for c in cases], [c[2] for c in cases],
+                      [c[3] for c in cases], steps, seeds=seeds, max_blocks=2, **HYPER)
+    torch.cuda.synchronize()
+    ops.adamw_step(*[[h[k] for h in host] for k in range(4)], steps, seeds=seeds, **HYPER).wait()
+    for i in range(len(sizes)):
+        assert_same_bits(params[i].cpu(), host[i][0])
+        assert_same_bits(cases[i][2], host[i][2])
+        assert_same_bits(cases[i][3], host[i][3])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("max_blocks", [1, 3, 64])
 def test_gpu_adamw_on_a_capped_grid_with_mapped_host_tensors(max_blocks):
     """The engine's launch: fewer blocks than chunks (each loops), gradients and the written

@@ -129,13 +129,27 @@ def test_gpu_mode_blocks_moved_between_steps_keep_their_weights():
         assert torch.equal(host[k], device[k]), k
 
 
+def _gpt_steps(mode: str, steps: int = 3):
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
+                                  offload=True, optimizer_mode=mode, **RESIDENT)
+    for i in range(steps):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 def test_gpu_mode_state_dicts_unwrap_and_switch():
-    _, _, (model, opt) = train("gpt", dict(RESIDENT, **GPU_MODE), steps=3)
-    ref = train("gpt", RESIDENT, steps=3)
-    assert_same_bits(ref, train("gpt", dict(RESIDENT, **GPU_MODE), steps=3))
-    saved = copy.deepcopy(opt.state_dict())
-    for k, v in ref[2][1].state_dict()["state"].items():
-        assert torch.equal(v["exp_avg"], saved["state"][k]["exp_avg"])
+    (host_model, host_opt), (model, opt) = _gpt_steps("cpu"), _gpt_steps("gpu")
+    # The optimizer's state_dict first (it waits for the updates itself), then the model's.
+    host_sd, sd = host_opt.state_dict(), opt.state_dict()
+    for k, v in host_sd["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(torch.as_tensor(v[key]), torch.as_tensor(sd["state"][k][key])), (k, key)
+    for k, v in host_model.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
     assert trainstream.unwrap(model) is model and not hasattr(model, "_trainstream_engine")
     # offload="auto" still switches to stock training from the device mode's state.
     stock = train("mlp", None, steps=6)
@@ -144,12 +158,61 @@ def test_gpu_mode_state_dicts_unwrap_and_switch():
     assert max_diff(stock[1], auto[1]) < 1e-5
 
 
+class _LateAccumulation:
+    """An accumulation job that says it is finished only once someone has waited for it."""
+
+    def __init__(self, job):
+        self.job, self.waited = job, False
+
+    def done(self) -> bool:
+        return self.waited and self.job.done()
+
+    def wait(self) -> None:
+        self.job.wait()
+        self.waited = True
+
+
+def test_gpu_mode_waits_for_the_host_sum_before_the_update_reads_it(monkeypatch):
+    """With accumulation the last pass adds into the host sums on the thread pool; the kernel
+    is not in that pool, so the update must wait for the adds before it is queued."""
+    from trainstream.engine.device import DeviceUpdate
+    real = trainstream.ops.accumulate_
+    monkeypatch.setattr(trainstream.ops, "accumulate_", lambda *a, **k: _LateAccumulation(real(*a, **k)))
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, optimizer_mode="gpu",
+                                  accumulation_steps=2, **RESIDENT)
+    queue = opt.queue_on_device
+    checked = []
+
+    def checking(device, slots, *args, **kwargs):
+        for s in slots:
+            assert s.reader is None or isinstance(s.reader, DeviceUpdate) or s.reader.done(), s.name
+        checked.append(len(slots))
+        return queue(device, slots, *args, **kwargs)
+    monkeypatch.setattr(opt, "queue_on_device", checking)
+    for i in range(4):
+        loss_fn(model, batch(i, "cpu")).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    assert checked
+
+
+def test_gpu_mode_refuses_non_contiguous_parameters():
+    model, _, _ = tiny_mlp()
+    first = model[0]
+    first.weight = torch.nn.Parameter(first.weight.detach().t().contiguous().t())
+    with pytest.raises(ValueError, match="optimizer_mode='gpu' needs contiguous parameters"):
+        trainstream.wrap(model, None, device="cpu", optimizer_mode="gpu")
+
+
 class _Backend:
     is_cuda = True
 
 
 @pytest.mark.parametrize("host_rate, expect", [(5e9, False), (2e8, True)])
-def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect):
+def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect, monkeypatch):
     from trainstream.engine.layout import build_units
     from trainstream.engine.placement import choose_optimizer_mode, device_update_bytes
     from trainstream.options import parse
@@ -164,6 +227,7 @@ def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect
     assert ("zero-copy GPU AdamW" if expect else "host AdamW (estimated") in note
     # The CPU backend never picks the device; "gpu" is taken as asked.
     assert choose_optimizer_mode(opts, blocks, profile, 4, type("B", (), {"is_cuda": False})())[0] is False
+    monkeypatch.setattr("trainstream._native.require_cuda", lambda feature: None)  # a GPU machine
     assert choose_optimizer_mode(parse({"optimizer_mode": "gpu"}), blocks, profile, 4, _Backend())[0] is True
 
 
@@ -395,10 +459,22 @@ def test_gpu_optimizer_mode_gpu_gives_the_host_modes_bits(name, autocast, base):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(accumulation=2), dict(clip=0.05)], ids=["accumulation", "clip"])
-def test_gpu_optimizer_mode_gpu_reads_gradients_from_host_memory(opts):
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_gpu_optimizer_mode_gpu_reads_gradients_from_host_memory(opts, autocast):
     for base in (RESIDENT, PAGED):
-        assert_same_bits(train("gpt", base, device="cuda", steps=4, **opts),
-                         train("gpt", dict(base, **GPU_MODE), device="cuda", steps=4, **opts))
+        assert_same_bits(train("gpt", base, device="cuda", steps=4, autocast=autocast, **opts),
+                         train("gpt", dict(base, **GPU_MODE), device="cuda", steps=4, autocast=autocast, **opts))
+
+
+@pytest.mark.gpu
+def test_gpu_optimizer_mode_gpu_accumulation_of_large_gradients_on_one_thread():
+    """Large host sums added on one pool thread: an update that did not wait for the adds
+    would read a half-summed gradient."""
+    factory = lambda: tiny_mlp(layers=4, dim=2048, rows=2)  # noqa: E731
+    opts = dict(RESIDENT, threads=1)
+    assert_same_bits(train("mlp", opts, device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
+                     train("mlp", dict(opts, **GPU_MODE), device="cuda", steps=3, accumulation=2, lr=1e-3,
+                           model_factory=factory))
 
 
 @pytest.mark.gpu

@@ -79,6 +79,15 @@ def _refuse_undelivered(opts) -> None:
                                   "distributed=False to train each rank on its own")
 
 
+def _check_contiguous(slots) -> None:
+    """The device update reads and writes parameters and gradients as flat arrays."""
+    bad = [s.name for s in slots if not s.param.is_contiguous()]
+    if bad:
+        raise ValueError(f"wrap(): optimizer_mode='gpu' needs contiguous parameters; not contiguous: "
+                         f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} (make them contiguous before "
+                         "wrap(), or use optimizer_mode='cpu')")
+
+
 def wrap(model: torch.nn.Module, optimizer=None, **options):
     """Stream optimizer state, gradients, activations and (when asked) block weights of
     `model` through host RAM. Returns ``(model, optimizer)``: the same model object, with
@@ -131,15 +140,22 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     units = block_units + outside_units
     update_on_device, mode_note = choose_optimizer_mode(opts, units, profile, optimizer.moment_dtype.itemsize,
                                                         backend)
-    pinned = arena_bytes(units)
-    trainable = [s.param for u in units for s in u.trainable]
-    moment_arena_bytes = sum(2 * HostArena.size_of(p.numel(), optimizer.moment_dtype) for p in trainable)
-    if update_on_device and backend.is_cuda:  # the kernel maps the moments (and accumulated gradient sums)
-        pinned += moment_arena_bytes + (4 * sum(p.numel() for p in trainable) if opts.accumulation_steps > 1 else 0)
+    trainable = [s for u in units for s in u.trainable]
+    if update_on_device:
+        _check_contiguous(trainable)
+    # optimizer_mode="gpu" on a GPU: the kernel maps the moments and the accumulated gradient
+    # sums, so they are pinned, carved from one arena.
+    sums = opts.accumulation_steps > 1
+    mapped_bytes = sum(2 * HostArena.size_of(s.param.numel(), optimizer.moment_dtype)
+                       + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
+                       for s in trainable) if update_on_device and backend.is_cuda else 0
     budget = check_fits(opts, units, placement, backend, profile, on_device, optimizer.moment_dtype.itemsize,
-                        pinned)
-    if update_on_device and backend.is_cuda:
-        optimizer.pin_state(trainable, HostArena(backend, moment_arena_bytes).take)
+                        arena_bytes(units) + mapped_bytes)
+    if mapped_bytes:
+        arena = HostArena(backend, mapped_bytes)
+        optimizer.pin_state([s.param for s in trainable], arena.take)
+        for s in trainable if sums else ():
+            s.grad_sum = arena.take(s.param.shape, torch.float32)
 
     engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
     engine.update_on_device = update_on_device

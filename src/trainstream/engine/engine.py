@@ -420,6 +420,9 @@ class Engine:
         backend.follow_compute(stream)
         if unit.paged and unit.fetch_event is not None:
             backend.wait(unit.fetch_event, stream)  # a copy from the host weights may still be reading them
+        for s in slots:  # a host job still adding into the gradient sum (accumulation): the kernel
+            if s.reader is not None and not isinstance(s.reader, DeviceUpdate):  # is outside its pool
+                s.reader.wait()
         targets, masters = zip(*(_device_update_roles(s, unit.paged) for s in slots))
         grads = [self.grads.grad_of(s) for s in slots]
         with backend.on(stream):

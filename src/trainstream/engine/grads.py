@@ -178,9 +178,8 @@ class GradStreamer:
         if engine.opts.accumulation_steps > 1:
             firsts = [s for s in landed if not s.has_grad]
             for s in firsts:
-                if s.grad_sum is None:  # pinned on a GPU for optimizer_mode="gpu": the kernel maps it
-                    s.grad_sum = (engine.backend.host_empty(s.param.shape, torch.float32) if engine.update_on_device
-                                  else torch.empty(s.param.shape, dtype=torch.float32))
+                if s.grad_sum is None:  # optimizer_mode="gpu" on a GPU: pinned at wrap(), the kernel maps it
+                    s.grad_sum = torch.empty(s.param.shape, dtype=torch.float32)
                 s.grad_sum.copy_(s.stage)  # bf16 -> fp32 is exact
             rest = [s for s in landed if s.has_grad]
             if rest:

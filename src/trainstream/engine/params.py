@@ -158,6 +158,8 @@ class WeightPager:
             # First use in this dtype: derive it from the fp32 weights (rounded to nearest
             # even, as autocast would). A trainable param's copy is kept current by the
             # optimizer from now on.
+            for h in slot.unit.updates:  # a device update may still be writing the master
+                h.wait()
             base = slot.host[torch.float32] if torch.float32 in slot.host else slot.host[slot.dtype]
             if slot.trainable and slot.copy_dtype() not in (None, dtype):
                 raise RuntimeError(f"trainstream: {slot.name} is already paged as {slot.copy_dtype()}; "

@@ -224,6 +224,8 @@ def choose_optimizer_mode(opts, units, profile, moment_bytes: int, backend) -> t
         return False, None
     if opts.optimizer_mode == "gpu":
         if backend.is_cuda:
+            from .._native import require_cuda
+            require_cuda("wrap(optimizer_mode='gpu')")  # at wrap(), not in the first backward
             return True, None
         return True, "optimizer_mode='gpu' on the CPU backend: the host AdamW stands in for the kernel"
     if not backend.is_cuda:
