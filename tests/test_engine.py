@@ -75,6 +75,9 @@ def test_gpu_mode_gives_the_host_modes_bits(name, autocast, base):
     engine = device[2][0]._trainstream_engine
     assert engine.update_on_device and engine.device_grads
     assert all(s.device_grad is None for u in engine.units for s in u.trainable)
+    # No landing buffers for gradients that never leave the device, and none counted.
+    assert all(s.stage_region is None for u in engine.units for s in u.trainable)
+    assert engine.budget["host"]["gradient buffers"] == 0
 
 
 @pytest.mark.parametrize("opts", [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],

@@ -6,7 +6,7 @@ import torch
 from . import options as _options
 from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend, HostArena
-from .engine.engine import Engine
+from .engine.engine import Engine, grads_stay_on_device
 from .engine.layout import arena_bytes, build_units
 from .engine.optimizer import StreamedAdamW
 from .engine.adapt import Adapter
@@ -149,8 +149,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     mapped_bytes = sum(2 * HostArena.size_of(s.param.numel(), optimizer.moment_dtype)
                        + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
                        for s in trainable) if update_on_device and backend.is_cuda else 0
+    device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
     budget = check_fits(opts, units, placement, backend, profile, on_device, optimizer.moment_dtype.itemsize,
-                        arena_bytes(units) + mapped_bytes)
+                        arena_bytes(units, stage=not device_grads) + mapped_bytes, device_grads)
     if mapped_bytes:
         arena = HostArena(backend, mapped_bytes)
         optimizer.pin_state([s.param for s in trainable], arena.take)

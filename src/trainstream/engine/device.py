@@ -1,7 +1,8 @@
 """Streams, events and host buffers for the engine's compute device.
 
 On a GPU, weights come in on one copy stream (H2D) and gradients and activations go out on
-another (D2H), so both PCIe directions run at once and neither waits behind compute. On the
+another (D2H), so both PCIe directions run at once and neither waits behind compute; with
+optimizer_mode="gpu" the updates run on a third stream, beside backward. On the
 CPU backend every stream operation is a no-op and a copy is finished when it returns: the
 engine's bookkeeping (hooks, hand-offs, paging decisions) then runs unchanged in CI, where
 there is no GPU.

@@ -9,7 +9,8 @@ One training step, as the hooks see it:
   gradient goes to host memory as it is produced, and a unit's update is queued as soon as
   all of its gradients have landed (grads.py);
 - optimizer.step() queues what is left and returns; new weights travel to the device as
-  each update finishes (params.py).
+  each update finishes (params.py). With optimizer_mode="gpu" the updates run on the
+  device instead (_queue_on_device), and a resident unit's weights are updated in place.
 """
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ def _is_weight_copy(t: torch.Tensor, unit) -> bool:
             return type(leaf).__name__ == "AccumulateGrad" and any(leaf.variable is s.param for s in unit.slots)
         fn = nxt[0]
     return False
+
+
+def grads_stay_on_device(update_on_device: bool, opts) -> bool:
+    """Gradients stay on the device for their update (optimizer_mode="gpu"), unless clipping
+    (which needs every gradient first) or accumulation keeps them in host memory."""
+    return update_on_device and opts.accumulation_steps == 1 and opts.max_grad_norm is None
 
 
 def _device_update_roles(s, paged: bool) -> tuple:
@@ -136,9 +143,7 @@ class Engine:
 
     @property
     def device_grads(self) -> bool:
-        """Gradients stay on the device for their update (optimizer_mode="gpu"), unless
-        clipping (which needs every gradient first) or accumulation keeps them in host memory."""
-        return self.update_on_device and self.opts.accumulation_steps == 1 and self.opts.max_grad_norm is None
+        return grads_stay_on_device(self.update_on_device, self.opts)
 
     # -- installing ----------------------------------------------------------------------------
 
@@ -147,8 +152,9 @@ class Engine:
         by placeholders. One parameter at a time, so a model built in host memory never
         needs to fit on the device."""
         backend = self.backend
-        layout = {s: host_buffers(s, u.paged) for u in self.units for s in u.slots}
-        total = arena_bytes(self.units)
+        stage = not self.device_grads
+        layout = {s: host_buffers(s, u.paged, stage) for u in self.units for s in u.slots}
+        total = arena_bytes(self.units, stage)
         self.arena = HostArena(backend, total)
         for unit in self.units:
             for s in unit.slots:

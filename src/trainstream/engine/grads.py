@@ -5,7 +5,9 @@ pinned host buffer on the D2H stream and the device copy is dropped, so the full
 gradients never exists in VRAM. When every trainable parameter of a unit has landed and
 the copies are done, the unit is handed on: on the last backward pass of an accumulation
 window its host AdamW update is queued at once, while backward goes on; on earlier passes
-the gradient is added to a host fp32 sum.
+the gradient is added to a host fp32 sum. With optimizer_mode="gpu" and neither clipping nor
+accumulation, a gradient is not copied: it stays on the device until its unit's update,
+queued on the device as soon as the unit is complete, has read it.
 
 Nothing here blocks the autograd thread on a copy: finished copies are noticed by polling
 their events at each hook, and whatever is still in flight when backward ends is waited

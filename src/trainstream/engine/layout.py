@@ -127,11 +127,12 @@ def build_units(model: torch.nn.Module, blocks: list, trainable: set) -> tuple[l
     return block_units, outside_units, sorted(shared)
 
 
-def host_buffers(s: Slot, paged: bool) -> list:
-    """(kind, dtype) of every host transfer buffer slot `s` needs."""
+def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
+    """(kind, dtype) of every host transfer buffer slot `s` needs; `stage`: a landing buffer
+    for its gradient (not when gradients stay on the device, optimizer_mode="gpu")."""
     need = []
     if s.trainable:
-        need += [("master", torch.float32), ("stage", s.dtype)]
+        need += [("master", torch.float32)] + ([("stage", s.dtype)] if stage else [])
         if s.dtype != torch.float32:
             need.append(("copy", s.dtype))
     elif paged:
@@ -141,8 +142,8 @@ def host_buffers(s: Slot, paged: bool) -> list:
     return need
 
 
-def arena_bytes(units: list) -> int:
+def arena_bytes(units: list, stage: bool = True) -> int:
     """Transfer memory (pinned on a GPU machine) the engine carves its host buffers from."""
     from .device import HostArena
     return sum(HostArena.size_of(s.param.numel(), dtype) for u in units for s in u.slots
-               for _, dtype in host_buffers(s, u.paged))
+               for _, dtype in host_buffers(s, u.paged, stage))

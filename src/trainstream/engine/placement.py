@@ -162,14 +162,15 @@ def ram_share(profile) -> int:
     return profile.ram_available_bytes // local_processes()
 
 
-def host_bytes(opts, units, moment_bytes: int) -> dict:
-    """Host memory the engine needs, by class."""
+def host_bytes(opts, units, moment_bytes: int, device_grads: bool = False) -> dict:
+    """Host memory the engine needs, by class (`device_grads`: gradients stay on the device)."""
     trainable = [s for u in units for s in u.trainable]
     n_train = sum(s.param.numel() for s in trainable)
     acc = 4 if opts.accumulation_steps > 1 else 0
+    landing = 0 if device_grads else sum(s.param.numel() * s.dtype.itemsize for s in trainable)
     return {
         "fp32 master weights": 4 * n_train,
-        "gradient buffers": sum(s.param.numel() * s.dtype.itemsize for s in trainable) + acc * n_train,
+        "gradient buffers": landing + acc * n_train,
         "moments": 2 * moment_bytes * n_train,
         "paged frozen weights": sum(s.nbytes for u in units if u.paged for s in u.slots if not s.trainable),
         "lower-precision copies": sum(s.param.numel() * 2 for s in trainable
@@ -240,10 +241,10 @@ def choose_optimizer_mode(opts, units, profile, moment_bytes: int, backend) -> t
 
 
 def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_on_device: int,
-               moment_bytes: int, pinned_bytes: int) -> dict:
+               moment_bytes: int, pinned_bytes: int, device_grads: bool = False) -> dict:
     """Host, pinned and device bytes this placement needs; MemoryError with the numbers
     when they exceed what the profile says the machine has (check_memory=True)."""
-    host = host_bytes(opts, units, moment_bytes)
+    host = host_bytes(opts, units, moment_bytes, device_grads)
     resident = sum(u.nbytes for u in units if not u.paged)
     largest_paged = max([u.nbytes for u in units if u.paged] or [0])
     device = {"resident weights": resident, "paged blocks in flight (2 largest)": 2 * largest_paged}
