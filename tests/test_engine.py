@@ -78,6 +78,8 @@ def test_gpu_mode_gives_the_host_modes_bits(name, autocast, base):
     # No landing buffers for gradients that never leave the device, and none counted.
     assert all(s.stage_region is None for u in engine.units for s in u.trainable)
     assert engine.budget["host"]["gradient buffers"] == 0
+    assert trainstream.memory_report(device[2][0])["plan"]["optimizer_mode"] == "gpu"
+    assert trainstream.memory_report(host[2][0])["plan"]["optimizer_mode"] == "cpu"
 
 
 @pytest.mark.parametrize("opts", [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],

@@ -2,9 +2,9 @@
 
 Its param groups hold the model's own parameters (LR schedulers, ``param_groups`` and
 ``state_dict`` behave as with ``torch.optim.AdamW``), its moments live in host RAM, and
-the update itself is queued by the engine unit by unit, reading the host gradients and
-writing the host fp32 masters (plus the lower-precision copy a unit pages or a bf16 model
-holds).
+the update itself is queued by the engine unit by unit: on the host thread pool, reading
+the host gradients and writing the host fp32 masters (plus the lower-precision copy a unit
+pages or a bf16 model holds), or with optimizer_mode="gpu" as the zero-copy CUDA kernel.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ class StreamedAdamW(OffloadAdamW):
     ends an accumulation window applies the update even if ``step()`` never comes); with
     ``max_grad_norm`` every update waits for ``step()``, which needs the global norm first.
     Gradients are summed over the window's backward passes, as ``p.grad`` would be, and are
-    consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory).
+    consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory, or with
+    ``optimizer_mode="gpu"`` held by the engine until their update has read them).
     Hyper-parameters (``lr``...) are read when an update is queued: set them before the
     window's last backward pass, as an LR scheduler stepped after ``step()`` does. For the
     same reason an update cannot be skipped once queued, so fp16 loss scaling

@@ -41,6 +41,8 @@ def build_report(engine) -> dict:
             "device": str(engine.backend.device),
             "blocks": engine.stack.describe(),
             "moment_dtype": str(engine.optimizer.moment_dtype).replace("torch.", ""),
+            # Where the updates run: "cpu" (host AdamW) or "gpu" (zero-copy kernel), as decided.
+            "optimizer_mode": "gpu" if engine.update_on_device else "cpu",
             "max_inflight_bytes": engine.max_inflight_bytes,
             "budget": engine.budget,
             "profile": dataclasses.asdict(engine.profile),
