@@ -115,10 +115,8 @@ class Engine:
         self.adapter = None          # set by wrap(): measures, replans, moves blocks (adapt.py)
         self.last_grad_norm = None
         self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
-        # optimizer_mode="gpu" (wrap() decides "auto"): AdamW on the device over host moments,
-        # on a grid of at most device_update_blocks blocks (it runs beside backward's GEMMs).
+        # optimizer_mode="gpu" (wrap() decides "auto"): AdamW on the device over host moments.
         self.update_on_device = False
-        self.device_update_blocks = self.DEVICE_UPDATE_BLOCKS
         # wrap() replaces the default with placement.default_inflight_bytes(profile).
         self.max_inflight_bytes = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else GiB
         self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
@@ -433,7 +431,7 @@ class Engine:
         grads = [self.grads.grad_of(s) for s in slots]
         with backend.on(stream):
             self.optimizer.queue_on_device(backend.device, slots, grads, list(targets), list(masters), grad_scale,
-                                           self.device_update_blocks)
+                                           self.DEVICE_UPDATE_BLOCKS)
             for g in grads:
                 if g.device == backend.device:
                     backend.keep_until(g, stream)

@@ -72,7 +72,7 @@ class StreamedAdamW(OffloadAdamW):
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state and state[key].dtype != dtype:
-                    state[key] = self._host_buffer(state[key].to(dtype))
+                    state[key] = state[key].to(dtype)
 
     def _engine_or_raise(self):
         if self._engine is None:
