@@ -4,7 +4,8 @@ Its param groups hold the model's own parameters (LR schedulers, ``param_groups`
 ``state_dict`` behave as with ``torch.optim.AdamW``), its moments live in host RAM, and
 the update itself is queued by the engine unit by unit: on the host thread pool, reading
 the host gradients and writing the host fp32 masters (plus the lower-precision copy a unit
-pages or a bf16 model holds), or with optimizer_mode="gpu" as the zero-copy CUDA kernel.
+pages or a bf16 model holds), or, for the units optimizer_mode puts on the device, as the
+zero-copy CUDA kernel.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class StreamedAdamW(OffloadAdamW):
     ``max_grad_norm`` every update waits for ``step()``, which needs the global norm first.
     Gradients are summed over the window's backward passes, as ``p.grad`` would be, and are
     consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory, or with
-    ``optimizer_mode="gpu"`` held by the engine until their update has read them).
+    for a unit updated on the device held by the engine until its update has read them).
     Hyper-parameters (``lr``...) are read when an update is queued: set them before the
     window's last backward pass, as an LR scheduler stepped after ``step()`` does. For the
     same reason an update cannot be skipped once queued, so fp16 loss scaling
@@ -36,27 +37,34 @@ class StreamedAdamW(OffloadAdamW):
 
     _engine = None
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
-    pin_moments = False  # optimizer_mode="gpu" on a GPU: the kernel maps the moments
+    # Units updated on a GPU: param -> its moments in pinned memory, which the kernel maps.
+    # Their state exists from wrap() on; every other moment is lazily made in pageable memory.
+    _mapped: dict = {}
 
     def _pins_state(self) -> bool:
-        return self.pin_moments
+        return False
 
     def pin_state(self, params, take) -> None:
-        """optimizer_mode="gpu" on a GPU: every moment in pinned memory that the kernel maps,
-        carved by `take(shape, dtype)` from one arena (pinning tensor by tensor would round
-        each up to a power of two, and would happen in the first backward); a converted
-        optimizer's moments are copied in."""
-        self.pin_moments = True
+        """Moments of `params` (the units updated on a GPU) in pinned memory that the kernel
+        maps, carved by `take(shape, dtype)` from one arena (pinning tensor by tensor would
+        round each up to a power of two, and would happen in the first backward); a
+        converted optimizer's moments are copied in."""
+        self._mapped = {}
         for p in params:
+            self._mapped[p] = (take(p.shape, self.moment_dtype), take(p.shape, self.moment_dtype))
+        self._into_mapped()
+
+    def _into_mapped(self) -> None:
+        """Point every mapped param's moments at its pinned buffers, copying in what the
+        state holds (zeros, at step 0, where it holds none)."""
+        for p, bufs in self._mapped.items():
             state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for key in ("exp_avg", "exp_avg_sq"):
-                buf = take(p.shape, self.moment_dtype)
-                if key in state:
-                    buf.copy_(state[key])
-                else:
+            state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+            for key, buf in zip(("exp_avg", "exp_avg_sq"), bufs):
+                if key not in state:
                     buf.zero_()
+                elif state[key] is not buf:
+                    buf.copy_(state[key])
                 state[key] = buf
 
     def _check_param(self, p: torch.Tensor) -> None:
@@ -123,6 +131,7 @@ class StreamedAdamW(OffloadAdamW):
             self.state, self.param_groups = self._stock.state, self._stock.param_groups
             return
         super().load_state_dict(state_dict)
+        self._into_mapped()  # the kernel keeps reading the buffers it was given at wrap()
 
     def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
@@ -142,7 +151,7 @@ class StreamedAdamW(OffloadAdamW):
 
     def queue_on_device(self, device: torch.device, slots: list, grads: list, targets: list, masters: list,
                         grad_scale: float, max_blocks: int = 0) -> None:
-        """optimizer_mode="gpu": the zero-copy CUDA AdamW on the current stream for `slots`,
+        """The zero-copy CUDA AdamW on the current stream for `slots` (units updated on the device),
         reading `grads` and writing the new weights into `targets` (each on the device or in
         pinned host memory) and the host fp32 `masters` (None where the fp32 target is the
         master). The moments must be pinned; `max_blocks` caps the kernel's grid. On the CPU
