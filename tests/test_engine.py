@@ -73,7 +73,7 @@ def test_gpu_mode_gives_the_host_modes_bits(name, autocast, base):
     device = train(name, dict(base, **GPU_MODE), autocast=autocast, steps=4)
     assert_same_bits(host, device)
     engine = device[2][0]._trainstream_engine
-    assert all(u.update_on_device and u.grads_on_device for u in engine.units if u.trainable)
+    assert engine.update_on_device and engine.device_grads
     assert all(s.device_grad is None for u in engine.units for s in u.trainable)
     # No landing buffers for gradients that never leave the device, and none counted.
     assert all(s.stage_region is None for u in engine.units for s in u.trainable)
@@ -88,7 +88,7 @@ def test_gpu_mode_with_clipping_and_accumulation_lands_gradients_on_the_host(opt
     for base in (RESIDENT, PAGED):
         device = train("gpt", dict(base, **GPU_MODE), steps=4, **opts)
         assert_same_bits(train("gpt", base, steps=4, **opts), device)
-        assert not any(u.grads_on_device for u in device[2][0]._trainstream_engine.units)
+        assert not device[2][0]._trainstream_engine.device_grads
         assert "land in host memory" in trainstream.memory_report(device[2][0])["events"]
 
 
@@ -216,15 +216,13 @@ class _Backend:
     is_cuda = True
 
 
-@pytest.mark.parametrize("host_rate, on_device", [(1e10, []), (2e8, [3, 2, 1, 0]), (1e9, [3, 2])])
-def test_optimizer_mode_auto_shares_the_units_by_estimated_time(host_rate, on_device, monkeypatch):
-    """4 equal blocks; with 25 GB/s each way the kernel moves 8 bytes a parameter each way
-    (resident fp32: the moments only), 0.4 ns at 80% of the link, counted twice (0.8 ns):
-    a host at 1e10 params/s (0.1 ns) keeps all; at 2e8 (5 ns) the device takes all; at 1e9
-    (1 ns) the two last blocks (their gradients land first) go to the device, 1.6 ns a
-    parameter on each side."""
+@pytest.mark.parametrize("host_rate, expect", [(5e9, False), (2.2e9, False), (1.8e9, True), (2e8, True)])
+def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect, monkeypatch):
+    """At 25 GB/s each way the kernel moves 8 bytes a parameter each way (resident fp32: the
+    moments only): 0.4 ns at 80% of the link, 0.5 ns with the 1.25 margin. A host at 2.2e9
+    params/s (0.45 ns) keeps the update; at 1.8e9 (0.56 ns) the device takes it."""
     from trainstream.engine.layout import build_units
-    from trainstream.engine.placement import choose_update_units, device_update_bytes
+    from trainstream.engine.placement import choose_optimizer_mode, device_update_bytes
     from trainstream.options import parse
     model, _, _ = tiny_mlp(layers=4, dim=256)
     blocks, outside, _ = build_units(model, list(model), set(model.parameters()))
@@ -232,90 +230,13 @@ def test_optimizer_mode_auto_shares_the_units_by_estimated_time(host_rate, on_de
     n = sum(p.numel() for p in model.parameters())
     assert device_update_bytes(opts, blocks + outside, 4) == (8 * n, 8 * n)  # resident fp32: the moments only
     profile = dataclasses.replace(machine(), host_adamw_params_per_s=host_rate)
+    on_device, note = choose_optimizer_mode(opts, blocks + outside, profile, 4, _Backend())
+    assert on_device is expect
+    assert ("zero-copy GPU AdamW" if expect else "host AdamW (estimated") in note
+    # The CPU backend never picks the device; "gpu" is taken as asked.
+    assert choose_optimizer_mode(opts, blocks, profile, 4, type("B", (), {"is_cuda": False})())[0] is False
     monkeypatch.setattr("trainstream._native.require_cuda", lambda feature: None)  # a GPU machine
-    chosen, note = choose_update_units(opts, blocks, outside, profile, 4, _Backend())
-    assert [u.block for u in chosen] == on_device
-    assert {0: "host AdamW for every unit", 4: "zero-copy GPU AdamW for every unit"}.get(
-        len(on_device), "zero-copy GPU AdamW for 2 of 4 units (block 3, block 2)") in note
-    # The CPU backend decides the same (the host AdamW stands in for the kernel); "gpu" and
-    # "cpu" are taken as asked.
-    cpu = type("B", (), {"is_cuda": False})()
-    assert choose_update_units(opts, blocks, outside, profile, 4, cpu)[0] == chosen
-    assert choose_update_units(parse({"optimizer_mode": "gpu"}), blocks, outside, profile, 4, _Backend())[0] == blocks
-    assert choose_update_units(parse({"optimizer_mode": "cpu"}), blocks, outside, profile, 4, _Backend())[0] == []
-
-
-def test_optimizer_mode_auto_keeps_non_contiguous_units_on_the_host():
-    from trainstream.engine.layout import build_units
-    from trainstream.engine.placement import choose_update_units
-    from trainstream.options import parse
-    model, _, _ = tiny_mlp(layers=4, dim=256)
-    model[3].weight = torch.nn.Parameter(model[3].weight.detach().t().contiguous().t())
-    blocks, outside, _ = build_units(model, list(model), set(model.parameters()))
-    profile = dataclasses.replace(machine(), host_adamw_params_per_s=2e8)
-    chosen, _ = choose_update_units(parse({"optimizer_mode": "auto"}), blocks, outside, profile, 4,
-                                    type("B", (), {"is_cuda": False})())
-    assert [u.block for u in chosen] == [2, 1, 0]
-
-
-# A host as fast per parameter as the kernel's PCIe time counted twice: "auto" shares out.
-def split_opts() -> dict:
-    return dict(optimizer_mode="auto", profile=dataclasses.replace(machine(), host_adamw_params_per_s=1.25e9))
-
-
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
-@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
-def test_split_updates_give_the_host_modes_bits(name, autocast, base):
-    """Some units updated on the device, the rest on the host, in one step: each side's
-    bookkeeping (gradients kept or landed, masters, copies) per unit."""
-    host = train(name, base, autocast=autocast, steps=4)
-    split = train(name, dict(base, **split_opts()), autocast=autocast, steps=4)
-    assert_same_bits(host, split)
-    model = split[2][0]
-    engine = model._trainstream_engine
-    report = trainstream.memory_report(model)
-    on_device = [u for u in engine.units if u.update_on_device]
-    assert report["plan"]["optimizer_mode"] == "split", report["events"]
-    assert report["plan"]["device_updated_units"] == [u.name for u in on_device]
-    for u in engine.units:
-        for s in u.trainable:  # landing buffers only for the gradients that leave the device
-            assert (s.stage_region is None) == u.update_on_device, s.name
-    assert "zero-copy GPU AdamW for" in report["events"]
-
-
-@pytest.mark.parametrize("opts", [dict(accumulation=2), dict(clip=0.05)], ids=["accumulation", "clip"])
-def test_split_updates_with_clipping_and_accumulation(opts):
-    for base in (RESIDENT, PAGED):
-        assert_same_bits(train("gpt", base, steps=4, **opts), train("gpt", dict(base, **split_opts()), steps=4, **opts))
-
-
-def test_split_updates_state_dict_round_trip():
-    """A checkpoint taken from a split run loads into a host-mode run (and back) and both
-    continue with the same bits."""
-    def run(opts, load=None, steps=2):
-        torch.manual_seed(0)
-        model, batch, loss_fn = tiny_gpt()
-        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
-                                      offload=True, **opts)
-        if load is not None:
-            model.load_state_dict(load[0])
-            opt.load_state_dict(load[1])
-        for i in range(steps):
-            loss_fn(model, batch(i, "cpu")).backward()
-            opt.step()
-            opt.zero_grad()
-        return ({k: v.clone() for k, v in model.state_dict().items()},
-                {"state": {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()}
-                           for k, v in opt.state_dict()["state"].items()},
-                 "param_groups": opt.state_dict()["param_groups"]})
-    first = run(dict(RESIDENT, **split_opts()))
-    a, b = run(RESIDENT, load=first), run(dict(RESIDENT, **split_opts()), load=first)
-    for k in a[0]:
-        assert torch.equal(a[0][k], b[0][k]), k
-    for k in a[1]["state"]:
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(a[1]["state"][k][key], b[1]["state"][k][key]), (k, key)
+    assert choose_optimizer_mode(parse({"optimizer_mode": "gpu"}), blocks, profile, 4, _Backend())[0] is True
 
 
 # -- against torch ---------------------------------------------------------------------------------
@@ -577,42 +498,30 @@ def test_gpu_optimizer_mode_gpu_synchronization_stress(opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
-@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
-def test_gpu_split_updates_give_the_host_modes_bits(base, autocast):
-    """Kernel and host pool in one step, each on its own units; only the device units'
-    moments are pinned for the kernel."""
-    host = train("gpt", base, device="cuda", autocast=autocast, steps=5)
-    split = train("gpt", dict(base, **split_opts()), device="cuda", autocast=autocast, steps=5)
-    assert_same_bits(host, split)
-    engine = split[2][0]._trainstream_engine
-    mapped = {s.param for u in engine.units if u.update_on_device for s in u.trainable}
-    assert mapped and set(engine.optimizer._mapped) == mapped
-    assert any(u.trainable and not u.update_on_device for u in engine.units)
-    for p, (m, v) in engine.optimizer._mapped.items():
-        assert m.is_pinned() and engine.optimizer.state[p]["exp_avg"] is m
-
-
-@pytest.mark.gpu
-def test_gpu_split_updates_load_state_dict_into_the_mapped_moments():
-    """A loaded checkpoint is copied into the pinned buffers the kernel was given at wrap()."""
+def test_gpu_optimizer_mode_gpu_loads_a_state_dict_into_the_mapped_moments():
+    """A loaded checkpoint is copied into the pinned buffers the kernel was given at wrap()
+    (no second pinned copy), and training goes on from it."""
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
-    model, opt = trainstream.wrap(model.cuda(), None, lr=1e-2, offload=True, **RESIDENT, **split_opts())
+    model, opt = trainstream.wrap(model.cuda(), None, lr=1e-2, offload=True, **RESIDENT, **GPU_MODE)
     for i in range(2):
         loss_fn(model, batch(i, "cuda")).backward()
         opt.step()
         opt.zero_grad()
-    sd = {k: v for k, v in opt.state_dict().items()}
+    sd = opt.state_dict()
     sd["state"] = {k: {kk: (vv * 2 if kk == "exp_avg" else vv) for kk, vv in v.items()} for k, v in sd["state"].items()}
     buffers = dict(opt._mapped)
+    assert buffers and all(m.is_pinned() and v.is_pinned() for m, v in buffers.values())
     opt.load_state_dict(sd)
     assert opt._mapped == buffers
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
-        if p in buffers:
-            assert opt.state[p]["exp_avg"] is buffers[p][0]
+        assert opt.state[p]["exp_avg"] is buffers[p][0] and opt.state[p]["exp_avg_sq"] is buffers[p][1]
         assert torch.equal(opt.state[p]["exp_avg"], sd["state"][i]["exp_avg"])
+    loss_fn(model, batch(2, "cuda")).backward()
+    opt.step()
+    opt._synchronize()
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 @pytest.mark.gpu

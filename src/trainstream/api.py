@@ -6,11 +6,11 @@ import torch
 from . import options as _options
 from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend, HostArena
-from .engine.engine import Engine, update_on_device
+from .engine.engine import Engine, grads_stay_on_device
 from .engine.layout import arena_bytes, build_units
 from .engine.optimizer import StreamedAdamW
 from .engine.adapt import Adapter
-from .engine.placement import (check_fits, choose, choose_moment_dtype, choose_update_units,
+from .engine.placement import (check_fits, choose, choose_moment_dtype, choose_optimizer_mode,
                                default_inflight_bytes)
 from .engine.report import build_report
 from .engine.state import StateHooks, unwrap as _unwrap
@@ -138,26 +138,28 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         moment_dtype, moment_note = choose_moment_dtype(opts, block_units + outside_units, profile)
         optimizer.set_moment_dtype(moment_dtype)
     units = block_units + outside_units
-    if opts.optimizer_mode == "gpu":
-        _check_contiguous([s for u in units for s in u.trainable])
-    device_units, mode_note = choose_update_units(opts, block_units, outside_units, profile,
-                                                  optimizer.moment_dtype.itemsize, backend)
-    update_on_device(device_units, opts)
-    # The kernel maps the moments and the accumulated gradient sums of the units it updates
-    # (on a GPU), so they are pinned, carved from one arena.
-    mapped = [s for u in device_units for s in u.trainable] if backend.is_cuda else []
+    update_on_device, mode_note = choose_optimizer_mode(opts, units, profile, optimizer.moment_dtype.itemsize,
+                                                        backend)
+    trainable = [s for u in units for s in u.trainable]
+    if update_on_device:
+        _check_contiguous(trainable)
+    # optimizer_mode="gpu" on a GPU: the kernel maps the moments and the accumulated gradient
+    # sums, so they are pinned, carved from one arena.
     sums = opts.accumulation_steps > 1
     mapped_bytes = sum(2 * HostArena.size_of(s.param.numel(), optimizer.moment_dtype)
-                       + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0) for s in mapped)
+                       + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
+                       for s in trainable) if update_on_device and backend.is_cuda else 0
+    device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
     budget = check_fits(opts, units, placement, backend, profile, on_device, optimizer.moment_dtype.itemsize,
-                        arena_bytes(units) + mapped_bytes)
-    if mapped:
+                        arena_bytes(units, stage=not device_grads) + mapped_bytes, device_grads)
+    if mapped_bytes:
         arena = HostArena(backend, mapped_bytes)
-        optimizer.pin_state([s.param for s in mapped], arena.take)
-        for s in mapped if sums else ():
+        optimizer.pin_state([s.param for s in trainable], arena.take)
+        for s in trainable if sums else ():
             s.grad_sum = arena.take(s.param.shape, torch.float32)
 
     engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
+    engine.update_on_device = update_on_device
     engine.budget = budget
     engine.profile = profile
     if opts.max_inflight_bytes is None:
@@ -173,14 +175,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if moment_note:
         events.add(moment_note)
     moments = str(optimizer.moment_dtype).replace('torch.', '')
-    if device_units:
-        grads = [u for u in device_units if u.grads_on_device]
+    if update_on_device:
         events.add(f"optimizer: zero-copy GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments "
-                   f"({moments}) for {len(device_units)} units, host AdamW for the other "
-                   f"{len([u for u in units if u.trainable]) - len(device_units)}; {len(in_optimizer)} trainable "
-                   "tensors; on the device, gradients " +
-                   ("stay there until their update" if grads else
-                    "land in host memory (clipping or accumulation needs them there)"))
+                   f"({moments}), {len(in_optimizer)} trainable tensors; gradients "
+                   + ("stay on the device until their update" if engine.device_grads else
+                      "land in host memory (clipping or accumulation needs them there)"))
     else:
         events.add(f"optimizer: host AdamW, moments {moments}, {len(in_optimizer)} trainable tensors")
     if mode_note:

@@ -101,8 +101,6 @@ def run_case(case: dict) -> dict:
             report = trainstream.memory_report(model)
             out["paged_blocks"] = len(report["params"]["paged_blocks"])
             out["activation_paged_blocks"] = len(report["params"]["activation_paged_blocks"])
-            out["optimizer_mode"] = report["plan"]["optimizer_mode"]
-            out["device_updated_units"] = len(report["plan"]["device_updated_units"])
         return out
     except torch.OutOfMemoryError as e:
         return {"oom": True, "error": str(e).split("\n")[0][:200]}

@@ -9,9 +9,8 @@ One training step, as the hooks see it:
   gradient goes to host memory as it is produced, and a unit's update is queued as soon as
   all of its gradients have landed (grads.py);
 - optimizer.step() queues what is left and returns; new weights travel to the device as
-  each update finishes (params.py). A unit optimizer_mode puts on the device (all with
-  "gpu", a share with "auto") is updated there instead (_queue_on_device), a resident
-  unit's weights in place.
+  each update finishes (params.py). With optimizer_mode="gpu" the updates run on the
+  device instead (_queue_on_device), and a resident unit's weights are updated in place.
 """
 from __future__ import annotations
 
@@ -65,17 +64,14 @@ def _is_weight_copy(t: torch.Tensor, unit) -> bool:
     return False
 
 
-def update_on_device(units, opts) -> None:
-    """Mark `units` (optimizer_mode's choice) for the zero-copy AdamW on the device. Their
-    gradients stay on the device for the update, unless clipping (which needs every
-    gradient first) or accumulation keeps them in host memory."""
-    stay = opts.accumulation_steps == 1 and opts.max_grad_norm is None
-    for unit in units:
-        unit.update_on_device, unit.grads_on_device = True, stay
+def grads_stay_on_device(update_on_device: bool, opts) -> bool:
+    """Gradients stay on the device for their update (optimizer_mode="gpu"), unless clipping
+    (which needs every gradient first) or accumulation keeps them in host memory."""
+    return update_on_device and opts.accumulation_steps == 1 and opts.max_grad_norm is None
 
 
 def _device_update_roles(s, paged: bool) -> tuple:
-    """An update on the device: where it writes `s`'s new weights, and its host fp32
+    """optimizer_mode="gpu": where the update writes `s`'s new weights, and its host fp32
     master (None: the fp32 device param is the master, see WeightPager.refresh_host)."""
     if not paged:
         return s.param.data, (None if s.dtype == torch.float32 else s.master)
@@ -119,6 +115,8 @@ class Engine:
         self.adapter = None          # set by wrap(): measures, replans, moves blocks (adapt.py)
         self.last_grad_norm = None
         self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
+        # optimizer_mode="gpu" (wrap() decides "auto"): AdamW on the device over host moments.
+        self.update_on_device = False
         # wrap() replaces the default with placement.default_inflight_bytes(profile).
         self.max_inflight_bytes = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else GiB
         self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
@@ -142,8 +140,8 @@ class Engine:
         self._forwards: dict = {}    # block module -> its own forward attribute, if it had one
 
     @property
-    def device_units(self) -> list:
-        return [u for u in self.units if u.update_on_device]
+    def device_grads(self) -> bool:
+        return grads_stay_on_device(self.update_on_device, self.opts)
 
     # -- installing ----------------------------------------------------------------------------
 
@@ -152,8 +150,9 @@ class Engine:
         by placeholders. One parameter at a time, so a model built in host memory never
         needs to fit on the device."""
         backend = self.backend
-        layout = {s: host_buffers(s, u.paged, not u.grads_on_device) for u in self.units for s in u.slots}
-        total = arena_bytes(self.units)
+        stage = not self.device_grads
+        layout = {s: host_buffers(s, u.paged, stage) for u in self.units for s in u.slots}
+        total = arena_bytes(self.units, stage)
         self.arena = HostArena(backend, total)
         for unit in self.units:
             for s in unit.slots:
@@ -397,7 +396,7 @@ class Engine:
             # Numbered by when the next forward needs the unit: blocks update in backward
             # order, but block 0 (and the embeddings before it) are needed first.
             unit.priority = self.update_order().index(unit)
-            if unit.update_on_device:
+            if self.update_on_device:
                 self._queue_on_device(unit, slots, grad_scale)
             else:
                 self._queue_on_host(unit, slots, grad_scale)
@@ -416,7 +415,7 @@ class Engine:
             self.weights.expect_update(unit)
 
     def _queue_on_device(self, unit, slots, grad_scale: float) -> None:
-        """The zero-copy AdamW on the update stream, once compute has
+        """optimizer_mode="gpu": the zero-copy AdamW on the update stream, once compute has
         produced the gradients and queued every read of the old weights. A resident unit's
         weights are updated in place on the device (fp32 ones are their own master there);
         a paged unit's in host memory, where its next fetch reads them."""

@@ -5,10 +5,9 @@ pinned host buffer on the D2H stream and the device copy is dropped, so the full
 gradients never exists in VRAM. When every trainable parameter of a unit has landed and
 the copies are done, the unit is handed on: on the last backward pass of an accumulation
 window its host AdamW update is queued at once, while backward goes on; on earlier passes
-the gradient is added to a host fp32 sum. A unit updated on the device (optimizer_mode),
-with neither clipping nor accumulation, has its gradients left where they are: each stays
-on the device until the unit's update, queued there as soon as the unit is complete, has
-read it.
+the gradient is added to a host fp32 sum. With optimizer_mode="gpu" and neither clipping nor
+accumulation, a gradient is not copied: it stays on the device until its unit's update,
+queued on the device as soon as the unit is complete, has read it.
 
 Nothing here blocks the autograd thread on a copy: finished copies are noticed by polling
 their events at each hook, and whatever is still in flight when backward ends is waited
@@ -91,8 +90,8 @@ class GradStreamer:
             raise ValueError(f"trainstream: sparse gradients are not supported ({slot.name})")
         engine, backend = self.engine, self.engine.backend
         nbytes = g.numel() * g.element_size()
-        if slot.unit.grads_on_device:
-            # Updated on the device: the update reads the gradient where it is, as soon as the
+        if engine.device_grads:
+            # optimizer_mode="gpu": the update reads the gradient where it is, as soon as the
             # unit is complete; the cap holds back a backward that outruns the updates.
             engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
             slot.device_grad = g
@@ -181,7 +180,7 @@ class GradStreamer:
         if engine.opts.accumulation_steps > 1:
             firsts = [s for s in landed if not s.has_grad]
             for s in firsts:
-                if s.grad_sum is None:  # updated on a GPU: pinned at wrap(), the kernel maps it
+                if s.grad_sum is None:  # optimizer_mode="gpu" on a GPU: pinned at wrap(), the kernel maps it
                     s.grad_sum = torch.empty(s.param.shape, dtype=torch.float32)
                 s.grad_sum.copy_(s.stage)  # bf16 -> fp32 is exact
             rest = [s for s in landed if s.has_grad]
@@ -211,7 +210,7 @@ class GradStreamer:
         self._partial.clear()
 
     def grad_of(self, slot) -> torch.Tensor:
-        """The gradient the update reads: on the device (a unit updated there, without
+        """The gradient the update reads: on the device (optimizer_mode="gpu" without
         clipping or accumulation), the landing buffer, or the window's sum."""
         if slot.device_grad is not None:
             return slot.device_grad

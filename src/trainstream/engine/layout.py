@@ -51,13 +51,8 @@ class Unit:
     slots: list
     paged: bool = False           # weights live in host memory and are fetched for each use
     act_paged: bool = False       # saved activations go to host memory during forward
-    # Where its AdamW runs (wrap() decides, from optimizer_mode): the zero-copy kernel on
-    # the device, or the host pool; and whether its gradients then stay on the device
-    # (no clipping or accumulation), with no landing buffers in host memory.
-    update_on_device: bool = False
-    grads_on_device: bool = False
     # Updates of this unit's weights that may still be running: host optimizer jobs, or
-    # DeviceUpdates (on the device).
+    # DeviceUpdates (optimizer_mode="gpu").
     updates: list = field(default_factory=list)
     stale: bool = False           # resident: the host has newer weights than the device
     update_mark = None            # compute's position when the update was queued (resident)
@@ -134,7 +129,7 @@ def build_units(model: torch.nn.Module, blocks: list, trainable: set) -> tuple[l
 
 def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
     """(kind, dtype) of every host transfer buffer slot `s` needs; `stage`: a landing buffer
-    for its gradient (not when its gradients stay on the device)."""
+    for its gradient (not when gradients stay on the device, optimizer_mode="gpu")."""
     need = []
     if s.trainable:
         need += [("master", torch.float32)] + ([("stage", s.dtype)] if stage else [])
@@ -147,8 +142,8 @@ def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
     return need
 
 
-def arena_bytes(units: list) -> int:
+def arena_bytes(units: list, stage: bool = True) -> int:
     """Transfer memory (pinned on a GPU machine) the engine carves its host buffers from."""
     from .device import HostArena
     return sum(HostArena.size_of(s.param.numel(), dtype) for u in units for s in u.slots
-               for _, dtype in host_buffers(s, u.paged, not u.grads_on_device))
+               for _, dtype in host_buffers(s, u.paged, stage))

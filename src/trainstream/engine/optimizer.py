@@ -4,8 +4,7 @@ Its param groups hold the model's own parameters (LR schedulers, ``param_groups`
 ``state_dict`` behave as with ``torch.optim.AdamW``), its moments live in host RAM, and
 the update itself is queued by the engine unit by unit: on the host thread pool, reading
 the host gradients and writing the host fp32 masters (plus the lower-precision copy a unit
-pages or a bf16 model holds), or, for the units optimizer_mode puts on the device, as the
-zero-copy CUDA kernel.
+pages or a bf16 model holds), or with optimizer_mode="gpu" as the zero-copy CUDA kernel.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ class StreamedAdamW(OffloadAdamW):
     ``max_grad_norm`` every update waits for ``step()``, which needs the global norm first.
     Gradients are summed over the window's backward passes, as ``p.grad`` would be, and are
     consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory, or with
-    for a unit updated on the device held by the engine until its update has read them).
+    ``optimizer_mode="gpu"`` held by the engine until their update has read them).
     Hyper-parameters (``lr``...) are read when an update is queued: set them before the
     window's last backward pass, as an LR scheduler stepped after ``step()`` does. For the
     same reason an update cannot be skipped once queued, so fp16 loss scaling
@@ -37,21 +36,19 @@ class StreamedAdamW(OffloadAdamW):
 
     _engine = None
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
-    # Units updated on a GPU: param -> its moments in pinned memory, which the kernel maps.
-    # Their state exists from wrap() on; every other moment is lazily made in pageable memory.
+    # optimizer_mode="gpu" on a GPU: param -> its moments in pinned memory, which the kernel
+    # maps. Their state exists from wrap() on, and a loaded state_dict is copied into them.
     _mapped: dict = {}
 
     def _pins_state(self) -> bool:
-        return False
+        return False  # moments made later (pageable) are those of no kernel
 
     def pin_state(self, params, take) -> None:
-        """Moments of `params` (the units updated on a GPU) in pinned memory that the kernel
-        maps, carved by `take(shape, dtype)` from one arena (pinning tensor by tensor would
-        round each up to a power of two, and would happen in the first backward); a
-        converted optimizer's moments are copied in."""
-        self._mapped = {}
-        for p in params:
-            self._mapped[p] = (take(p.shape, self.moment_dtype), take(p.shape, self.moment_dtype))
+        """optimizer_mode="gpu" on a GPU: every moment in pinned memory that the kernel maps,
+        carved by `take(shape, dtype)` from one arena (pinning tensor by tensor would round
+        each up to a power of two, and would happen in the first backward); a converted
+        optimizer's moments are copied in."""
+        self._mapped = {p: (take(p.shape, self.moment_dtype), take(p.shape, self.moment_dtype)) for p in params}
         self._into_mapped()
 
     def _into_mapped(self) -> None:
@@ -151,7 +148,7 @@ class StreamedAdamW(OffloadAdamW):
 
     def queue_on_device(self, device: torch.device, slots: list, grads: list, targets: list, masters: list,
                         grad_scale: float, max_blocks: int = 0) -> None:
-        """The zero-copy CUDA AdamW on the current stream for `slots` (units updated on the device),
+        """optimizer_mode="gpu": the zero-copy CUDA AdamW on the current stream for `slots`,
         reading `grads` and writing the new weights into `targets` (each on the device or in
         pinned host memory) and the host fp32 `masters` (None where the fp32 target is the
         master). The moments must be pinned; `max_blocks` caps the kernel's grid. On the CPU

@@ -113,7 +113,7 @@ class WeightPager:
     def _to_paged(self, unit) -> None:
         backend = self.backend
         for s in unit.slots:
-            if s.trainable and unit.update_on_device:
+            if s.trainable and self.engine.update_on_device:
                 refresh_host(s)
             if s.dtype not in s.host:  # a frozen resident param has no host copy yet
                 s.host[s.dtype] = backend.to_host(s.param.data)
@@ -244,7 +244,7 @@ class WeightPager:
 
 
 def refresh_host(s) -> None:
-    """An update on the device writes a resident param there only (its host fp32
+    """optimizer_mode="gpu" updates a resident param on the device only (its host fp32
     master too, for a bf16 param): before the host weights are read again (the unit is
     paged), bring them level. Lower-precision copies are the master rounded to nearest
     even, as the optimizer writes them."""

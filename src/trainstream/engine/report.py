@@ -41,10 +41,8 @@ def build_report(engine) -> dict:
             "device": str(engine.backend.device),
             "blocks": engine.stack.describe(),
             "moment_dtype": str(engine.optimizer.moment_dtype).replace("torch.", ""),
-            # Where the updates run, as decided: "cpu" (host AdamW), "gpu" (the zero-copy
-            # kernel) or "split" ("auto" shared the units out); and the units on the device.
-            "optimizer_mode": _where_updates_run(engine),
-            "device_updated_units": [u.name for u in engine.device_units],
+            # Where the updates run: "cpu" (host AdamW) or "gpu" (zero-copy kernel), as decided.
+            "optimizer_mode": "gpu" if engine.update_on_device else "cpu",
             "max_inflight_bytes": engine.max_inflight_bytes,
             "budget": engine.budget,
             "profile": dataclasses.asdict(engine.profile),
@@ -56,10 +54,3 @@ def build_report(engine) -> dict:
         "paged_activation_bytes": engine.acts.paged_bytes,
         "last_grad_norm": engine.last_grad_norm,
     }
-
-
-def _where_updates_run(engine) -> str:
-    device = engine.device_units
-    if not device:
-        return "cpu"
-    return "gpu" if len(device) == len([u for u in engine.units if u.trainable]) else "split"
