@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One full run on a GPU machine: build, every test (gpu ones included), the bench.
 # Usage: OUT=/path/for/logs TRAINSTREAM_COMMIT=<sha> bash benchmarks/gpu_run.sh [bench args...]
+# Give TRAINSTREAM_COMMIT as the sha of the checkout the tree came from, written out: a copy of
+# the tree on a device machine may carry a stale .git, whose HEAD would stamp the wrong commit.
 # Leaves $OUT/run.log (everything) and $OUT/results/ (the bench's JSON and markdown).
 # A device call is limited to 10 minutes, so a full run is split: TESTS="tests/test_a.py ..."
 # picks the test files (TESTS=none: no tests), NO_BENCH=1 skips the bench.
