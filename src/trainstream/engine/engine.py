@@ -95,6 +95,8 @@ class Engine:
     # optimizer_mode="gpu": the kernel's grid beside backward. On the H200 (402M MLP) 16
     # blocks gave the shortest step: with fewer, PCIe was not kept busy; with more, the
     # kernel took SMs the backward GEMMs needed (uncapped, the step was a third longer).
+    # The 1.9B GPT, whose updates outlast backward, was also slower with 64 blocks or
+    # uncapped (about 450 and 470 ms a step against 410).
     DEVICE_UPDATE_BLOCKS = 16
 
     def __init__(self, model, optimizer, opts, backend: Backend, stack, block_units, outside_units):
