@@ -128,10 +128,12 @@ def _interleaved(case: dict, base, batch) -> list:
         runs.append(dict(setting=setting, model=model, opt=opt, step=step, wrap_s=wrap_s, means=[], peak=0,
                          rest=torch.cuda.memory_allocated() - held))
     total_rest = sum(r["rest"] for r in runs)
-    for w in range(case.get("windows", 1)):
-        # The order turns every round (A B, B A, ...): whatever going first in a round is
-        # worth does not fall on one setting.
-        for r in (runs if w % 2 == 0 else runs[::-1]):
+    for _ in range(case.get("windows", 1)):
+        # One fixed cycle (A B C A B C ...): every window follows another setting's, the
+        # same for each. Turning the order every round (A B C, C B A) let A and C follow
+        # themselves once every two rounds and never B, which then always ran just after
+        # a switch of model.
+        for r in runs:
             torch.cuda.reset_peak_memory_stats()
             mean, r["loss"] = _window(r["step"], r["opt"], case["steps"])
             r["means"].append(mean)
