@@ -163,6 +163,33 @@ def test_gpu_mode_state_dicts_unwrap_and_switch():
     assert max_diff(stock[1], auto[1]) < 1e-5
 
 
+def test_mapped_moments_take_a_loaded_state_dict_and_go_with_the_switch():
+    """The moments the kernel maps (on the CPU backend, plain buffers stand in for the
+    pinned arena) keep their buffers through load_state_dict, which copies into them, and
+    are let go when offload="auto" switches to stock training."""
+    from trainstream.engine.switch import switch_to_stock
+    model, opt = _gpt_steps("gpu")
+    params = [p for g in opt.param_groups for p in g["params"]]
+    before = {p: opt.state[p]["exp_avg_sq"].clone() for p in params}
+    opt.pin_state(params, lambda shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
+    buffers = dict(opt._mapped)
+    for p in params:  # the state was copied in
+        assert opt.state[p]["exp_avg_sq"] is buffers[p][1] and torch.equal(buffers[p][1], before[p])
+    sd = opt.state_dict()
+    sd["state"] = {k: {kk: (vv * 2 if kk == "exp_avg" else vv.clone()) for kk, vv in v.items()}
+                   for k, v in sd["state"].items()}
+    del sd["state"][0]  # a param without saved state starts again from zeros, in its buffers
+    opt.load_state_dict(sd)
+    assert opt._mapped == buffers
+    for i, p in enumerate(params):
+        assert opt.state[p]["exp_avg"] is buffers[p][0] and opt.state[p]["exp_avg_sq"] is buffers[p][1]
+        expect = sd["state"][i]["exp_avg"] if i else torch.zeros_like(p)
+        assert torch.equal(opt.state[p]["exp_avg"], expect), i
+    assert float(opt.state[params[0]]["step"]) == 0
+    switch_to_stock(model._trainstream_engine)
+    assert opt._mapped == {}  # (on a GPU the stock state is a device copy: nothing else holds them)
+
+
 class _LateAccumulation:
     """An accumulation job that says it is finished only once someone has waited for it."""
 

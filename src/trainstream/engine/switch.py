@@ -83,6 +83,7 @@ def switch_to_stock(engine) -> None:
             "exp_avg_sq": st["exp_avg_sq"].to(device=p.device, dtype=p.dtype),
         }
     opt.state = stock.state
+    opt._mapped = {}  # the pinned moments the kernel read: free them with the old state
     opt._stock = stock
     opt._stock_engine = engine
     engine.mode = "stock"
