@@ -38,10 +38,8 @@ class StreamedAdamW(OffloadAdamW):
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
     # optimizer_mode="gpu" on a GPU: param -> its moments in pinned memory, which the kernel
     # maps. Their state exists from wrap() on, and a loaded state_dict is copied into them.
+    # Moments made later (mode "cpu": pageable) are those of no kernel.
     _mapped: dict = {}
-
-    def _pins_state(self) -> bool:
-        return False  # moments made later (pageable) are those of no kernel
 
     def pin_state(self, params, take) -> None:
         """optimizer_mode="gpu" on a GPU: every moment in pinned memory that the kernel maps,

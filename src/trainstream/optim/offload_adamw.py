@@ -168,20 +168,16 @@ class OffloadAdamW(torch.optim.Optimizer):
             event.synchronize()
         self._inflight = []
 
-    def _pins_state(self) -> bool:
-        """Are the moments pinned? In gpu mode the kernel maps them."""
-        return self.mode == "gpu"
-
     def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
         """Moments live in host memory; pinned in gpu mode, where the kernel maps them."""
         t = t.contiguous()
-        return t.pin_memory() if self._pins_state() and not t.is_pinned() else t
+        return t.pin_memory() if self.mode == "gpu" and not t.is_pinned() else t
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            pin = self._pins_state()
+            pin = self.mode == "gpu"
             state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype, pin_memory=pin)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, pin_memory=pin)
         return state
