@@ -399,8 +399,8 @@ def test_lr_with_an_optimizer_is_an_error():
 
 def test_undelivered_options_say_so():
     model, _, _ = tiny_mlp()
-    with pytest.raises(NotImplementedError, match="quantize='nf4'"):
-        trainstream.wrap(model, None, device="cpu", quantize="nf4")
+    with pytest.raises(NotImplementedError, match="data parallel is not available yet"):
+        trainstream.wrap(model, None, device="cpu", distributed=True)
 
 
 def test_wrong_optimizer_and_double_wrap():

@@ -1,13 +1,15 @@
 """wrap(), unwrap() and memory_report(): the public entry points of the offload engine."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import options as _options
 from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend, HostArena
 from .engine.engine import Engine, grads_stay_on_device
-from .engine.layout import arena_bytes, build_units
+from .engine.layout import arena_bytes, build_units, quantizable_slots, set_quantization
 from .engine.optimizer import StreamedAdamW
 from .engine.adapt import Adapter
 from .engine.placement import (check_fits, choose, choose_moment_dtype, choose_optimizer_mode,
@@ -18,6 +20,7 @@ from .optim.convert import convert_optimizer
 from .planner import HardwareProfile, conservative_profile, profile_hardware
 
 _ATTR = "_trainstream_engine"
+GiB = 1 << 30
 
 
 def _engine_of(model) -> Engine:
@@ -69,9 +72,6 @@ def _adopt_optimizer_settings(opts, optimizer) -> None:
 def _refuse_undelivered(opts) -> None:
     """Options the specification accepts whose behaviour this release does not have yet:
     a clear error instead of a silent fallback."""
-    if opts.quantize in ("int8", "nf4"):
-        raise NotImplementedError(f"wrap(): quantize={opts.quantize!r} is not available in the engine yet; "
-                                  "use quantize='none' (the kernels are in trainstream.ops)")
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
     if opts.distributed is True or (opts.distributed is None and distributed):
@@ -86,6 +86,101 @@ def _check_contiguous(slots) -> None:
         raise ValueError(f"wrap(): optimizer_mode='gpu' needs contiguous parameters; not contiguous: "
                          f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} (make them contiguous before "
                          "wrap(), or use optimizer_mode='cpu')")
+
+
+@dataclass
+class _Fit:
+    placement: object
+    update_on_device: bool
+    budget: dict
+    mapped_bytes: int
+    moment_note: str | None
+    mode_note: str | None
+
+
+def _fit(opts, block_units, outside_units, unpageable, profile, on_device, optimizer, backend,
+         quantize_hint: str = "") -> _Fit:
+    """Placement, moment dtype and optimizer mode for the units as they are now (their
+    quantization set); MemoryError from check_fits when it does not fit."""
+    placement = choose(opts, block_units, outside_units, unpageable, profile, on_device)
+    for u in block_units:
+        u.paged = u.block in placement.paged
+        u.act_paged = u.block in placement.act_paged
+    units = block_units + outside_units
+    moment_note = None
+    if opts.moment_dtype == "auto":
+        moment_dtype, moment_note = choose_moment_dtype(opts, units, profile)
+        optimizer.set_moment_dtype(moment_dtype)
+    update_on_device, mode_note = choose_optimizer_mode(opts, units, profile, optimizer.moment_dtype.itemsize,
+                                                        backend)
+    trainable = [s for u in units for s in u.trainable]
+    if update_on_device:
+        _check_contiguous(trainable)
+    # optimizer_mode="gpu" on a GPU: the kernel maps the moments and the accumulated gradient
+    # sums, so they are pinned, carved from one arena.
+    sums = opts.accumulation_steps > 1
+    mapped_bytes = sum(2 * HostArena.size_of(s.param.numel(), optimizer.moment_dtype)
+                       + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
+                       for s in trainable) if update_on_device and backend.is_cuda else 0
+    device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
+    budget = check_fits(opts, units, placement, backend, profile, on_device, optimizer.moment_dtype.itemsize,
+                        arena_bytes(units, stage=not device_grads) + mapped_bytes, device_grads, quantize_hint)
+    return _Fit(placement, update_on_device, budget, mapped_bytes, moment_note, mode_note)
+
+
+def _fit_quantized(opts, quantizable, block_units, outside_units, unpageable, profile, on_device, optimizer,
+                   backend) -> tuple[_Fit, list]:
+    """The fit with the quantize setting applied. quantize='auto' tries no quantization,
+    then int8, then NF4, and keeps the first that fits (prefer='speed': NF4 as well when
+    it keeps every block resident where the first choice pages some)."""
+    formats = {"auto": [None, "int8", "nf4"], "none": [None], "int8": ["int8"], "nf4": ["nf4"]}[opts.quantize]
+    if not quantizable:
+        formats = [None]
+    args = (opts, block_units, outside_units, unpageable, profile, on_device, optimizer, backend)
+    notes, refused = [], []
+    for i, fmt in enumerate(formats):
+        set_quantization(quantizable, fmt, opts.quant_block_size)
+        later = [f"quantize={f!r}" for f in ("int8", "nf4")[("int8", "nf4").index(fmt) + 1 if fmt else 0:]]
+        hint = " or ".join(later) if quantizable and i == len(formats) - 1 else ""
+        try:
+            fit = _fit(*args, quantize_hint=hint)
+        except MemoryError as e:
+            if i == len(formats) - 1:
+                if refused:
+                    raise MemoryError(f"{e} (quantize='auto' tried, and it did not fit either with "
+                                      f"{'; '.join(refused)})") from None
+                raise
+            refused.append(f"{fmt or 'no quantization'} ({str(e).split('. What would help')[0].split('does not fit. ')[-1]})")
+            continue
+        break
+    if opts.quantize == "auto" and opts.prefer == "speed" and quantizable and fmt != "nf4" \
+            and opts.param_offload == "auto" and fit.placement.paged:
+        set_quantization(quantizable, "nf4", opts.quant_block_size)
+        try:
+            nf4 = _fit(*args)
+        except MemoryError:
+            nf4 = None
+        if nf4 is not None and not nf4.placement.paged:
+            notes.append(f"quantize='auto', prefer='speed': nf4 keeps every block in VRAM ({fmt or 'no quantization'}"
+                         f" paged {len(fit.placement.paged)})")
+            fit, fmt = nf4, "nf4"
+        else:
+            set_quantization(quantizable, fmt, opts.quant_block_size)
+            fit = _fit(*args)
+    if fmt is None:
+        if opts.quantize in ("int8", "nf4"):
+            notes.append(f"quantize={opts.quantize!r}: no frozen Linear weight in the blocks to quantize "
+                         "(trainable weights are never quantized)")
+        elif opts.quantize == "auto":
+            notes.append("quantize='auto': nothing quantized" + ("" if quantizable else " (no frozen Linear weights "
+                                                                 "in the blocks)"))
+        return fit, notes
+    before = sum(s.full_nbytes for s in quantizable)
+    after = sum(s.nbytes for s in quantizable)
+    why = f", because it does not fit with {'; '.join(refused)}" if refused else ""
+    notes.append(f"quantize={opts.quantize!r}: {len(quantizable)} frozen weights as {fmt} (block "
+                 f"{opts.quant_block_size}), {before / GiB:.2f} -> {after / GiB:.2f} GiB{why}")
+    return fit, notes
 
 
 def wrap(model: torch.nn.Module, optimizer=None, **options):
@@ -129,33 +224,18 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         profile = opts.profile
     else:
         profile = profile_hardware(device) if opts.profile else conservative_profile(device)
-    placement = choose(opts, block_units, outside_units, unpageable, profile, on_device)
-    for u in block_units:
-        u.paged = u.block in placement.paged
-        u.act_paged = u.block in placement.act_paged
-    moment_note = None
-    if opts.moment_dtype == "auto":
-        moment_dtype, moment_note = choose_moment_dtype(opts, block_units + outside_units, profile)
-        optimizer.set_moment_dtype(moment_dtype)
     units = block_units + outside_units
-    update_on_device, mode_note = choose_optimizer_mode(opts, units, profile, optimizer.moment_dtype.itemsize,
-                                                        backend)
+    quantizable, quant_notes = quantizable_slots(block_units, stack.blocks, unpageable)
+    fit, quant_notes2 = _fit_quantized(opts, quantizable, block_units, outside_units, unpageable, profile, on_device,
+                                       optimizer, backend)
+    quant_notes += quant_notes2
+    placement, update_on_device, budget = fit.placement, fit.update_on_device, fit.budget
+    moment_note, mode_note = fit.moment_note, fit.mode_note
     trainable = [s for u in units for s in u.trainable]
-    if update_on_device:
-        _check_contiguous(trainable)
-    # optimizer_mode="gpu" on a GPU: the kernel maps the moments and the accumulated gradient
-    # sums, so they are pinned, carved from one arena.
-    sums = opts.accumulation_steps > 1
-    mapped_bytes = sum(2 * HostArena.size_of(s.param.numel(), optimizer.moment_dtype)
-                       + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
-                       for s in trainable) if update_on_device and backend.is_cuda else 0
-    device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
-    budget = check_fits(opts, units, placement, backend, profile, on_device, optimizer.moment_dtype.itemsize,
-                        arena_bytes(units, stage=not device_grads) + mapped_bytes, device_grads)
-    if mapped_bytes:
-        arena = HostArena(backend, mapped_bytes)
+    if fit.mapped_bytes:
+        arena = HostArena(backend, fit.mapped_bytes)
         optimizer.pin_state([s.param for s in trainable], arena.take)
-        for s in trainable if sums else ():
+        for s in trainable if opts.accumulation_steps > 1 else ():
             s.grad_sum = arena.take(s.param.shape, torch.float32)
 
     engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
@@ -187,8 +267,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if opts.offload == "auto":
         events.add(f"offload='auto': after {Adapter.SWITCH_AFTER} measured steps, switches to "
                    "torch.optim.AdamW(fused=True) on the device if stock training fits")
-    if opts.quantize == "auto":
-        events.add("quantize='auto': nothing quantized")
+    for note in quant_notes:
+        events.add(note)
     if not opts.guard_params:
         events.add("guard_params=False: step() waits for every update to reach the device before returning")
 

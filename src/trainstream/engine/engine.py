@@ -26,6 +26,7 @@ from .layout import arena_bytes, host_buffers
 from .params import WeightPager
 from .placement import cast_bytes
 from .report import EventLog
+from ..quant.weight import QuantizedWeight
 
 GiB = 1 << 30
 
@@ -159,7 +160,10 @@ class Engine:
         for unit in self.units:
             for s in unit.slots:
                 data = s.param.data
-                for kind, dtype in layout[s]:
+                if s.quant_format is not None:
+                    self._place_quantized(s, unit.paged, layout[s])
+                    continue
+                for kind, dtype, _ in layout[s]:
                     buf = self.arena.take(data.shape, dtype)
                     if kind == "master":
                         buf.copy_(data)
@@ -185,6 +189,23 @@ class Engine:
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.device != backend.device:
                     module._buffers[name] = buf.to(backend.device)
+
+    def _place_quantized(self, s, paged: bool, buffers) -> None:
+        """Quantize a frozen weight where it is (host or device); keep the codes in host
+        transfer memory (paged unit) or on the device (resident), and give the param a
+        placeholder: the weight is dequantized for each use (params.py)."""
+        backend = self.backend
+        q = QuantizedWeight.quantize(s.param.data, s.quant_format, s.quant_block)
+        if paged:
+            held = {kind: self.arena.take((numel,), dtype) for kind, dtype, numel in buffers}
+            held["codes"].copy_(q.codes)
+            held["absmax"].copy_(q.absmax)
+            q = q._with(held["codes"], held["absmax"])
+        else:
+            q = q.to(backend.device)
+        s.quant = q
+        s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(s.param.shape)
+        s.param.data = s.placeholder
 
     def install(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self.before_forward()))
@@ -216,7 +237,7 @@ class Engine:
         self.adapter.apply_pending()
         self.grads.poll()
         for unit in self.block_units:
-            if unit.paged and unit.fetched is not None:
+            if unit.streamed and unit.fetched is not None:
                 self.weights.release(unit)  # left over from a forward without backward
         self.acts.new_pass()
         if torch.is_grad_enabled() and self._measured_passes < self.MEASURED_PASSES:
@@ -251,7 +272,7 @@ class Engine:
             engine.enter_block(unit)
             measure = engine._start_counting()
             try:
-                if (unit.paged or unit.act_paged or measure) and torch.is_grad_enabled():
+                if (unit.streamed or unit.act_paged or measure) and torch.is_grad_enabled():
                     with torch.autograd.graph.saved_tensors_hooks(
                             functools.partial(engine.pack, unit), engine.unpack):
                         out = forward(*args, **kwargs)
@@ -279,7 +300,7 @@ class Engine:
         self.acts.drop(unit)
         self.weights.guard(unit)
         nxt = unit.block + 1
-        if nxt < len(self.block_units) and self.block_units[nxt].paged:
+        if nxt < len(self.block_units) and self.block_units[nxt].streamed:
             self.weights.fetch(self.block_units[nxt], ahead=True)
 
     def exit_block(self, unit) -> None:
@@ -287,7 +308,7 @@ class Engine:
             return
         if torch.is_grad_enabled():
             self.adapter.block_ends(unit)
-        if not unit.paged:
+        if not unit.streamed:
             return
         last = unit.block == len(self.block_units) - 1
         if not (last and torch.is_grad_enabled()):  # the last block's backward comes first: keep it
@@ -348,7 +369,7 @@ class Engine:
     def watch_backward(self, unit, out) -> None:
         if not torch.is_grad_enabled() or self.grads.in_backward or self._in_autograd():
             return
-        if not any(u.paged or u.act_paged for u in self.block_units):
+        if not any(u.streamed or u.act_paged for u in self.block_units):
             return
         for t in _tensors_in(out):
             if t.requires_grad:
@@ -367,16 +388,16 @@ class Engine:
         blocks = self.block_units
         if i + 1 < len(blocks):
             done = blocks[i + 1]
-            if done.paged:
+            if done.streamed:
                 self.weights.release(done)
             self.acts.drop(done)
-        if unit.paged and unit.fetch_dtypes:
+        if unit.streamed and unit.fetch_dtypes:
             # Attached, not only fetched: a checkpointed part of the block recomputes its
             # forward during backward and reads the params directly.
             self.weights.attach(unit, dtypes=unit.fetch_dtypes)
         for rec in unit.acts:
             self.acts.fetch(rec)
-        if i > 0 and blocks[i - 1].paged and blocks[i - 1].fetch_dtypes:
+        if i > 0 and blocks[i - 1].streamed and blocks[i - 1].fetch_dtypes:
             self.weights.fetch(blocks[i - 1], ahead=True, dtypes=blocks[i - 1].fetch_dtypes)
         for j in range(i - 1, max(i - 1 - self.opts.prefetch_depth, -1), -1):
             self.acts.prefetch(blocks[j])
@@ -384,7 +405,7 @@ class Engine:
     def after_backward(self) -> None:
         self.adapter.sample()
         for unit in self.block_units:
-            if unit.paged:
+            if unit.streamed:
                 self.weights.release(unit)
             self.acts.drop(unit)
         self._entered.clear()

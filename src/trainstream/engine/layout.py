@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..quant.weight import quantized_nbytes
+
 
 @dataclass(eq=False)
 class Slot:
@@ -15,6 +17,13 @@ class Slot:
     trainable: bool               # updated by the engine's optimizer
     is_linear: bool               # weight or bias of an nn.Linear: may page in the autocast dtype
     unit: "Unit" = None
+    # Frozen weights stored quantized (wrap(quantize=...)): the format and block size, and the
+    # QuantizedWeight once made (place_weights). Its codes live on the device for a resident
+    # unit, in host transfer memory for a paged one; the weight itself exists only while a
+    # forward or backward uses it, dequantized like a paged weight is fetched.
+    quant_format: str | None = None
+    quant_block: int = 64
+    quant: object = None
     # Host weights by dtype. Trainable: host[float32] is the master the optimizer updates,
     # and at most one lower-precision copy, which the optimizer writes in the same pass.
     # Frozen paged: the original weights, plus any compute-dtype copy made from them.
@@ -41,6 +50,14 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the weights take where they are kept: quantized, codes plus absmax."""
+        if self.quant_format is not None:
+            return quantized_nbytes(self.param.numel(), self.quant_format, self.quant_block)
+        return self.full_nbytes
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the weights in the model's dtype (a quantized one, dequantized)."""
         return self.param.numel() * self.dtype.itemsize
 
 
@@ -76,6 +93,21 @@ class Unit:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
+
+    @property
+    def streamed_slots(self) -> list:
+        """Slots whose weights are brought to the device for each use and released after:
+        all of a paged unit's, and the quantized ones of a resident unit (dequantized there)."""
+        return list(self.slots) if self.paged else [s for s in self.slots if s.quant_format is not None]
+
+    @property
+    def streamed(self) -> bool:
+        return self.paged or any(s.quant_format is not None for s in self.slots)
+
+    @property
+    def fetch_nbytes(self) -> int:
+        """Device bytes one fetch holds (quantized weights count dequantized)."""
+        return sum(s.full_nbytes for s in self.streamed_slots)
 
 
 def _owner_names(model: torch.nn.Module) -> dict:
@@ -128,22 +160,60 @@ def build_units(model: torch.nn.Module, blocks: list, trainable: set) -> tuple[l
 
 
 def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
-    """(kind, dtype) of every host transfer buffer slot `s` needs; `stage`: a landing buffer
-    for its gradient (not when gradients stay on the device, optimizer_mode="gpu")."""
+    """(kind, dtype, numel) of every host transfer buffer slot `s` needs; `stage`: a landing
+    buffer for its gradient (not when gradients stay on the device, optimizer_mode="gpu")."""
+    n = s.param.numel()
     need = []
+    if s.quant_format is not None:  # frozen: a paged unit keeps the codes and scales in host memory
+        if paged:
+            codes = -(-n // 2) if s.quant_format == "nf4" else n
+            need += [("codes", torch.uint8 if s.quant_format == "nf4" else torch.int8, codes),
+                     ("absmax", torch.float32, -(-n // s.quant_block))]
+        return need
     if s.trainable:
-        need += [("master", torch.float32)] + ([("stage", s.dtype)] if stage else [])
+        need += [("master", torch.float32, n)] + ([("stage", s.dtype, n)] if stage else [])
         if s.dtype != torch.float32:
-            need.append(("copy", s.dtype))
+            need.append(("copy", s.dtype, n))
     elif paged:
-        need.append(("copy", s.dtype))
+        need.append(("copy", s.dtype, n))
     if paged and s.is_linear and s.dtype == torch.float32:
-        need.append(("spare", torch.bfloat16))  # room for an autocast-dtype copy (2 bytes each)
+        need.append(("spare", torch.bfloat16, n))  # room for an autocast-dtype copy (2 bytes each)
     return need
 
 
 def arena_bytes(units: list, stage: bool = True) -> int:
     """Transfer memory (pinned on a GPU machine) the engine carves its host buffers from."""
     from .device import HostArena
-    return sum(HostArena.size_of(s.param.numel(), dtype) for u in units for s in u.slots
-               for _, dtype in host_buffers(s, u.paged, stage))
+    return sum(HostArena.size_of(numel, dtype) for u in units for s in u.slots
+               for _, dtype, numel in host_buffers(s, u.paged, stage))
+
+
+QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def quantizable_slots(block_units: list, blocks: list, unpageable: list) -> tuple[list, list]:
+    """The weights wrap(quantize=...) may store quantized: frozen nn.Linear weight matrices
+    of the blocks (as QLoRA: not biases, norms or anything trainable). A weight that other
+    modules also use (tied to the outside, or shared between blocks) is left as it is: they
+    would read its placeholder. Returns the slots and notes for the events log."""
+    in_blocks: dict = {}
+    for block in blocks:
+        for p in dict.fromkeys(block.parameters()):
+            in_blocks[p] = in_blocks.get(p, 0) + 1
+    slots, shared = [], []
+    for unit in block_units:
+        for s in unit.slots:
+            if s.trainable or not s.is_linear or s.param.dim() != 2 or s.dtype not in QUANT_DTYPES:
+                continue
+            if unit.block in unpageable or in_blocks.get(s.param, 0) > 1:
+                shared.append(s.name)
+                continue
+            slots.append(s)
+    notes = [f"quantize: {len(shared)} frozen weights shared with other modules stay unquantized "
+             f"({', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''})"] if shared else []
+    return slots, notes
+
+
+def set_quantization(slots: list, fmt: str | None, block_size: int) -> None:
+    for s in slots:
+        s.quant_format, s.quant_block = fmt, block_size

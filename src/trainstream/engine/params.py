@@ -72,7 +72,8 @@ class WeightPager:
         unit.stale = False
 
     def guard(self, unit) -> None:
-        """Before compute reads `unit`'s weights: its in-flight update and copy, only."""
+        """Before compute reads `unit`'s weights: its in-flight update and copy, only; and
+        a resident unit's quantized weights, dequantized."""
         if unit.paged:
             self.attach(unit)
             return
@@ -83,6 +84,8 @@ class WeightPager:
             if unit.h2d_event is not None:
                 self.backend.wait(unit.h2d_event)
                 unit.h2d_event = None
+        if unit.streamed:
+            self.attach(unit)
 
     def synchronize(self, unit) -> None:
         """Host side: `unit`'s updates written and, if resident, on the device."""
@@ -112,7 +115,11 @@ class WeightPager:
 
     def _to_paged(self, unit) -> None:
         backend = self.backend
+        self.release(unit)
         for s in unit.slots:
+            if s.quant is not None:  # the codes move to host transfer memory; the param keeps its placeholder
+                s.quant = s.quant._with(backend.to_host(s.quant.codes), backend.to_host(s.quant.absmax))
+                continue
             if s.trainable and self.engine.update_on_device:
                 refresh_host(s)
             if s.dtype not in s.host:  # a frozen resident param has no host copy yet
@@ -127,6 +134,9 @@ class WeightPager:
     def _to_resident(self, unit) -> None:
         self.release(unit)
         for s in unit.slots:
+            if s.quant is not None:  # the codes to the device; still dequantized for each use
+                s.quant = s.quant.to(self.backend.device)
+                continue
             s.param.data = s.host[s.dtype].to(self.backend.device)  # the master, or the model-dtype copy
             self.engine.resident_storages.add(s.param.data.untyped_storage().data_ptr())
         unit.paged, unit.fetch_dtypes = False, {}
@@ -177,29 +187,37 @@ class WeightPager:
         the dtypes follow the autocast state; in backward they repeat the forward's."""
         if unit.fetched is not None:
             return
-        cap = self.engine.max_inflight_bytes
+        cap, nbytes = self.engine.max_inflight_bytes, unit.fetch_nbytes
         if ahead:
-            if self.ahead_bytes + unit.nbytes > cap and self.ahead_bytes:
+            if self.ahead_bytes + nbytes > cap and self.ahead_bytes:
                 return  # over the in-flight cap: fetched on demand when its turn comes
-            self.engine.inflight.make_room(unit.nbytes, cap, self.ahead_bytes)
-        self._after_updates(unit, self.backend.copy_in)  # the optimizer may still be writing these weights
+            self.engine.inflight.make_room(nbytes, cap, self.ahead_bytes)
+        if unit.paged:  # the optimizer may still be writing these weights (quantized ones are frozen)
+            self._after_updates(unit, self.backend.copy_in)
+        slots = unit.streamed_slots
         if dtypes is None:
             autocast = _autocast_dtype(self.backend.device.type)
-            dtypes = {s: self._dtype_for(s, autocast) for s in unit.slots}
+            dtypes = {s: self._dtype_for(s, autocast) for s in slots}
         backend = self.backend
         fetched = {}
         with backend.on(backend.copy_in):
-            for s in unit.slots:
-                src = self._host_source(s, dtypes[s])
-                dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)
-                dev.copy_(src, non_blocking=True)
+            for s in slots:
+                if s.quant is not None:
+                    # Codes and scales cross (a paged unit's; a resident unit's are on the
+                    # device already) and are dequantized here, on the copy-in stream.
+                    dev = torch.empty(s.param.shape, dtype=dtypes[s], device=backend.device)
+                    s.quant.to(backend.device, non_blocking=True).dequantize(out=dev)
+                else:
+                    src = self._host_source(s, dtypes[s])
+                    dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)
+                    dev.copy_(src, non_blocking=True)
                 fetched[s] = dev
         unit.fetched, unit.fetch_dtypes = fetched, dtypes
         self.fetched_bytes += _nbytes(fetched.values())
         unit.fetch_event = backend.record(backend.copy_in)
         unit.ahead = ahead
         if ahead:
-            self.ahead_bytes += unit.nbytes
+            self.ahead_bytes += nbytes
 
     def attach(self, unit, *, dtypes: dict | None = None) -> None:
         """Point the unit's params at their fetched device tensors (fetching now if no
@@ -217,7 +235,7 @@ class WeightPager:
             self.fetched_storages[dev.untyped_storage().data_ptr()] = s
         unit.attached = True
         if unit.ahead:
-            self.ahead_bytes -= unit.nbytes
+            self.ahead_bytes -= unit.fetch_nbytes
             unit.ahead = False
 
     def release(self, unit) -> None:
@@ -231,7 +249,7 @@ class WeightPager:
         # The memory returns to the allocator once compute passes this point.
         self.engine.inflight.add(self.backend.record(), _nbytes(unit.fetched.values()))
         if unit.ahead:
-            self.ahead_bytes -= unit.nbytes
+            self.ahead_bytes -= unit.fetch_nbytes
         unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None
 
     def device_view(self, slot, dtypes: dict, dtype, size, stride, offset) -> torch.Tensor:

@@ -80,6 +80,12 @@ def activations_as_placed(engine, unit, paged: bool) -> int:
     return measured - engine.activation_cast.get(unit.block, 0) if paged else measured
 
 
+def dequantized_in_flight(units) -> int:
+    """Device bytes of quantized weights dequantized for use: the two largest blocks' worth
+    (the one computing and the one fetched ahead), resident or paged."""
+    return 2 * max([sum(s.full_nbytes for s in u.slots if s.quant_format is not None) for u in units] or [0])
+
+
 def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *,
                 act_bytes: dict | None = None, act_cast: dict | None = None, after_stack: int = 0,
                 held_after_stack: int = 0, compute_s: float = 0.0, correction: int = 0,
@@ -91,9 +97,10 @@ def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: i
     `held_after_stack` what of it backward still finds held (both measured);
     `correction`: measured peak minus predicted, from the adapter."""
     def crossing(u):
-        # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py).
+        # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py); quantized
+        # ones as codes and scales.
         return sum(s.param.numel() * 2 if compute_dtype == torch.bfloat16 and s.is_linear
-                   and s.dtype == torch.float32 else s.nbytes for s in u.slots)
+                   and s.dtype == torch.float32 and s.quant_format is None else s.nbytes for s in u.slots)
 
     acts, casts = act_bytes or {}, act_cast or {}
     fallback = max(acts.values(), default=0)  # a block not measured (no copies counted for it)
@@ -104,7 +111,7 @@ def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: i
     # Outside weights stay resident; one block's gradients are held on their way out. Memory
     # that transfers keep from reuse after the engine let go of it (max_inflight_bytes) is not
     # counted: the allocator counts it free, and frees it for good before it would fail.
-    fixed = sum(u.nbytes for u in outside_units) + largest_block + correction
+    fixed = sum(u.nbytes for u in outside_units) + largest_block + dequantized_in_flight(block_units) + correction
     if act_bytes is None:
         fixed += int(UNKNOWN_ACTIVATION_SHARE * usable)
 
@@ -243,13 +250,15 @@ def choose_optimizer_mode(opts, units, profile, moment_bytes: int, backend) -> t
 
 
 def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_on_device: int,
-               moment_bytes: int, pinned_bytes: int, device_grads: bool = False) -> dict:
+               moment_bytes: int, pinned_bytes: int, device_grads: bool = False, quantize_hint: str = "") -> dict:
     """Host, pinned and device bytes this placement needs; MemoryError with the numbers
-    when they exceed what the profile says the machine has (check_memory=True)."""
+    when they exceed what the profile says the machine has (check_memory=True).
+    `quantize_hint`: a quantize setting that would shrink the frozen weights, to suggest."""
     host = host_bytes(opts, units, moment_bytes, device_grads)
     resident = sum(u.nbytes for u in units if not u.paged)
     largest_paged = max([u.nbytes for u in units if u.paged] or [0])
-    device = {"resident weights": resident, "paged blocks in flight (2 largest)": 2 * largest_paged}
+    device = {"resident weights": resident, "paged blocks in flight (2 largest)": 2 * largest_paged,
+              "dequantized weights in flight": dequantized_in_flight(units)}
     need_host, need_dev = sum(host.values()), sum(device.values())
     have_host = ram_share(profile)
     usable = usable_device_bytes(opts, profile, model_bytes_on_device)
@@ -274,6 +283,7 @@ def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_
                         f" ({profile.source} profile)")
     if problems:
         raise MemoryError("trainstream.wrap(): this run does not fit. " + "; ".join(problems) +
-                          ". What would help: moment_dtype='bfloat16' (halves the moments), paging more blocks "
+                          ". What would help: moment_dtype='bfloat16' (halves the moments), "
+                          + (f"{quantize_hint} (frozen weights), " if quantize_hint else "") + "paging more blocks "
                           "(param_offload=True), a smaller batch, or more RAM. check_memory=False skips this check.")
     return budget

@@ -23,8 +23,18 @@ class EventLog:
         return "\n".join(self.lines)
 
 
+def quantization(engine) -> dict:
+    """The frozen weights stored quantized: format ("none", "int8" or "nf4"), how many, and
+    their bytes in the model's dtype and as stored."""
+    slots = [s for u in engine.units for s in u.slots if s.quant is not None]
+    return {"format": slots[0].quant.format if slots else "none", "tensors": len(slots),
+            "block_size": slots[0].quant.block_size if slots else None,
+            "bytes_before": sum(s.full_nbytes for s in slots), "bytes_after": sum(s.quant.nbytes for s in slots)}
+
+
 def build_report(engine) -> dict:
     blocks = engine.block_units
+    quant = quantization(engine)
     peaks = {"steps": engine.steps, "max_allocated_bytes": None}
     if engine.backend.is_cuda:
         peaks["max_allocated_bytes"] = torch.cuda.max_memory_allocated(engine.backend.device)
@@ -35,11 +45,12 @@ def build_report(engine) -> dict:
             "paged_blocks": [u.block for u in blocks if u.paged],
             "resident_blocks": [u.block for u in blocks if not u.paged],
             "activation_paged_blocks": [u.block for u in blocks if u.act_paged],
-            "quantize": "none",
+            "quantize": quant["format"],
         },
         "plan": {
             "device": str(engine.backend.device),
             "blocks": engine.stack.describe(),
+            "quantized": quant,
             "moment_dtype": str(engine.optimizer.moment_dtype).replace("torch.", ""),
             # Where the updates run: "cpu" (host AdamW) or "gpu" (zero-copy kernel), as decided.
             "optimizer_mode": "gpu" if engine.update_on_device else "cpu",

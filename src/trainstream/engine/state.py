@@ -5,10 +5,14 @@ loading each module points its paged params at their host weights (the fp32 mast
 the host copy in the model's dtype): saving reads them (host tensors in the state dict),
 loading writes straight into them. Afterwards every derived copy (fp32 master of a bf16
 model, compute-dtype paging copies, the master of a resident param) is brought level.
+A quantized frozen weight is saved dequantized (the values training uses) and a loaded one
+is quantized again; unwrap() leaves it dequantized, since the original values are gone.
 """
 from __future__ import annotations
 
 import torch
+
+from ..quant.weight import QuantizedWeight
 
 
 def _direct_slots(engine) -> dict:
@@ -22,12 +26,26 @@ def _direct_slots(engine) -> dict:
 
 
 def _host_weights(s) -> torch.Tensor:
+    if s.quant is not None:
+        return s.quant.dequantize()  # where the codes are: host memory (paged) or the device
     return s.host[s.dtype]
+
+
+def _exposed(slots) -> list:
+    """The slots whose .data is a placeholder between uses, looked up when needed (the
+    adapter moves units between paged and resident)."""
+    return [s for s in slots if s.unit.paged or s.quant is not None]
 
 
 def _level(s) -> None:
     """After a load: bring every host copy of `s` level with the one that was written
-    (a paged param's host weights in its dtype, or a resident param's device data)."""
+    (a paged param's host weights in its dtype, or a resident param's device data); a
+    quantized weight is quantized again from the loaded values, into its own buffers."""
+    if s.quant is not None:
+        q = QuantizedWeight.quantize(s.param.data, s.quant.format, s.quant.block_size)
+        s.quant.codes.copy_(q.codes)
+        s.quant.absmax.copy_(q.absmax)
+        return
     if not s.unit.paged:
         if s.trainable:
             for t in s.host.values():
@@ -47,16 +65,15 @@ class StateHooks:
 
     def install(self) -> None:
         for module, slots in _direct_slots(self.engine).items():
-            paged = [s for s in slots if s.unit.paged]
             # Every module waits for in-flight updates before it is read: a resident param's
             # device copy may still be on its way.
             self._handles += [
-                module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, ps=paged: self._expose(ps)),
+                module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, ss=slots: self._expose(ss)),
                 module.register_state_dict_post_hook(
-                    lambda m, sd, prefix, meta, ps=paged: self._after_save(m, sd, prefix, ps)),
+                    lambda m, sd, prefix, meta, ss=slots: self._after_save(m, sd, prefix, ss)),
                 module.register_load_state_dict_pre_hook(
-                    lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ps=paged:
-                    self._before_load(meta, ps)),
+                    lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ss=slots:
+                    self._before_load(meta, ss)),
                 module.register_load_state_dict_post_hook(lambda m, keys, ss=slots: self._after_load(ss)),
             ]
 
@@ -67,7 +84,7 @@ class StateHooks:
 
     def _expose(self, slots) -> None:
         self.engine.synchronize()
-        for s in slots:
+        for s in _exposed(slots):
             self._saved[s] = s.param.data
             s.param.data = _host_weights(s)
 
@@ -75,10 +92,11 @@ class StateHooks:
         # With keep_vars=True the entries are the Parameters themselves, which are about
         # to point at their placeholders again: hand out the host weights instead.
         names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+        slots = _exposed(slots)
         for s in slots:
             key = prefix + names[id(s.param)]
             if state_dict.get(key) is s.param:
-                state_dict[key] = _host_weights(s).detach()
+                state_dict[key] = s.param.data.detach()  # the exposed weights, not yet restored
         self._restore(slots)
 
     def _restore(self, slots) -> None:
@@ -92,9 +110,9 @@ class StateHooks:
         self._expose(slots)
 
     def _after_load(self, slots) -> None:
-        self._restore([s for s in slots if s.unit.paged])
         for s in slots:
             _level(s)
+        self._restore(_exposed(slots))
         with self.engine.weights.lock:
             for unit in {s.unit for s in slots}:
                 unit.stale = False
@@ -106,8 +124,7 @@ def unwrap(engine) -> None:
     engine.remove()
     engine.state_hooks.remove()
     for unit in engine.units:
-        if unit.paged:
-            engine.weights.release(unit)
-            for s in unit.slots:
-                s.param.data = _host_weights(s).to(engine.backend.device)
+        engine.weights.release(unit)
+        for s in _exposed(unit.slots):
+            s.param.data = _host_weights(s).to(engine.backend.device)
     engine.optimizer._engine = None

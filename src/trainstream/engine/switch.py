@@ -25,6 +25,11 @@ def _explicit_paging(opts) -> str | None:
     return None
 
 
+def _quantized(engine) -> str | None:
+    n = sum(1 for u in engine.units for s in u.slots if s.quant is not None)
+    return f"{n} frozen weights are quantized (stock training would need them dequantized)" if n else None
+
+
 def stock_bytes(engine) -> dict:
     """Device bytes of stock training with torch AdamW, by class."""
     params = {s.param: s for u in engine.units for s in u.slots}
@@ -41,7 +46,7 @@ def stock_bytes(engine) -> dict:
 def maybe_switch(engine, observed_peak) -> bool:
     """Switch to stock training if it fits; log why not otherwise. True when switched."""
     adapter = engine.adapter
-    reason = _explicit_paging(engine.opts)
+    reason = _explicit_paging(engine.opts) or _quantized(engine)
     if reason is None and not engine.activation_bytes:
         reason = "no training forward pass was measured"
     if reason is None:

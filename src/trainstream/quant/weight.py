@@ -10,6 +10,12 @@ from ..ops import quant as qops
 FORMATS = ("nf4", "int8")
 
 
+def quantized_nbytes(numel: int, format: str, block_size: int) -> int:
+    """Bytes a weight of `numel` values takes as `format`: codes plus one fp32 absmax per block."""
+    codes = -(-numel // 2) if format == "nf4" else numel
+    return codes + 4 * -(-numel // block_size)
+
+
 class QuantizedWeight:
     """Codes, absmax, and what is needed to rebuild the weight: shape, dtype, format and
     block size. ``dequantize()`` gives the weight back in its dtype on the codes' device."""
@@ -35,9 +41,12 @@ class QuantizedWeight:
         codes, absmax = quantize(weight.detach(), block_size)
         return cls(codes, absmax, weight.shape, weight.dtype, format, block_size)
 
-    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight in its dtype, or in `dtype` (each value computed in fp32, then rounded
+        to nearest even: the same bits as dequantizing to fp32 and casting)."""
         dequantize = qops.dequantize_nf4 if self.format == "nf4" else qops.dequantize_int8
-        return dequantize(self.codes, self.absmax, self.shape, self.dtype, self.block_size, out=out)
+        dtype = dtype or (out.dtype if out is not None else self.dtype)
+        return dequantize(self.codes, self.absmax, self.shape, dtype, self.block_size, out=out)
 
     @property
     def device(self) -> torch.device:

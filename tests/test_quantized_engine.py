@@ -1,0 +1,242 @@
+"""wrap(quantize=...): frozen Linear weights of the blocks stored as int8 or NF4 codes and
+dequantized for each use, on the CPU path (tests marked gpu: on CUDA).
+
+The reference for a quantized run is the same model whose frozen weights were replaced,
+before training, by their quantize-dequantize round trip: training computes with exactly
+those values. Paging on or off must not change a bit, as without quantization."""
+import pytest
+import torch
+
+import trainstream
+from trainstream.quant import QuantizedWeight
+
+from engine_models import PAGED, RESIDENT, assert_same_bits, max_diff, tiny_gpt, tiny_mlp, train
+
+FROZEN = lambda n: n.startswith("layers.") and n.endswith(("qkv.weight", "fc.weight", "out.weight"))  # noqa: E731
+HF_FROZEN = lambda n: ".layers." in n and n.endswith(("q_proj.weight", "up_proj.weight"))  # noqa: E731
+
+
+def _round_tripped(name: str, fmt: str, frozen, block_size: int = 64):
+    """A factory for `name` whose frozen weights hold their quantize-dequantize values."""
+    from engine_models import MODELS
+
+    def build():
+        model, batch, loss_fn = MODELS[name]()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if frozen(n):
+                    p.copy_(QuantizedWeight.quantize(p, fmt, block_size).dequantize())
+        return model, batch, loss_fn
+    return build
+
+
+def _frozen_names(state, frozen):
+    names = [k for k in state if frozen(k)]
+    assert names
+    return names
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("name, frozen", [("gpt", FROZEN), ("llama", HF_FROZEN)], ids=["gpt", "llama"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_quantized_training_is_the_round_tripped_model(fmt, name, frozen, autocast):
+    resident = train(name, dict(RESIDENT, quantize=fmt), steps=6, autocast=autocast, freeze=frozen)
+    paged = train(name, dict(PAGED, quantize=fmt), steps=6, autocast=autocast, freeze=frozen)
+    assert_same_bits(resident, paged)  # paging stays bit-exact with quantized weights
+    reference = train(name, RESIDENT, steps=6, autocast=autocast, freeze=frozen,
+                      model_factory=_round_tripped(name, fmt, frozen))
+    assert_same_bits(resident, reference)  # the same host AdamW, the same weights: the same bits
+    for k in _frozen_names(reference[1], frozen):  # saved dequantized: the values training used
+        assert torch.equal(resident[1][k], reference[1][k]), k
+    assert resident[0][-1] < resident[0][0]
+    if autocast is None:  # and against torch's AdamW, within float rounding (as test_engine does unquantized)
+        stock = train(name, None, steps=6, freeze=frozen, model_factory=_round_tripped(name, fmt, frozen))
+        assert max_diff(stock[1], resident[1]) < 5e-5
+
+
+def test_quantized_weights_are_stored_as_codes_and_reported():
+    _, _, (model, _) = train("gpt", dict(param_offload=[1, 3], activation_offload=False, quantize="nf4"), steps=1,
+                             freeze=FROZEN)
+    engine = model._trainstream_engine
+    slots = {s.name: s for u in engine.units for s in u.slots}
+    quantized = [s for s in slots.values() if s.quant is not None]
+    assert sorted(s.name for s in quantized) == sorted(n for n in slots if FROZEN(n))
+    for s in quantized:
+        assert s.quant.format == "nf4" and s.quant.codes.dtype == torch.uint8
+        assert s.param.untyped_storage().nbytes() == 4 and torch.isnan(s.param).all()  # a placeholder between uses
+        assert s.dtype not in s.host  # no full-precision copy kept anywhere
+    assert slots["layers.0.ln1.weight"].quant is None and slots["layers.0.qkv.weight"].quant is not None
+    report = trainstream.memory_report(model)
+    assert report["params"]["quantize"] == "nf4"
+    q = report["plan"]["quantized"]
+    numel = sum(s.param.numel() for s in quantized)
+    assert q["tensors"] == 12 and q["bytes_before"] == 4 * numel
+    assert q["bytes_after"] == numel // 2 + 4 * (numel // 64)
+    assert "12 frozen weights as nf4" in report["events"]
+
+
+def test_trainable_weights_are_never_quantized():
+    _, _, (model, _) = train("gpt", dict(RESIDENT, quantize="int8"), steps=1)
+    report = trainstream.memory_report(model)
+    assert report["params"]["quantize"] == "none"
+    assert "no frozen Linear weight in the blocks to quantize" in report["events"]
+
+
+def test_state_dict_load_requantizes_and_unwrap_gives_dequantized_weights():
+    _, _, (model, opt) = train("gpt", dict(PAGED, quantize="int8", param_offload=[0, 1]), steps=2, freeze=FROZEN)
+    state = model.state_dict()
+    new = {k: (v.flip(-1) * 0.5 if FROZEN(k) else v).clone() for k, v in state.items()}
+    model.load_state_dict(new)
+    after = model.state_dict()
+    for k in _frozen_names(after, FROZEN):
+        expect = QuantizedWeight.quantize(new[k], "int8").dequantize()
+        assert torch.equal(after[k], expect), k
+        assert not torch.equal(after[k], state[k])
+    engine = model._trainstream_engine
+    assert all(torch.isnan(s.param).all() for u in engine.units for s in u.slots if s.quant is not None)
+    plain = trainstream.unwrap(model)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, after[k]), k
+    assert not any(torch.isnan(p).any() for p in plain.parameters())
+
+
+def test_blocks_moved_between_paged_and_resident_keep_their_bits():
+    def run(move: bool):
+        torch.manual_seed(0)
+        model, batch, loss_fn = tiny_gpt()
+        for n, p in model.named_parameters():
+            p.requires_grad_(not FROZEN(n))
+        model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, quantize="nf4", **RESIDENT)
+        engine = model._trainstream_engine
+        losses = []
+        for i in range(6):
+            if move and i in (2, 4):  # applied by the adapter at the next forward, as its replans are
+                engine.adapter.pending = ([0, 2] if i == 2 else [2], [])
+            loss = loss_fn(model, batch(i, "cpu"))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if move:
+            assert [u.paged for u in engine.block_units] == [False, False, True, False]
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    assert_same_bits(run(False), run(True))
+
+
+def _machine(ram_bytes: int, vram_bytes: int = 1 << 40):
+    from trainstream.planner import HardwareProfile
+    return HardwareProfile(vram_total_bytes=vram_bytes, vram_free_bytes=vram_bytes, ram_available_bytes=ram_bytes,
+                           pinned_limit_bytes=ram_bytes, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9)
+
+
+def _frozen_mlp():
+    model, batch, loss_fn = tiny_mlp(layers=6, dim=256)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in model[-1].parameters():  # the last block trains, the five before it are frozen
+        p.requires_grad_(True)
+    return model, batch, loss_fn
+
+
+def _host_need(fmt):
+    """Host bytes wrap() needs for _frozen_mlp with every block paged, by quantize format."""
+    model, _, _ = _frozen_mlp()
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen_weights = 5 * 256 * 256
+    per = {None: 4 * frozen_weights, "int8": frozen_weights + 4 * frozen_weights // 64,
+           "nf4": frozen_weights // 2 + 4 * frozen_weights // 64}[fmt]
+    # master, landing buffer, two fp32 moments and the bf16 copy a paged Linear keeps
+    return per + 4 * (frozen - frozen_weights) + 18 * trained
+
+
+@pytest.mark.parametrize("ram_for, expect", [(None, "none"), ("int8", "int8"), ("nf4", "nf4")])
+def test_auto_quantizes_only_when_the_run_would_not_fit(ram_for, expect):
+    model, batch, loss_fn = _frozen_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, param_offload=True,
+                                  moment_dtype="float32", profile=_machine(_host_need(ram_for) + 1024))
+    report = trainstream.memory_report(model)
+    assert report["params"]["quantize"] == expect, report["events"]
+    if expect != "none":
+        assert "because it does not fit with no quantization (host RAM" in report["events"]
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()
+
+
+def test_a_run_that_fits_in_no_format_says_what_was_tried():
+    model, _, _ = _frozen_mlp()
+    with pytest.raises(MemoryError, match=r"host RAM.*quantize='auto' tried, and it did not fit either with "
+                                          r"no quantization \(host RAM.*int8 \(host RAM"):
+        trainstream.wrap(model, None, device="cpu", offload=True, param_offload=True, moment_dtype="float32",
+                         profile=_machine(_host_need("nf4") - 4096))
+    model, _, _ = _frozen_mlp()
+    with pytest.raises(MemoryError, match=r"quantize='int8' or quantize='nf4' \(frozen weights\)"):
+        trainstream.wrap(model, None, device="cpu", offload=True, param_offload=True, quantize="none",
+                         moment_dtype="float32", profile=_machine(_host_need("nf4") + 1024))
+
+
+def test_prefer_speed_takes_nf4_when_it_keeps_every_block_resident():
+    # 6 blocks of 256 KiB each (fp32, 5 frozen) on a 3 MiB card: half the usable memory is
+    # held back for the activations not yet measured, so unquantized some blocks are paged;
+    # NF4 (an eighth of the size, plus two blocks dequantized in flight) keeps them all.
+    # prefer="exact" leaves the weights as they are.
+    def wrap(prefer):
+        model, _, _ = _frozen_mlp()
+        model, _ = trainstream.wrap(model, None, device="cpu", offload=True, prefer=prefer,
+                                    profile=_machine(1 << 34, vram_bytes=3 << 20))
+        return trainstream.memory_report(model)
+    exact, speed = wrap("exact"), wrap("speed")
+    assert exact["params"]["quantize"] == "none" and exact["params"]["paged_blocks"], exact["events"]
+    assert speed["params"]["quantize"] == "nf4" and not speed["params"]["paged_blocks"], speed["events"]
+
+
+def test_offload_auto_does_not_switch_a_quantized_model():
+    _, _, (model, _) = train("gpt", dict(quantize="nf4", offload="auto", param_offload="auto",
+                                         activation_offload="auto"), steps=4, freeze=FROZEN)
+    report = trainstream.memory_report(model)
+    assert report["mode"] == "offload"
+    assert "frozen weights are quantized" in report["events"]
+
+
+# -- GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_gpu_quantized_training_is_the_round_tripped_model(fmt, autocast):
+    kw = dict(steps=6, autocast=autocast, freeze=HF_FROZEN, device="cuda")
+    resident = train("llama", dict(RESIDENT, quantize=fmt), **kw)
+    paged = train("llama", dict(PAGED, quantize=fmt), **kw)
+    assert_same_bits(resident, paged)
+    reference = train("llama", RESIDENT, model_factory=_round_tripped("llama", fmt, HF_FROZEN), **kw)
+    assert_same_bits(resident, reference)
+
+
+@pytest.mark.gpu
+def test_gpu_quantized_weights_lower_the_peak():
+    """A bf16 model whose block Linear weights are frozen but the last: NF4 codes on the
+    device take about a quarter of the bf16 weights, and the step's peak drops accordingly."""
+    def peak(quantize):
+        torch.manual_seed(0)
+        model, batch, loss_fn = tiny_mlp(layers=24, dim=2048, rows=16)
+        model = model.to(torch.bfloat16)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in model[-1].parameters():
+            p.requires_grad_(True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model, opt = trainstream.wrap(model, None, device="cuda", offload=True, quantize=quantize, **RESIDENT)
+        for i in range(3):
+            loss_fn(model, batch(i, "cuda").to(torch.bfloat16)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt._synchronize()
+        torch.cuda.synchronize()
+        out = torch.cuda.max_memory_allocated() - base
+        trainstream.unwrap(model)
+        return out
+    full, nf4 = peak("none"), peak("nf4")
+    weights = 23 * 2048 * 2048 * 2  # the frozen bf16 weights; as NF4 codes and scales about 0.28 of that,
+    assert nf4 < full - weights // 2, (full, nf4)  # plus two blocks dequantized at a time
