@@ -54,6 +54,39 @@ def test_quantized_training_is_the_round_tripped_model(fmt, name, frozen, autoca
         assert max_diff(stock[1], resident[1]) < 5e-5
 
 
+def _peft_llama(fmt=None):
+    """A tiny Llama with peft's LoRA on every block Linear (the base frozen by peft); `fmt`:
+    its block weights round-tripped through that format first (the reference)."""
+    peft = pytest.importorskip("peft")
+    from engine_models import MODELS
+
+    def build():
+        model, batch, loss_fn = MODELS["llama"]()
+        if fmt is not None:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if ".layers." in n and n.endswith("proj.weight"):
+                        p.copy_(QuantizedWeight.quantize(p, fmt).dequantize())
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
+        return peft.get_peft_model(model, config), batch, loss_fn
+    return build
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_peft_lora_over_a_quantized_base(fmt):
+    resident = train("llama", dict(RESIDENT, quantize=fmt), steps=4, model_factory=_peft_llama())
+    paged = train("llama", dict(PAGED, quantize=fmt), steps=4, model_factory=_peft_llama())
+    assert_same_bits(resident, paged)
+    reference = train("llama", RESIDENT, steps=4, model_factory=_peft_llama(fmt))
+    assert_same_bits(resident, reference)
+    report = trainstream.memory_report(resident[2][0])
+    assert report["plan"]["quantized"]["tensors"] == 3 * 7  # every base Linear of the 3 blocks; no adapter
+    lora_b = [v for k, v in resident[1].items() if "lora_B" in k]
+    assert len(lora_b) == 21 and all(v.abs().sum() > 0 for v in lora_b)  # the adapters trained (they start at 0)
+
+
 def test_quantized_weights_are_stored_as_codes_and_reported():
     _, _, (model, _) = train("gpt", dict(param_offload=[1, 3], activation_offload=False, quantize="nf4"), steps=1,
                              freeze=FROZEN)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import engine, optimizer, optimizer_gpu, planner, quant, readme
+from . import engine, lora, optimizer, optimizer_gpu, planner, quant, readme
 from .common import env_line, environment, write_result
 
 # suite name -> (needs a GPU, runner(args) -> result dict)
@@ -19,6 +19,7 @@ SUITES = {
                                                         iters=5 if a.quick else 10)),
     "engine": (True, lambda a: engine.run(quick=a.quick)),
     "planner": (True, lambda a: planner.run(quick=a.quick)),
+    "lora": (True, lambda a: lora.run(quick=a.quick)),
 }
 
 
