@@ -180,15 +180,18 @@ def run(*, quick: bool = False) -> dict:
             r["vs_stock"] = r["s_per_step"] / stock["s_per_step"]
         if "first_loss" in r and "first_loss" in bnb:
             r["loss_vs_qlora"] = abs(r["first_loss"] - bnb["first_loss"])
+    return {"rows": rows, "markdown": markdown(rows, quick)}
+
+
+def markdown(rows: list, quick: bool) -> str:
     table = markdown_table(
         [("run", "run"), ("cap_GiB", "VRAM cap GiB"), ("s_per_step", "s/step"), ("vs_stock", "x stock"),
-         ("peak_GiB", "peak GiB"), ("first_loss", "first loss"), ("loss_vs_qlora", "|loss - QLoRA's|"),
+         ("peak_GiB", "peak GiB"), ("loss_vs_qlora", "first loss minus QLoRA's (abs)"),
          ("paged_blocks", "blocks paged"), ("activation_paged_blocks", "activations paged"), ("setup_s", "setup s"),
          ("oom", "out of memory"), ("error", "error")], rows)
     trainable = next((r["trainable"] for r in rows if "trainable" in r), 0)
-    md = (f"Llama-shaped model, {'quick sizes' if quick else 'about 3B parameters'}, bf16; LoRA r=16 on every "
-          f"Linear of the blocks ({trainable / 1e6:.1f}M trainable); batch {BATCH}x{SEQ}.\n\n" + table)
-    return {"rows": rows, "markdown": md}
+    return (f"Llama-shaped model, {'quick sizes' if quick else 'about 3B parameters'}, bf16; LoRA r=16 on every "
+            f"Linear of the blocks ({trainable / 1e6:.1f}M trainable); batch {BATCH}x{SEQ}.\n\n" + table)
 
 
 if __name__ == "__main__":
