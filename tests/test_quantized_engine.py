@@ -133,6 +133,111 @@ def test_state_dict_load_requantizes_and_unwrap_gives_dequantized_weights():
     assert not any(torch.isnan(p).any() for p in plain.parameters())
 
 
+def test_a_partial_load_leaves_the_other_quantized_weights_alone():
+    _, _, (model, _) = train("gpt", dict(RESIDENT, quantize="nf4"), steps=1, freeze=FROZEN)
+    engine = model._trainstream_engine
+    quant = {s.name: (s.quant.codes.clone(), s.quant.absmax.clone()) for u in engine.units for s in u.slots
+             if s.quant is not None}
+    slots = {s.name: s for u in engine.units for s in u.slots}
+    requantized = []
+    import trainstream.engine.state as state_module
+    original = state_module.QuantizedWeight.quantize
+
+    def counting(w, *a, **k):
+        requantized.append(w.shape)
+        return original(w, *a, **k)
+    state_module.QuantizedWeight.quantize = counting
+    try:
+        new_ln = torch.full_like(model.state_dict()["layers.0.ln1.weight"], 0.5)
+        new_qkv = torch.ones(192, 64)
+        model.load_state_dict({"layers.0.ln1.weight": new_ln, "layers.1.qkv.weight": new_qkv}, strict=False)
+    finally:
+        state_module.QuantizedWeight.quantize = original
+    assert requantized == [torch.Size([192, 64])]  # only the quantized weight the dict held
+    for name, (codes, absmax) in quant.items():
+        changed = name == "layers.1.qkv.weight"
+        assert torch.equal(slots[name].quant.codes, codes) != changed, name
+    after = model.state_dict()
+    assert torch.equal(after["layers.0.ln1.weight"], new_ln) and torch.equal(after["layers.1.qkv.weight"], new_qkv)
+    assert not any(torch.isnan(v).any() for v in after.values())
+
+
+def test_quantized_blocks_measure_the_same_activations_paged_or_resident():
+    # Under bf16 autocast a paged block's measured activations add the copies autocast would
+    # have made of its fp32 weights, resident. A quantized weight is dequantized per use
+    # either way and never copied: counting it would price residency twice.
+    _, _, (model, _) = train("gpt", dict(param_offload=[0, 1], activation_offload=False, quantize="nf4"), steps=2,
+                             autocast=torch.bfloat16, freeze=FROZEN)
+    engine = model._trainstream_engine
+    assert [u.paged for u in engine.block_units] == [True, True, False, False]
+    assert engine.activation_bytes[0] == engine.activation_bytes[2] > 0
+    assert engine.activation_cast[0] == engine.activation_cast[2]
+
+
+def test_weights_that_require_grad_are_not_quantized():
+    # Frozen in the optimizer's eyes only: autograd would still make their full-size gradient.
+    torch.manual_seed(0)
+    model, _, _ = tiny_gpt()
+    in_optimizer = [p for n, p in model.named_parameters() if not FROZEN(n)]
+    model, _ = trainstream.wrap(model, torch.optim.AdamW(in_optimizer, lr=1e-2), device="cpu", offload=True,
+                                quantize="nf4", **RESIDENT)
+    assert trainstream.memory_report(model)["params"]["quantize"] == "none"
+
+
+def _checkpointed_gpt(reentrant: bool, forwards: list):
+    from torch.utils.checkpoint import checkpoint
+    from trainstream.bench.models import GPT, GPTConfig
+
+    class CheckpointedGPT(GPT):
+        def forward(self, idx, tgt):
+            x = self.emb(idx)
+            for blk in self.layers:
+                x = checkpoint(blk, x, use_reentrant=reentrant)
+            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
+
+    def factory():
+        model, batch, loss_fn = tiny_gpt()
+        checkpointed = CheckpointedGPT(GPTConfig(dim=64, layers=4, heads=4, vocab=97))
+        checkpointed.load_state_dict(model.state_dict())
+        for blk in checkpointed.layers:
+            blk.register_forward_pre_hook(lambda m, a: forwards.append(m))
+        return checkpointed, batch, loss_fn
+    return factory
+
+
+@pytest.mark.parametrize("base", [RESIDENT, dict(param_offload=True, activation_offload=False)],
+                         ids=["resident", "paged"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_recomputes_quantized_blocks_and_releases_them(reentrant, base, monkeypatch):
+    from trainstream.engine.params import WeightPager
+    forwards, held = [], []
+    fetch = WeightPager.fetch
+
+    def counting_fetch(self, unit, **kw):
+        fetch(self, unit, **kw)
+        held.append(sum(u.fetched is not None for u in self.engine.block_units))
+    monkeypatch.setattr(WeightPager, "fetch", counting_fetch)
+    opts = dict(base, quantize="nf4")
+    checkpointed = train("ckpt", opts, steps=3, freeze=FROZEN, model_factory=_checkpointed_gpt(reentrant, forwards))
+    assert len(forwards) == 3 * 4 * 2  # every block's forward ran again in backward
+    assert max(held) <= 3  # the block recomputing, the one after it, the one fetched ahead
+    assert_same_bits(checkpointed, train("gpt", opts, steps=3, freeze=FROZEN))  # the same run without checkpoints
+    reference = train("ckpt", base, steps=3, freeze=FROZEN,
+                      model_factory=_round_tripped_factory(_checkpointed_gpt(reentrant, []), "nf4", FROZEN))
+    assert_same_bits(checkpointed, reference)
+
+
+def _round_tripped_factory(factory, fmt, frozen):
+    def build():
+        model, batch, loss_fn = factory()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if frozen(n):
+                    p.copy_(QuantizedWeight.quantize(p, fmt).dequantize())
+        return model, batch, loss_fn
+    return build
+
+
 def test_blocks_moved_between_paged_and_resident_keep_their_bits():
     def run(move: bool):
         torch.manual_seed(0)
@@ -243,6 +348,31 @@ def test_gpu_quantized_training_is_the_round_tripped_model(fmt, autocast):
     assert_same_bits(resident, paged)
     reference = train("llama", RESIDENT, model_factory=_round_tripped("llama", fmt, HF_FROZEN), **kw)
     assert_same_bits(resident, reference)
+
+
+@pytest.mark.gpu
+def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize():
+    """A model already on the GPU is quantized there, on the compute stream, while the first
+    dequantize runs on the copy-in stream: with compute held up by a long kernel, a missing
+    wait would dequantize codes not written yet. The first loss must be the stock model's
+    on the same (round-tripped) weights, bit for bit."""
+    def model_on_gpu():
+        torch.manual_seed(0)
+        model, batch, loss_fn = tiny_gpt(dim=512, layers=4, heads=8)
+        for n, p in model.named_parameters():
+            p.requires_grad_(not FROZEN(n))
+        return model.cuda(), batch, loss_fn
+    reference, batch, loss_fn = model_on_gpu()
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            if FROZEN(n):
+                p.copy_(QuantizedWeight.quantize(p, "int8").dequantize())
+    expect = loss_fn(reference, batch(0, "cuda")).item()
+    model, _, _ = model_on_gpu()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 30)  # about a second of compute-stream work ahead of the quantization
+    model, _ = trainstream.wrap(model, None, lr=1e-2, device="cuda", offload=True, quantize="int8", **RESIDENT)
+    assert loss_fn(model, batch(0, "cuda")).item() == expect
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """wrap(), unwrap() and memory_report(): the public entry points of the offload engine."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -175,6 +176,11 @@ def _fit_quantized(opts, quantizable, block_units, outside_units, unpageable, pr
             notes.append("quantize='auto': nothing quantized" + ("" if quantizable else " (no frozen Linear weights "
                                                                  "in the blocks)"))
         return fit, notes
+    if opts.quantize == "auto":  # a lossy choice made for the user: say it outside the log too
+        why_auto = ("because the run does not fit otherwise; pass quantize='none' to get the MemoryError instead"
+                    if refused else "because prefer='speed' and it keeps every block in VRAM")
+        warnings.warn(f"trainstream.wrap(): quantize='auto' stores {len(quantizable)} frozen weights as {fmt}, "
+                      f"{why_auto}", stacklevel=3)
     before = sum(s.full_nbytes for s in quantizable)
     after = sum(s.nbytes for s in quantizable)
     why = f", because it does not fit with {'; '.join(refused)}" if refused else ""

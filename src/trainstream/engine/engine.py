@@ -183,6 +183,9 @@ class Engine:
                     if data.device != backend.device:
                         s.param.data = data.to(backend.device)
                     self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+        # Quantized codes made on the device were written on the compute stream; the copy-in
+        # stream dequantizes them.
+        backend.follow_compute(backend.copy_in)
         self.events.add(f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
                         f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces")
         for module in self.model.modules():
@@ -272,7 +275,11 @@ class Engine:
             engine.enter_block(unit)
             measure = engine._start_counting()
             try:
-                if (unit.streamed or unit.act_paged or measure) and torch.is_grad_enabled():
+                # A checkpoint around the block has its own saved-tensor hooks: ours would
+                # override them (nothing recomputed, every activation kept), so a block whose
+                # activations stay put leaves them be; its weights come back with the recompute.
+                foreign = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+                if (unit.act_paged or measure or (unit.streamed and not foreign)) and torch.is_grad_enabled():
                     with torch.autograd.graph.saved_tensors_hooks(
                             functools.partial(engine.pack, unit), engine.unpack):
                         out = forward(*args, **kwargs)
@@ -293,6 +300,12 @@ class Engine:
 
     def enter_block(self, unit) -> None:
         if self.grads.in_backward or self._in_autograd():
+            # A block recomputing its forward in backward (checkpointing). Backward is done with
+            # the blocks above the one after it; under reentrant checkpointing no backward hook
+            # of theirs released their fetched or dequantized weights.
+            for done in self.block_units[unit.block + 2:]:
+                if done.streamed and done.fetched is not None:
+                    self.weights.release(done)
             self.weights.guard(unit)
             return
         if torch.is_grad_enabled():

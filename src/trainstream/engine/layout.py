@@ -193,9 +193,10 @@ QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def quantizable_slots(block_units: list, blocks: list, unpageable: list) -> tuple[list, list]:
     """The weights wrap(quantize=...) may store quantized: frozen nn.Linear weight matrices
-    of the blocks (as QLoRA: not biases, norms or anything trainable). A weight that other
-    modules also use (tied to the outside, or shared between blocks) is left as it is: they
-    would read its placeholder. Returns the slots and notes for the events log."""
+    of the blocks (as QLoRA: not biases, norms, anything the optimizer holds, or anything that
+    still requires grad, which autograd would give a full-size gradient). Weights of a block
+    that shares a parameter with the outside, and weights shared between blocks, are left as
+    they are: other modules would read the placeholder. Returns the slots and notes."""
     in_blocks: dict = {}
     for block in blocks:
         for p in dict.fromkeys(block.parameters()):
@@ -203,13 +204,15 @@ def quantizable_slots(block_units: list, blocks: list, unpageable: list) -> tupl
     slots, shared = [], []
     for unit in block_units:
         for s in unit.slots:
-            if s.trainable or not s.is_linear or s.param.dim() != 2 or s.dtype not in QUANT_DTYPES:
+            if (s.trainable or s.param.requires_grad or not s.is_linear or s.param.dim() != 2
+                    or s.dtype not in QUANT_DTYPES):
                 continue
             if unit.block in unpageable or in_blocks.get(s.param, 0) > 1:
                 shared.append(s.name)
                 continue
             slots.append(s)
-    notes = [f"quantize: {len(shared)} frozen weights shared with other modules stay unquantized "
+    notes = [f"quantize: {len(shared)} frozen weights in blocks that share parameters with other modules stay "
+             f"unquantized "
              f"({', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''})"] if shared else []
     return slots, notes
 

@@ -118,6 +118,8 @@ class WeightPager:
         self.release(unit)
         for s in unit.slots:
             if s.quant is not None:  # the codes move to host transfer memory; the param keeps its placeholder
+                for t in (s.quant.codes, s.quant.absmax):  # a dequantize queued on copy-in may still read them
+                    backend.keep_until(t, backend.copy_in)
                 s.quant = s.quant._with(backend.to_host(s.quant.codes), backend.to_host(s.quant.absmax))
                 continue
             if s.trainable and self.engine.update_on_device:

@@ -70,7 +70,8 @@ def cast_bytes(unit) -> int:
     """The copies autocast would make of `unit`'s weights had they been resident, as this
     pass fetched them in bf16 (params.py); an upper bound of what backward keeps (a Linear
     whose input needs no gradient keeps no copy of its weight)."""
-    return weight_copy_bytes([s for s in unit.slots if unit.fetch_dtypes.get(s) == torch.bfloat16])
+    return weight_copy_bytes([s for s in unit.slots if unit.fetch_dtypes.get(s) == torch.bfloat16
+                              and s.quant_format is None])  # a quantized weight is always dequantized per use
 
 
 def activations_as_placed(engine, unit, paged: bool) -> int:

@@ -26,8 +26,11 @@ def _direct_slots(engine) -> dict:
 
 
 def _host_weights(s) -> torch.Tensor:
+    """What a state dict holds for `s`: its host weights; a quantized weight dequantized into
+    host memory, one at a time (a resident one's codes are on the device, and a state dict of
+    every dequantized weight there would need the VRAM quantizing saved)."""
     if s.quant is not None:
-        return s.quant.dequantize()  # where the codes are: host memory (paged) or the device
+        return s.quant.dequantize().cpu()
     return s.host[s.dtype]
 
 
@@ -73,7 +76,7 @@ class StateHooks:
                     lambda m, sd, prefix, meta, ss=slots: self._after_save(m, sd, prefix, ss)),
                 module.register_load_state_dict_pre_hook(
                     lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ss=slots:
-                    self._before_load(meta, ss)),
+                    self._before_load(m, sd, prefix, meta, ss)),
                 module.register_load_state_dict_post_hook(lambda m, keys, ss=slots: self._after_load(ss)),
             ]
 
@@ -82,11 +85,14 @@ class StateHooks:
             h.remove()
         self._handles = []
 
-    def _expose(self, slots) -> None:
+    def _expose(self, slots, only=None) -> None:
+        """Point the placeholder params among `slots` (those in `only`, if given) at weights
+        that can be read and written."""
         self.engine.synchronize()
         for s in _exposed(slots):
-            self._saved[s] = s.param.data
-            s.param.data = _host_weights(s)
+            if only is None or s in only:
+                self._saved[s] = s.param.data
+                s.param.data = _host_weights(s)
 
     def _after_save(self, module, state_dict, prefix, slots) -> None:
         # With keep_vars=True the entries are the Parameters themselves, which are about
@@ -103,16 +109,26 @@ class StateHooks:
         for s in slots:
             s.param.data = self._saved.pop(s, s.placeholder)
 
-    def _before_load(self, meta, slots) -> None:
+    def _before_load(self, module, state_dict, prefix, meta, slots) -> None:
         if meta.get("assign_to_params_buffers", False):
             raise ValueError("trainstream: load_state_dict(assign=True) would replace the wrapped parameters; "
                              "load without assign, or unwrap() first")
-        self._expose(slots)
+        backend = self.engine.backend
+        if backend.is_cuda:  # copies to the device may still read the host weights or codes written below
+            torch.cuda.synchronize(backend.device)
+        # Only the weights the state dict holds (a partial load, say a LoRA adapter's, leaves
+        # the others, and a quantized one is not dequantized and quantized again for nothing).
+        names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+        self._expose(slots, only={s for s in slots if prefix + names[id(s.param)] in state_dict})
 
     def _after_load(self, slots) -> None:
         for s in slots:
+            if s.quant is not None and s not in self._saved:
+                continue  # not in the state dict: its codes stand
             _level(s)
-        self._restore(_exposed(slots))
+        self._restore([s for s in _exposed(slots) if s in self._saved])
+        backend = self.engine.backend
+        backend.follow_compute(backend.copy_in)  # re-quantized codes were written on the compute stream
         with self.engine.weights.lock:
             for unit in {s.unit for s in slots}:
                 unit.stale = False
@@ -126,5 +142,6 @@ def unwrap(engine) -> None:
     for unit in engine.units:
         engine.weights.release(unit)
         for s in _exposed(unit.slots):
-            s.param.data = _host_weights(s).to(engine.backend.device)
+            weights = s.quant.dequantize() if s.quant is not None else _host_weights(s)
+            s.param.data = weights.to(engine.backend.device)
     engine.optimizer._engine = None
