@@ -129,6 +129,14 @@ def _fit(opts, block_units, outside_units, unpageable, profile, on_device, optim
     return _Fit(placement, update_on_device, budget, mapped_bytes, moment_note, mode_note)
 
 
+QUANT_ORDER = ("int8", "nf4")  # quantize="auto" tries them in this order, after no quantization
+
+
+def _what_did_not_fit(error: MemoryError) -> str:
+    """The problems check_fits listed, without its preamble and advice."""
+    return str(error).split(". What would help")[0].split("does not fit. ")[-1]
+
+
 def _fit_quantized(opts, quantizable, block_units, outside_units, unpageable, profile, on_device, optimizer,
                    backend) -> tuple[_Fit, list]:
     """The fit with the quantize setting applied. quantize='auto' tries no quantization,
@@ -140,19 +148,20 @@ def _fit_quantized(opts, quantizable, block_units, outside_units, unpageable, pr
     args = (opts, block_units, outside_units, unpageable, profile, on_device, optimizer, backend)
     notes, refused = [], []
     for i, fmt in enumerate(formats):
+        last = i == len(formats) - 1
         set_quantization(quantizable, fmt, opts.quant_block_size)
-        later = [f"quantize={f!r}" for f in ("int8", "nf4")[("int8", "nf4").index(fmt) + 1 if fmt else 0:]]
-        hint = " or ".join(later) if quantizable and i == len(formats) - 1 else ""
+        smaller = QUANT_ORDER[QUANT_ORDER.index(fmt) + 1:] if fmt else QUANT_ORDER  # formats that shrink more
+        hint = " or ".join(f"quantize={f!r}" for f in smaller) if quantizable and last else ""
         try:
             fit = _fit(*args, quantize_hint=hint)
         except MemoryError as e:
-            if i == len(formats) - 1:
-                if refused:
-                    raise MemoryError(f"{e} (quantize='auto' tried, and it did not fit either with "
-                                      f"{'; '.join(refused)})") from None
-                raise
-            refused.append(f"{fmt or 'no quantization'} ({str(e).split('. What would help')[0].split('does not fit. ')[-1]})")
-            continue
+            if not last:
+                refused.append(f"{fmt or 'no quantization'} ({_what_did_not_fit(e)})")
+                continue
+            if refused:
+                raise MemoryError(f"{e} (quantize='auto' tried, and it did not fit either with "
+                                  f"{'; '.join(refused)})") from None
+            raise
         break
     if opts.quantize == "auto" and opts.prefer == "speed" and quantizable and fmt != "nf4" \
             and opts.param_offload == "auto" and fit.placement.paged:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..quant.weight import quantized_nbytes
+from ..quant.weight import code_layout, quantized_nbytes
 
 
 @dataclass(eq=False)
@@ -166,9 +166,8 @@ def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
     need = []
     if s.quant_format is not None:  # frozen: a paged unit keeps the codes and scales in host memory
         if paged:
-            codes = -(-n // 2) if s.quant_format == "nf4" else n
-            need += [("codes", torch.uint8 if s.quant_format == "nf4" else torch.int8, codes),
-                     ("absmax", torch.float32, -(-n // s.quant_block))]
+            codes, code_dtype = code_layout(n, s.quant_format)
+            need += [("codes", code_dtype, codes), ("absmax", torch.float32, -(-n // s.quant_block))]
         return need
     if s.trainable:
         need += [("master", torch.float32, n)] + ([("stage", s.dtype, n)] if stage else [])

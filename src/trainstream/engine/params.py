@@ -12,6 +12,10 @@ they are released. Under autocast, the weights and biases of nn.Linear layers tr
 the autocast dtype: the host AdamW writes that copy in the same pass as the fp32 master,
 autocast would have rounded the fp32 weight to exactly those values (round to nearest
 even both ways), so the block computes the same bits with half the PCIe bytes.
+
+Quantized frozen weights (wrap(quantize=...)) are streamed the same way, resident unit or
+paged: the fetch dequantizes their codes (a paged unit's cross PCIe first) on the copy-in
+stream, in the dtype the block computes in, and the release drops the dequantized tensor.
 """
 from __future__ import annotations
 

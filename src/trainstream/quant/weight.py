@@ -10,10 +10,15 @@ from ..ops import quant as qops
 FORMATS = ("nf4", "int8")
 
 
+def code_layout(numel: int, format: str) -> tuple[int, torch.dtype]:
+    """How many codes a weight of `numel` values takes as `format`, and their dtype (NF4:
+    two per byte)."""
+    return (-(-numel // 2), torch.uint8) if format == "nf4" else (numel, torch.int8)
+
+
 def quantized_nbytes(numel: int, format: str, block_size: int) -> int:
     """Bytes a weight of `numel` values takes as `format`: codes plus one fp32 absmax per block."""
-    codes = -(-numel // 2) if format == "nf4" else numel
-    return codes + 4 * -(-numel // block_size)
+    return code_layout(numel, format)[0] + 4 * -(-numel // block_size)
 
 
 class QuantizedWeight:
