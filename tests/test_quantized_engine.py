@@ -351,6 +351,19 @@ def test_gpu_quantized_training_is_the_round_tripped_model(fmt, autocast):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("base", [RESIDENT, dict(param_offload=True, activation_offload=False)],
+                         ids=["resident", "paged"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gpu_checkpointing_with_quantized_blocks_gives_the_same_bits(reentrant, base):
+    opts = dict(base, quantize="nf4")
+    forwards = []
+    checkpointed = train("ckpt", opts, steps=3, freeze=FROZEN, device="cuda",
+                         model_factory=_checkpointed_gpt(reentrant, forwards))
+    assert len(forwards) == 3 * 4 * 2
+    assert_same_bits(checkpointed, train("gpt", opts, steps=3, freeze=FROZEN, device="cuda"))
+
+
+@pytest.mark.gpu
 def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize():
     """A model already on the GPU is quantized there, on the compute stream, while the first
     dequantize runs on the copy-in stream: with compute held up by a long kernel, a missing
