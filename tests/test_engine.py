@@ -866,3 +866,23 @@ def test_the_process_exits_cleanly_while_updates_are_in_flight():
     proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0 and "exiting" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_small_gradients_leave_in_one_batch_per_unit(monkeypatch):
+    """Gradients under GradStreamer.SMALL_GRAD_BYTES wait for their unit's last one and go
+    to host memory together (one D2H batch per unit and pass); a large one goes at once."""
+    from trainstream.engine.grads import GradStreamer
+    sends = []
+    send = GradStreamer._send
+
+    def counting(self, unit):
+        sends.append((unit.name, len(unit.waiting)))
+        send(self, unit)
+    monkeypatch.setattr(GradStreamer, "_send", counting)
+    _, _, (model, _) = train("gpt", RESIDENT, steps=1)  # every gradient of the tiny GPT is small
+    units = [u for u in model._trainstream_engine.units if u.trainable]
+    assert sorted(sends) == sorted((u.name, len(u.trainable)) for u in units)
+    sends.clear()
+    monkeypatch.setattr(GradStreamer, "SMALL_GRAD_BYTES", 0)  # every gradient counts as large
+    train("gpt", RESIDENT, steps=1)
+    assert all(n == 1 for _, n in sends) and len(sends) == sum(len(u.trainable) for u in units)

@@ -9,6 +9,12 @@ the gradient is added to a host fp32 sum. With optimizer_mode="gpu" and neither 
 accumulation, a gradient is not copied: it stays on the device until its unit's update,
 queued on the device as soon as the unit is complete, has read it.
 
+Gradients smaller than SMALL_GRAD_BYTES (a LoRA adapter's, a norm's) wait on the device
+until their unit's last gradient arrives and leave with it, in one batch: each copy costs
+the autograd thread a few stream operations in Python, which for hundreds of small tensors
+took more of a step than the GPU's work. A unit that never completes (an unused parameter)
+sends what waits at the end of the pass.
+
 Nothing here blocks the autograd thread on a copy: finished copies are noticed by polling
 their events at each hook, and whatever is still in flight when backward ends is waited
 for in the end-of-backward callback.
@@ -42,6 +48,8 @@ def _post_accumulate(streamer_ref, slot_ref, param) -> None:
 
 
 class GradStreamer:
+    SMALL_GRAD_BYTES = 1 << 20
+
     def __init__(self, engine):
         self.engine = engine
         self.passes = 0           # backward passes in the current accumulation window
@@ -102,22 +110,38 @@ class GradStreamer:
             # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
             # autocast) gives the same bits as the fp32 gradient of the unpaged run.
             slot.norm = torch.linalg.vector_norm(g if g.dtype == torch.float32 else g.float())
-        if slot.reader is not None:
-            slot.reader.wait()  # the last job reading this buffer (long finished, as a rule)
-            slot.reader = None
-        if slot.stage is None or slot.stage.dtype != g.dtype:
-            slot.stage = _view_as(slot.stage_region, g)
+        p.grad = None
+        unit = slot.unit
+        unit.waiting.append((slot, g))
+        last = unit.landed + len(unit.waiting) == len(unit.trainable)
+        if last or nbytes >= self.SMALL_GRAD_BYTES:
+            self._send(unit)
+
+    def _send(self, unit) -> None:
+        """Copy the unit's waiting gradients to their landing buffers, one batch on the D2H
+        stream, and count them landed."""
+        engine, backend = self.engine, self.engine.backend
+        batch, unit.waiting = unit.waiting, []
+        nbytes = sum(g.numel() * g.element_size() for _, g in batch)
+        for slot, g in batch:
+            if slot.reader is not None:
+                slot.reader.wait()  # the last job reading this buffer (long finished, as a rule)
+                slot.reader = None
+            if slot.stage is None or slot.stage.dtype != g.dtype:
+                slot.stage = _view_as(slot.stage_region, g)
         engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
         backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
         with backend.on(backend.copy_out):
-            slot.stage.copy_(g, non_blocking=True)
-            backend.keep_until(g, backend.copy_out)
+            for slot, g in batch:
+                slot.stage.copy_(g, non_blocking=True)
+                backend.keep_until(g, backend.copy_out)
         event = backend.record(backend.copy_out)
-        engine.inflight.add(event, nbytes)  # the device gradient is freed once copied
-        p.grad = None
-        self._landed(slot, event)
+        engine.inflight.add(event, nbytes)  # the device gradients are freed once copied
+        for slot, _ in batch:
+            self._landed(slot, event, poll=False)
+        self.poll()
 
-    def _landed(self, slot, event) -> None:
+    def _landed(self, slot, event, poll: bool = True) -> None:
         """`slot`'s gradient is on its way (`event`: its copy); the unit is ready for its
         update once all of its gradients are."""
         unit = slot.unit
@@ -129,7 +153,8 @@ class GradStreamer:
             self._ready.append(unit)
         else:
             self._partial.add(unit)
-        self.poll()
+        if poll:
+            self.poll()
 
     def recover(self) -> None:
         """A backward pass that raised never reached its end callback: close it here, when
@@ -141,6 +166,7 @@ class GradStreamer:
             self.in_backward = False
             for unit in self.engine.units:
                 unit.landed = 0
+                unit.waiting = []
                 for s in unit.trainable:
                     s.fresh = False
                     s.device_grad = None
@@ -159,6 +185,9 @@ class GradStreamer:
         """End of a backward pass (autograd's final callback): wait for the copies still in
         flight and hand on every unit that got gradients, complete or not."""
         try:
+            for unit in self.engine.units:
+                if unit.waiting:  # a unit with a parameter this pass did not reach
+                    self._send(unit)
             for unit in [*self._ready, *self._partial]:
                 unit.grad_event.synchronize()
                 self._hand_on(unit)

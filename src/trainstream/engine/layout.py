@@ -76,6 +76,9 @@ class Unit:
     priority: int = 0             # when the next forward needs it (the host pool runs lowest first)
     h2d_event = None              # resident: the new weights' copy to the device (or their device update)
     landed: int = 0               # gradients landed in the current backward pass
+    # Small gradients of this pass held on the device until the unit's last one (or the end
+    # of the pass) sends them out together: (slot, gradient).
+    waiting: list = field(default_factory=list)
     grad_event = None             # the last of those gradients' copies to the host
     queued: bool = False          # this window's update was handed to the optimizer
     # Paged weights currently on the device: slot -> device tensor, and how they came.

@@ -212,7 +212,8 @@ class WeightPager:
                     # Codes and scales cross (a paged unit's; a resident unit's are on the
                     # device already) and are dequantized here, on the copy-in stream.
                     dev = torch.empty(s.param.shape, dtype=dtypes[s], device=backend.device)
-                    s.quant.to(backend.device, non_blocking=True).dequantize(out=dev)
+                    q = s.quant if s.quant.device == backend.device else s.quant.to(backend.device, non_blocking=True)
+                    q.dequantize(out=dev)
                 else:
                     src = self._host_source(s, dtypes[s])
                     dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)

@@ -34,6 +34,7 @@ from . import _dtypes
 from .adamw import get_pool
 
 NF4, INT8 = 0, 1  # native QuantFormat
+_cuda_ready = False  # require_cuda() has passed in this process
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FORMAT_NAMES = {NF4: "nf4", INT8: "int8"}
 
@@ -54,8 +55,11 @@ def _run(dequantize: bool, fmt: int, values: torch.Tensor, codes: torch.Tensor, 
     args = (dequantize, fmt, values.numel(), block_size, _dtypes.code(values.dtype),
             values.data_ptr(), codes.data_ptr(), absmax.data_ptr())
     if values.device.type == "cuda":
-        from .._native import require_cuda
-        require_cuda("GPU quantization")
+        global _cuda_ready
+        if not _cuda_ready:  # checked once: a LoRA step dequantizes every frozen weight twice
+            from .._native import require_cuda
+            require_cuda("GPU quantization")
+            _cuda_ready = True
         native.quant_cuda(*args, values.device.index, torch.cuda.current_stream(values.device).cuda_stream)
     else:
         native.quant_queue(get_pool(), *args).wait()
