@@ -886,3 +886,83 @@ def test_small_gradients_leave_in_one_batch_per_unit(monkeypatch):
     monkeypatch.setattr(GradStreamer, "SMALL_GRAD_BYTES", 0)  # every gradient counts as large
     train("gpt", RESIDENT, steps=1)
     assert all(n == 1 for _, n in sends) and len(sends) == sum(len(u.trainable) for u in units)
+
+
+def _reentrant_gpt(extra_gain: bool = False):
+    from torch.utils.checkpoint import checkpoint
+    from trainstream.bench.models import GPT, GPTConfig
+
+    class ReentrantGPT(GPT):
+        def __init__(self, config):
+            super().__init__(config)
+            if extra_gain:  # a parameter every checkpointed segment uses
+                self.norm.gain = torch.nn.Parameter(torch.ones(config.dim))
+
+        def forward(self, idx, tgt):
+            x = self.emb(idx)
+            for blk in self.layers:
+                segment = (lambda x, blk=blk: blk(x) * self.norm.gain) if extra_gain else blk
+                x = checkpoint(segment, x, use_reentrant=True)
+            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
+
+    def factory():
+        model, batch, loss_fn = tiny_gpt()
+        ckpt = ReentrantGPT(GPTConfig(dim=64, layers=4, heads=4, vocab=97))
+        ckpt.load_state_dict(model.state_dict(), strict=False)
+        return ckpt, batch, loss_fn
+    return factory
+
+
+@pytest.mark.parametrize("opts", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_reentrant_checkpointing_with_a_frozen_head(opts):
+    """The first trainable gradient arrives inside a checkpoint's own backward: the pass must
+    still end with the whole backward (it starts at the model's output)."""
+    frozen = lambda n: n.startswith(("head", "norm"))  # noqa: E731
+    stock = train("ckpt", None, steps=3, freeze=frozen, model_factory=_reentrant_gpt())
+    wrapped = train("ckpt", opts, steps=3, freeze=frozen, model_factory=_reentrant_gpt())
+    assert max_diff(stock[1], wrapped[1]) < 5e-5
+
+
+def test_a_second_gradient_in_one_pass_is_an_error_not_a_wrong_update():
+    torch.manual_seed(0)
+    model, batch, loss_fn = _reentrant_gpt(extra_gain=True)()
+    model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, **RESIDENT)
+    with pytest.raises(RuntimeError, match="norm.gain got a second gradient in one backward pass"):
+        loss_fn(model, batch(0, "cpu")).backward()
+    opt.zero_grad()  # the pass is closed; updates queued before the error stand, as for any failed backward
+    assert "a backward pass raised" in trainstream.memory_report(model)["events"]
+
+
+def test_a_failure_at_the_end_of_backward_leaves_no_half_landed_state(monkeypatch):
+    from trainstream.engine.grads import GradStreamer
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, **RESIDENT)
+    end_pass = GradStreamer._end_pass
+
+    def failing_end(self):
+        # The first thing _end_pass does with every unit: fail on the second unit, with the
+        # first already sent (a failed host job surfacing there, say).
+        calls = []
+
+        def send(unit):
+            calls.append(unit)
+            if len(calls) == 2:
+                raise RuntimeError("a host job failed")
+        self._send = send
+        for unit in self.engine.units[:2]:  # two units still waiting, as after unused parameters
+            unit.waiting = [(unit.trainable[0], torch.zeros(1), None)]
+        try:
+            end_pass(self)
+        finally:
+            del self._send
+    monkeypatch.setattr(GradStreamer, "_end_pass", failing_end)
+    with pytest.raises(RuntimeError, match="a host job failed"):
+        loss_fn(model, batch(0, "cpu")).backward()
+    monkeypatch.setattr(GradStreamer, "_end_pass", end_pass)
+    engine = model._trainstream_engine
+    assert all(not u.waiting and u.landed == 0 and not any(s.fresh for s in u.trainable) for u in engine.units)
+    assert "the end of a backward pass raised" in trainstream.memory_report(model)["events"]
+    loss_fn(model, batch(1, "cpu")).backward()  # the next pass counts only its own gradients
+    opt.step()
+    opt.zero_grad()

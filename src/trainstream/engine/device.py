@@ -83,6 +83,13 @@ class Backend:
         if self.is_cuda:
             stream.wait_stream(self.compute_stream())
 
+    def follow(self, stream, sources) -> None:
+        """Order `stream` after everything each of `sources` (streams; None on the CPU) has
+        queued so far."""
+        if self.is_cuda:
+            for source in {id(s): s for s in sources if s is not None}.values():
+                stream.wait_stream(source)
+
     def keep_until(self, tensor: torch.Tensor, stream) -> None:
         """Keep `tensor`'s device memory out of reuse until `stream` has passed its current
         work (the caching allocator would otherwise hand it out while a copy still reads it)."""

@@ -265,7 +265,11 @@ class Engine:
             return
         self.adapter.forward_returns()
         for t in outputs:
-            t.register_hook(lambda grad: self.adapter.backward_starts(grad.untyped_storage().nbytes()))
+            t.register_hook(self._output_grad)
+
+    def _output_grad(self, grad) -> None:
+        self.grads.begin_pass()
+        self.adapter.backward_starts(grad.untyped_storage().nbytes())
 
     def _block_forward(self, unit, forward):
         engine = self

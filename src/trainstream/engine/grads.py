@@ -56,6 +56,8 @@ class GradStreamer:
         self.in_backward = False
         self._ready = deque()     # units whose gradients have all been issued D2H, in order
         self._partial = set()     # units with some gradients this pass (unused params exist)
+        self._pass_id = 0         # numbers every backward pass (a slot's seen_pass)
+        self._last_unit = None    # the unit the last gradient belonged to
         self._hooks = []
 
     def install(self) -> None:
@@ -84,8 +86,17 @@ class GradStreamer:
                 f"accumulation_steps={n}: call optimizer.step() after every {n} backward pass(es) "
                 f"(or optimizer.zero_grad() to drop the gradients)")
         self.passes += 1
+        self._pass_id += 1
+        self._last_unit = None
         self.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def begin_pass(self) -> None:
+        """Backward reached the model's output: the pass starts in the outer backward, so its
+        end callback runs when all of backward is done (a first gradient inside a reentrant
+        checkpoint's own backward would tie it to that inner one)."""
+        if not self.in_backward:
+            self._begin_pass()
 
     def _on_grad(self, slot) -> None:
         if not self.in_backward:
@@ -97,6 +108,20 @@ class GradStreamer:
         if g.is_sparse:
             raise ValueError(f"trainstream: sparse gradients are not supported ({slot.name})")
         engine, backend = self.engine, self.engine.backend
+        unit = slot.unit
+        if slot.seen_pass == self._pass_id:
+            # A second gradient in one pass: the parameter is used by several reentrant
+            # checkpoint segments, each with its own backward. Summed while it waits on the device.
+            waiting = next((w for w in unit.waiting if w[0] is slot), None)
+            if waiting is None:
+                raise RuntimeError(
+                    f"trainstream: {slot.name} got a second gradient in one backward pass after the first had "
+                    "left for host memory (a parameter used by several reentrant checkpoint segments); use "
+                    "checkpoint(..., use_reentrant=False), or keep the parameter inside one segment")
+            waiting[1].add_(g)
+            p.grad = None
+            return
+        slot.seen_pass = self._pass_id
         nbytes = g.numel() * g.element_size()
         if engine.device_grads:
             # optimizer_mode="gpu": the update reads the gradient where it is, as soon as the
@@ -111,33 +136,36 @@ class GradStreamer:
             # autocast) gives the same bits as the fp32 gradient of the unpaged run.
             slot.norm = torch.linalg.vector_norm(g if g.dtype == torch.float32 else g.float())
         p.grad = None
-        unit = slot.unit
-        unit.waiting.append((slot, g))
-        last = unit.landed + len(unit.waiting) == len(unit.trainable)
-        if last or nbytes >= self.SMALL_GRAD_BYTES:
+        previous, self._last_unit = self._last_unit, unit
+        if previous is not None and previous is not unit and previous.waiting:
+            self._send(previous)  # backward has moved on: what it left waiting goes now
+        unit.waiting.append((slot, g, backend.compute_stream()))
+        if unit.landed + len(unit.waiting) == len(unit.trainable) or nbytes >= self.SMALL_GRAD_BYTES:
             self._send(unit)
+        elif self._ready and self._ready[0].grad_event.query():
+            self.poll()
 
     def _send(self, unit) -> None:
         """Copy the unit's waiting gradients to their landing buffers, one batch on the D2H
         stream, and count them landed."""
         engine, backend = self.engine, self.engine.backend
         batch, unit.waiting = unit.waiting, []
-        nbytes = sum(g.numel() * g.element_size() for _, g in batch)
-        for slot, g in batch:
+        nbytes = sum(g.numel() * g.element_size() for _, g, _ in batch)
+        for slot, g, _ in batch:
             if slot.reader is not None:
                 slot.reader.wait()  # the last job reading this buffer (long finished, as a rule)
                 slot.reader = None
             if slot.stage is None or slot.stage.dtype != g.dtype:
                 slot.stage = _view_as(slot.stage_region, g)
         engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
-        backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
+        backend.follow(backend.copy_out, [stream for *_, stream in batch])  # each gradient's producer
         with backend.on(backend.copy_out):
-            for slot, g in batch:
+            for slot, g, _ in batch:
                 slot.stage.copy_(g, non_blocking=True)
                 backend.keep_until(g, backend.copy_out)
         event = backend.record(backend.copy_out)
         engine.inflight.add(event, nbytes)  # the device gradients are freed once copied
-        for slot, _ in batch:
+        for slot, *_ in batch:
             self._landed(slot, event, poll=False)
         self.poll()
 
@@ -161,18 +189,23 @@ class GradStreamer:
         no backward is running, dropping the window's gradients (its updates, if any were
         queued already, stand)."""
         if self.in_backward and torch._C._current_graph_task_id() == -1:
-            self._ready.clear()
-            self._partial.clear()
-            self.in_backward = False
-            for unit in self.engine.units:
-                unit.landed = 0
-                unit.waiting = []
-                for s in unit.trainable:
-                    s.fresh = False
-                    s.device_grad = None
-            self.reset_window()
+            self._drop_pass()
             self.engine.after_backward()
             self.engine.events.add("a backward pass raised: its gradients were dropped")
+
+    def _drop_pass(self) -> None:
+        """Forget the window's gradients, landed, waiting or in flight."""
+        self._ready.clear()
+        self._partial.clear()
+        self.in_backward = False
+        self._last_unit = None
+        for unit in self.engine.units:
+            unit.landed = 0
+            unit.waiting = []
+            for s in unit.trainable:
+                s.fresh = False
+                s.device_grad = None
+        self.reset_window()
 
     def poll(self) -> None:
         """Hand on every unit whose gradient copies have finished (D2H is in order, so the
@@ -196,6 +229,10 @@ class GradStreamer:
                 for unit in engine.update_order():  # got gradients only in earlier micro-batches
                     if not unit.queued and any(s.has_grad for s in unit.trainable):
                         engine.queue_update(unit)
+        except BaseException:
+            self._drop_pass()  # no half-landed state for the next pass to count
+            self.engine.events.add("the end of a backward pass raised: its gradients were dropped")
+            raise
         finally:
             self._ready.clear()
             self._partial.clear()

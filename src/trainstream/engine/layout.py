@@ -2,6 +2,7 @@
 updated together (a Unit: one block of the stack, or one module outside it)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class Slot:
     norm: torch.Tensor | None = None      # device-side L2 norm of this pass's gradient (clipping)
     reader = None                         # the last host job that reads stage / grad_sum
     fresh: bool = False                   # landed in this pass, not yet handed on
+    seen_pass: int = -1                   # the backward pass whose gradient arrived last
     has_grad: bool = False                # a gradient landed in this accumulation window
 
     @property
@@ -89,8 +91,9 @@ class Unit:
     ahead: bool = False           # fetched ahead of use (counts against max_inflight_bytes)
     acts: list = field(default_factory=list)          # paged activations saved this pass
 
-    @property
+    @functools.cached_property
     def trainable(self) -> list:
+        """The slots the optimizer updates (fixed at wrap(); read on every gradient)."""
         return [s for s in self.slots if s.trainable]
 
     @property
