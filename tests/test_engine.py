@@ -966,3 +966,39 @@ def test_a_failure_at_the_end_of_backward_leaves_no_half_landed_state(monkeypatc
     loss_fn(model, batch(1, "cpu")).backward()  # the next pass counts only its own gradients
     opt.step()
     opt.zero_grad()
+
+
+def test_a_parameter_in_two_reentrant_segments_of_one_block_sums_its_gradients():
+    """The second segment's backward gives ln its first gradient; the first segment's gives
+    the second one before the block's last gradient (a's, which ln follows in forward), so it
+    arrives while the first still waits on the device, and the two are summed, as torch does."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Halves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.a, self.b = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = checkpoint(lambda x: x + self.ln(self.a(x)), x, use_reentrant=True)
+            return checkpoint(lambda h: h + self.b(self.ln(h)), h, use_reentrant=True)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.layers = torch.nn.ModuleList([Halves() for _ in range(3)])
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            for layer in self.layers:
+                x = layer(x)
+            return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
+
+    def factory():
+        return Model(), (lambda i, device: torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
+                         .to(device)), (lambda m, idx: m(idx))
+    stock = train("halves", None, steps=3, model_factory=factory)
+    wrapped = train("halves", RESIDENT, steps=3, model_factory=factory)
+    assert max_diff(stock[1], wrapped[1]) < 5e-5

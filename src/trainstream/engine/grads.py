@@ -118,7 +118,9 @@ class GradStreamer:
                     f"trainstream: {slot.name} got a second gradient in one backward pass after the first had "
                     "left for host memory (a parameter used by several reentrant checkpoint segments); use "
                     "checkpoint(..., use_reentrant=False), or keep the parameter inside one segment")
-            waiting[1].add_(g)
+            summed = waiting[1].add_(g)
+            if engine.clip_on_device:
+                slot.norm = torch.linalg.vector_norm(summed if summed.dtype == torch.float32 else summed.float())
             p.grad = None
             return
         slot.seen_pass = self._pass_id
