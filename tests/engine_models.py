@@ -86,6 +86,36 @@ def train(name: str, wrap_options: dict | None, *, steps: int = 10, device: str 
     return losses, state, (model, opt)
 
 
+def checkpointed_gpt(reentrant: bool, forwards: list | None = None, shared_gain: bool = False):
+    """A factory for tiny_gpt's model (the same weights) with every block run under
+    torch.utils.checkpoint. `forwards` collects each block forward, recomputes included;
+    `shared_gain` adds a parameter that every checkpointed segment uses."""
+    from torch.utils.checkpoint import checkpoint
+
+    class CheckpointedGPT(GPT):
+        def __init__(self, config):
+            super().__init__(config)
+            if shared_gain:
+                self.norm.gain = torch.nn.Parameter(torch.ones(config.dim))
+
+        def forward(self, idx, tgt):
+            x = self.emb(idx)
+            for blk in self.layers:
+                segment = (lambda x, blk=blk: blk(x) * self.norm.gain) if shared_gain else blk
+                x = checkpoint(segment, x, use_reentrant=reentrant)
+            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
+
+    def factory():
+        model, batch, loss_fn = tiny_gpt()
+        checkpointed = CheckpointedGPT(GPTConfig(dim=64, layers=4, heads=4, vocab=97))
+        checkpointed.load_state_dict(model.state_dict(), strict=False)
+        if forwards is not None:
+            for blk in checkpointed.layers:
+                blk.register_forward_pre_hook(lambda m, a: forwards.append(m))
+        return checkpointed, batch, loss_fn
+    return factory
+
+
 PAGED = dict(param_offload=True, activation_offload=True, min_offload_bytes=0)
 RESIDENT = dict(param_offload=False, activation_offload=False)
 

@@ -12,7 +12,8 @@ import torch
 
 import trainstream
 
-from engine_models import PAGED, RESIDENT, assert_same_bits, max_diff, tiny_gpt, tiny_mlp, train
+from engine_models import (PAGED, RESIDENT, assert_same_bits, checkpointed_gpt, max_diff, tiny_gpt, tiny_mlp,
+                           train)
 
 CPU_MODELS = ["gpt", "mlp", "llama", "qwen2"]
 
@@ -743,21 +744,7 @@ def test_the_last_backward_of_a_window_updates_units_used_earlier_only():
 
 
 def test_non_reentrant_checkpointing_pages_bit_exactly():
-    from torch.utils.checkpoint import checkpoint
-    from trainstream.bench.models import GPT, GPTConfig
-
-    class CheckpointedGPT(GPT):
-        def forward(self, idx, tgt):
-            x = self.emb(idx)
-            for blk in self.layers:
-                x = checkpoint(blk, x, use_reentrant=False)
-            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
-
-    def factory():
-        model, batch, loss_fn = tiny_gpt()
-        checkpointed = CheckpointedGPT(GPTConfig(dim=64, layers=4, heads=4, vocab=97))
-        checkpointed.load_state_dict(model.state_dict())
-        return checkpointed, batch, loss_fn
+    factory = checkpointed_gpt(reentrant=False)
     resident = train("ckpt", RESIDENT, model_factory=factory, steps=3, autocast=torch.bfloat16)
     assert_same_bits(resident, train("ckpt", PAGED, model_factory=factory, steps=3, autocast=torch.bfloat16))
     stock = train("ckpt", None, model_factory=factory, steps=3)
@@ -888,44 +875,19 @@ def test_small_gradients_leave_in_one_batch_per_unit(monkeypatch):
     assert all(n == 1 for _, n in sends) and len(sends) == sum(len(u.trainable) for u in units)
 
 
-def _reentrant_gpt(extra_gain: bool = False):
-    from torch.utils.checkpoint import checkpoint
-    from trainstream.bench.models import GPT, GPTConfig
-
-    class ReentrantGPT(GPT):
-        def __init__(self, config):
-            super().__init__(config)
-            if extra_gain:  # a parameter every checkpointed segment uses
-                self.norm.gain = torch.nn.Parameter(torch.ones(config.dim))
-
-        def forward(self, idx, tgt):
-            x = self.emb(idx)
-            for blk in self.layers:
-                segment = (lambda x, blk=blk: blk(x) * self.norm.gain) if extra_gain else blk
-                x = checkpoint(segment, x, use_reentrant=True)
-            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
-
-    def factory():
-        model, batch, loss_fn = tiny_gpt()
-        ckpt = ReentrantGPT(GPTConfig(dim=64, layers=4, heads=4, vocab=97))
-        ckpt.load_state_dict(model.state_dict(), strict=False)
-        return ckpt, batch, loss_fn
-    return factory
-
-
 @pytest.mark.parametrize("opts", [RESIDENT, PAGED], ids=["resident", "paged"])
 def test_reentrant_checkpointing_with_a_frozen_head(opts):
     """The first trainable gradient arrives inside a checkpoint's own backward: the pass must
     still end with the whole backward (it starts at the model's output)."""
     frozen = lambda n: n.startswith(("head", "norm"))  # noqa: E731
-    stock = train("ckpt", None, steps=3, freeze=frozen, model_factory=_reentrant_gpt())
-    wrapped = train("ckpt", opts, steps=3, freeze=frozen, model_factory=_reentrant_gpt())
+    stock = train("ckpt", None, steps=3, freeze=frozen, model_factory=checkpointed_gpt(reentrant=True))
+    wrapped = train("ckpt", opts, steps=3, freeze=frozen, model_factory=checkpointed_gpt(reentrant=True))
     assert max_diff(stock[1], wrapped[1]) < 5e-5
 
 
 def test_a_second_gradient_in_one_pass_is_an_error_not_a_wrong_update():
     torch.manual_seed(0)
-    model, batch, loss_fn = _reentrant_gpt(extra_gain=True)()
+    model, batch, loss_fn = checkpointed_gpt(reentrant=True, shared_gain=True)()
     model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, **RESIDENT)
     with pytest.raises(RuntimeError, match="norm.gain got a second gradient in one backward pass"):
         loss_fn(model, batch(0, "cpu")).backward()

@@ -10,24 +10,28 @@ import torch
 import trainstream
 from trainstream.quant import QuantizedWeight
 
-from engine_models import PAGED, RESIDENT, assert_same_bits, max_diff, tiny_gpt, tiny_mlp, train
+from engine_models import PAGED, RESIDENT, assert_same_bits, checkpointed_gpt, max_diff, tiny_gpt, tiny_mlp, train
 
 FROZEN = lambda n: n.startswith("layers.") and n.endswith(("qkv.weight", "fc.weight", "out.weight"))  # noqa: E731
 HF_FROZEN = lambda n: ".layers." in n and n.endswith(("q_proj.weight", "up_proj.weight"))  # noqa: E731
 
 
-def _round_tripped(name: str, fmt: str, frozen, block_size: int = 64):
-    """A factory for `name` whose frozen weights hold their quantize-dequantize values."""
-    from engine_models import MODELS
-
+def _round_tripped_factory(factory, fmt, frozen):
+    """`factory`'s model with the weights `frozen` names holding their quantize-dequantize
+    values: what a quantized run computes with (the reference)."""
     def build():
-        model, batch, loss_fn = MODELS[name]()
+        model, batch, loss_fn = factory()
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if frozen(n):
-                    p.copy_(QuantizedWeight.quantize(p, fmt, block_size).dequantize())
+                    p.copy_(QuantizedWeight.quantize(p, fmt).dequantize())
         return model, batch, loss_fn
     return build
+
+
+def _round_tripped(name: str, fmt: str, frozen):
+    from engine_models import MODELS
+    return _round_tripped_factory(MODELS[name], fmt, frozen)
 
 
 def _frozen_names(state, frozen):
@@ -60,13 +64,12 @@ def _peft_llama(fmt=None):
     peft = pytest.importorskip("peft")
     from engine_models import MODELS
 
+    base = MODELS["llama"]
+    if fmt is not None:
+        base = _round_tripped_factory(base, fmt, lambda n: ".layers." in n and n.endswith("proj.weight"))
+
     def build():
-        model, batch, loss_fn = MODELS["llama"]()
-        if fmt is not None:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if ".layers." in n and n.endswith("proj.weight"):
-                        p.copy_(QuantizedWeight.quantize(p, fmt).dequantize())
+        model, batch, loss_fn = base()
         config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"])
@@ -184,27 +187,6 @@ def test_weights_that_require_grad_are_not_quantized():
     assert trainstream.memory_report(model)["params"]["quantize"] == "none"
 
 
-def _checkpointed_gpt(reentrant: bool, forwards: list):
-    from torch.utils.checkpoint import checkpoint
-    from trainstream.bench.models import GPT, GPTConfig
-
-    class CheckpointedGPT(GPT):
-        def forward(self, idx, tgt):
-            x = self.emb(idx)
-            for blk in self.layers:
-                x = checkpoint(blk, x, use_reentrant=reentrant)
-            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
-
-    def factory():
-        model, batch, loss_fn = tiny_gpt()
-        checkpointed = CheckpointedGPT(GPTConfig(dim=64, layers=4, heads=4, vocab=97))
-        checkpointed.load_state_dict(model.state_dict())
-        for blk in checkpointed.layers:
-            blk.register_forward_pre_hook(lambda m, a: forwards.append(m))
-        return checkpointed, batch, loss_fn
-    return factory
-
-
 @pytest.mark.parametrize("base", [RESIDENT, dict(param_offload=True, activation_offload=False)],
                          ids=["resident", "paged"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -218,24 +200,13 @@ def test_checkpointing_recomputes_quantized_blocks_and_releases_them(reentrant, 
         held.append(sum(u.fetched is not None for u in self.engine.block_units))
     monkeypatch.setattr(WeightPager, "fetch", counting_fetch)
     opts = dict(base, quantize="nf4")
-    checkpointed = train("ckpt", opts, steps=3, freeze=FROZEN, model_factory=_checkpointed_gpt(reentrant, forwards))
+    checkpointed = train("ckpt", opts, steps=3, freeze=FROZEN, model_factory=checkpointed_gpt(reentrant, forwards))
     assert len(forwards) == 3 * 4 * 2  # every block's forward ran again in backward
     assert max(held) <= 3  # the block recomputing, the one after it, the one fetched ahead
     assert_same_bits(checkpointed, train("gpt", opts, steps=3, freeze=FROZEN))  # the same run without checkpoints
     reference = train("ckpt", base, steps=3, freeze=FROZEN,
-                      model_factory=_round_tripped_factory(_checkpointed_gpt(reentrant, []), "nf4", FROZEN))
+                      model_factory=_round_tripped_factory(checkpointed_gpt(reentrant, []), "nf4", FROZEN))
     assert_same_bits(checkpointed, reference)
-
-
-def _round_tripped_factory(factory, fmt, frozen):
-    def build():
-        model, batch, loss_fn = factory()
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if frozen(n):
-                    p.copy_(QuantizedWeight.quantize(p, fmt).dequantize())
-        return model, batch, loss_fn
-    return build
 
 
 def test_blocks_moved_between_paged_and_resident_keep_their_bits():
@@ -358,7 +329,7 @@ def test_gpu_checkpointing_with_quantized_blocks_gives_the_same_bits(reentrant, 
     opts = dict(base, quantize="nf4")
     forwards = []
     checkpointed = train("ckpt", opts, steps=3, freeze=FROZEN, device="cuda",
-                         model_factory=_checkpointed_gpt(reentrant, forwards))
+                         model_factory=checkpointed_gpt(reentrant, forwards))
     assert len(forwards) == 3 * 4 * 2
     assert_same_bits(checkpointed, train("gpt", opts, steps=3, freeze=FROZEN, device="cuda"))
 

@@ -80,6 +80,34 @@ def machine_slug(env: dict) -> str:
     return f"cpu-{env['cores']}core"
 
 
+def settle(opt) -> None:
+    """Wait for the GPU and, with TrainStream, for host updates still in flight: they belong
+    to the steps timed."""
+    torch.cuda.synchronize()
+    if hasattr(opt, "_synchronize"):
+        opt._synchronize()
+
+
+def warm_up(step, opt, steps: int):
+    """`steps` untimed training steps, settled, with the peak-memory counter reset after
+    them; the first step's loss."""
+    first = step()
+    for _ in range(steps - 1):
+        step()
+    settle(opt)
+    torch.cuda.reset_peak_memory_stats()
+    return first
+
+
+def timed_window(step, opt, steps: int) -> tuple:
+    """Mean seconds per training step over `steps` steps, settled, and the last loss."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    settle(opt)
+    return (time.perf_counter() - t) / steps, loss
+
+
 def median_seconds(fn, *, iters: int, warmup: int = 1, sync_cuda: bool = False) -> float:
     """Median wall time of fn() (device work is synchronized when sync_cuda is set)."""
     for _ in range(warmup):

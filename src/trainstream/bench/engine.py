@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .common import case_in_subprocess, markdown_table
+from .common import case_in_subprocess, markdown_table, timed_window, warm_up
 
 GiB = 1 << 30
 MLP_BATCH = 2048
@@ -80,20 +80,8 @@ def run_case(case: dict) -> dict:
                 opt.zero_grad()
             return loss
 
-        def settle():
-            torch.cuda.synchronize()
-            if hasattr(opt, "_synchronize"):
-                opt._synchronize()  # TrainStream: host updates still in flight belong to the steps timed
-
-        for _ in range(case["warmup"]):
-            loss = step()
-        settle()
-        torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        for _ in range(case["steps"]):
-            loss = step()
-        settle()
-        elapsed = (time.perf_counter() - t) / case["steps"]
+        warm_up(step, opt, case["warmup"])
+        elapsed, loss = timed_window(step, opt, case["steps"])
         out = {"s_per_step": elapsed, "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "oom": False,
                "loss": float(loss), "setup_s": setup_s}
         if hasattr(model, "_trainstream_engine"):

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .common import case_in_subprocess, markdown_table
+from .common import case_in_subprocess, markdown_table, timed_window, warm_up
 
 GiB = 1 << 30
 BATCH, SEQ = 4, 512
@@ -126,21 +126,9 @@ def run_case(case: dict) -> dict:
             opt.zero_grad()
             return loss
 
-        def settle():
-            torch.cuda.synchronize()
-            if hasattr(opt, "_synchronize"):
-                opt._synchronize()
-
-        first = step().item()
-        for _ in range(case["warmup"] - 1):
-            step()
-        settle()
-        torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        for _ in range(case["steps"]):
-            step()
-        settle()
-        out = {"s_per_step": (time.perf_counter() - t) / case["steps"],
+        first = warm_up(step, opt, case["warmup"]).item()
+        s_per_step, _ = timed_window(step, opt, case["steps"])
+        out = {"s_per_step": s_per_step,
                "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "first_loss": first, "setup_s": setup_s,
                "oom": False, "trainable": sum(p.numel() for p in trainable)}
         if case["runner"] == "trainstream":

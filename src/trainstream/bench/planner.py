@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .common import case_in_subprocess, markdown_table
+from .common import case_in_subprocess, markdown_table, settle, timed_window, warm_up
 
 GiB = 1 << 30
 BATCH, SEQ = 8, 512
@@ -52,32 +52,14 @@ def _stepper(model, opt, batch):
     return step
 
 
-def _settle(opt) -> None:
-    torch.cuda.synchronize()
-    if hasattr(opt, "_synchronize"):
-        opt._synchronize()
-
-
-def _window(step, opt, steps: int) -> tuple:
-    """Mean seconds per step over `steps` steps, and the last loss."""
-    t = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    _settle(opt)
-    return (time.perf_counter() - t) / steps, loss
-
-
 def _train(model, opt, batch, warmup: int, steps: int, windows: int = 1) -> dict:
     """Mean step time over `steps` steps, in `windows` timed windows; the median window is
     reported."""
     step = _stepper(model, opt, batch)
-    for _ in range(warmup):
-        step()
-    _settle(opt)
-    torch.cuda.reset_peak_memory_stats()
+    warm_up(step, opt, warmup)
     means = []
     for _ in range(windows):
-        mean, loss = _window(step, opt, steps)
+        mean, loss = timed_window(step, opt, steps)
         means.append(mean)
     return {"s_per_step": sorted(means)[len(means) // 2], "window_s_per_step": means,
             "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "loss": loss.item()}
@@ -124,7 +106,7 @@ def _interleaved(case: dict, base, batch) -> list:
         step = _stepper(model, opt, batch)
         for _ in range(case["warmup"]):
             step()
-        _settle(opt)
+        settle(opt)
         runs.append(dict(setting=setting, model=model, opt=opt, step=step, wrap_s=wrap_s, means=[], peak=0,
                          rest=torch.cuda.memory_allocated() - held))
     total_rest = sum(r["rest"] for r in runs)
@@ -135,7 +117,7 @@ def _interleaved(case: dict, base, batch) -> list:
         # a switch of model.
         for r in runs:
             torch.cuda.reset_peak_memory_stats()
-            mean, r["loss"] = _window(r["step"], r["opt"], case["steps"])
+            mean, r["loss"] = timed_window(r["step"], r["opt"], case["steps"])
             r["means"].append(mean)
             r["peak"] = max(r["peak"], torch.cuda.max_memory_allocated() - (total_rest - r["rest"]))
     return [dict(setting=r["setting"], wrap_s=r["wrap_s"], s_per_step=sorted(r["means"])[len(r["means"]) // 2],
