@@ -38,6 +38,27 @@ def test_autocast_pages_linear_weights_in_bf16():
     assert torch.bfloat16 not in slots["layers.0.ln1.weight"].host  # LayerNorm runs in fp32 under autocast
 
 
+def test_gpu_mode_stages_moments_in_regions_of_half_the_inflight_cap():
+    """Each unit's moments are cut, in order, into regions of at most max_inflight_bytes / 2
+    that go to VRAM and back around each update (on the CPU backend into a second host
+    buffer: a region not copied back, or a param read at another's offset, changes the
+    bits); a param whose moments alone exceed that stays mapped for the kernel."""
+    cap = 240_000  # tiny_gpt: a block's norms and qkv share a region; fc and out (131 KB) stay mapped
+    host = train("gpt", RESIDENT, steps=4)
+    device = train("gpt", dict(RESIDENT, **GPU_MODE, max_inflight_bytes=cap), steps=4)
+    assert_same_bits(host, device)
+    engine = device[2][0]._trainstream_engine
+    regions = list(dict.fromkeys(engine.moments.region_of.values()))
+    assert all(r.staged == (r.nbytes <= cap // 2) for r in regions)
+    assert {len(r.layout) for r in regions if r.staged} >= {1, 5} and any(not r.staged for r in regions)
+    order = [s.param for u in engine.units for s in u.trainable]
+    assert [p for r in regions for p, *_ in r.layout] == order  # each unit's params, in order
+    for r in regions:  # a region never spans two units
+        assert len({next(u.name for u in engine.units if any(s.param is p for s in u.trainable))
+                    for p, *_ in r.layout}) == 1
+    assert engine.inflight.bytes == 0  # every staged copy has come home
+
+
 @pytest.mark.parametrize("opts", [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],
                          ids=["accumulation", "clip", "accumulation+clip"])
 def test_paging_bit_exact_with_clipping_and_accumulation(opts):
@@ -165,14 +186,16 @@ def test_gpu_mode_state_dicts_unwrap_and_switch():
 
 
 def test_mapped_moments_take_a_loaded_state_dict_and_go_with_the_switch():
-    """The moments the kernel maps (on the CPU backend, plain buffers stand in for the
-    pinned arena) keep their buffers through load_state_dict, which copies into them, and
-    are let go when offload="auto" switches to stock training."""
+    """The moments in the host arena (on the CPU backend, plain memory stands in for the
+    pinned arena) are the optimizer's state; pinning new buffers copies the state in; they
+    keep their buffers through load_state_dict, which copies into them, and are let go when
+    offload="auto" switches to stock training."""
     from trainstream.engine.switch import switch_to_stock
     model, opt = _gpt_steps("gpu")
     params = [p for g in opt.param_groups for p in g["params"]]
+    assert set(opt._mapped) == set(params)  # laid out at wrap()
     before = {p: opt.state[p]["exp_avg_sq"].clone() for p in params}
-    opt.pin_state(params, lambda shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
+    opt.pin_state({p: (torch.full_like(p, float("nan")), torch.full_like(p, float("nan"))) for p in params})
     buffers = dict(opt._mapped)
     for p in params:  # the state was copied in
         assert opt.state[p]["exp_avg_sq"] is buffers[p][1] and torch.equal(buffers[p][1], before[p])
@@ -473,9 +496,14 @@ def test_gpu_paging_is_bit_exact(name, autocast):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [RESIDENT, PAGED, dict(PAGED, max_inflight_bytes=1)], ids=["resident", "paged", "cap"])
+@pytest.mark.parametrize("opts", [RESIDENT, PAGED, dict(PAGED, max_inflight_bytes=1), dict(RESIDENT, **GPU_MODE),
+                                  dict(PAGED, **GPU_MODE), dict(RESIDENT, **GPU_MODE, max_inflight_bytes=1)],
+                         ids=["resident", "paged", "cap", "gpu-mode", "gpu-mode-paged", "gpu-mode-mapped"])
 def test_gpu_synchronization_stress(opts):
-    """Tiny compute, large tensors: a missing wait on any stream shows up as a wrong number."""
+    """Tiny compute, large tensors: a missing wait on any stream shows up as a wrong number.
+    In gpu mode each layer's moments (34 MB) go to VRAM and back around its update; the
+    next step's copy in must wait for the last one's copy home (with max_inflight_bytes=1
+    none is staged: the kernel maps them)."""
     factory = lambda: tiny_mlp(layers=6, dim=2048, rows=2)  # noqa: E731
     stock = train("mlp", None, device="cuda", steps=8, lr=1e-3, model_factory=factory)
     wrapped = train("mlp", opts, device="cuda", steps=8, lr=1e-3, model_factory=factory)

@@ -11,6 +11,7 @@ from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend, HostArena
 from .engine.engine import Engine, grads_stay_on_device
 from .engine.layout import arena_bytes, build_units, quantizable_slots, set_quantization
+from .engine.moments import MomentStager, lay_out
 from .engine.optimizer import StreamedAdamW
 from .engine.adapt import Adapter
 from .engine.placement import (check_fits, choose, choose_moment_dtype, choose_optimizer_mode,
@@ -117,12 +118,13 @@ def _fit(opts, block_units, outside_units, unpageable, profile, on_device, optim
     trainable = [s for u in units for s in u.trainable]
     if update_on_device:
         _check_contiguous(trainable)
-    # optimizer_mode="gpu" on a GPU: the kernel maps the moments and the accumulated gradient
-    # sums, so they are pinned, carved from one arena.
+    # optimizer_mode="gpu": the moments (copied to VRAM per update, moments.py) and the
+    # accumulated gradient sums (which the kernel maps) are carved from one arena, pinned on
+    # a GPU; on the CPU backend the arena is plain memory and the same layout runs in CI.
     sums = opts.accumulation_steps > 1
     mapped_bytes = sum(2 * HostArena.size_of(s.param.numel(), optimizer.moment_dtype)
                        + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
-                       for s in trainable) if update_on_device and backend.is_cuda else 0
+                       for s in trainable) if update_on_device else 0
     device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
     budget = check_fits(opts, units, placement, backend, profile, on_device, optimizer.moment_dtype.itemsize,
                         arena_bytes(units, stage=not device_grads) + mapped_bytes, device_grads, quantize_hint)
@@ -247,18 +249,24 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     placement, update_on_device, budget = fit.placement, fit.update_on_device, fit.budget
     moment_note, mode_note = fit.moment_note, fit.mode_note
     trainable = [s for u in units for s in u.trainable]
-    if fit.mapped_bytes:
-        arena = HostArena(backend, fit.mapped_bytes)
-        optimizer.pin_state([s.param for s in trainable], arena.take)
-        for s in trainable if opts.accumulation_steps > 1 else ():
-            s.grad_sum = arena.take(s.param.shape, torch.float32)
-
     engine = Engine(model, optimizer, opts, backend, stack, block_units, outside_units)
     engine.update_on_device = update_on_device
     engine.budget = budget
     engine.profile = profile
     if opts.max_inflight_bytes is None:
         engine.max_inflight_bytes = default_inflight_bytes(profile)
+    if fit.mapped_bytes:
+        arena = HostArena(backend, fit.mapped_bytes)
+        # Regions of at most half the in-flight cap: two are in VRAM at once, one coming in
+        # while the other goes home.
+        regions = lay_out(units, optimizer.moment_dtype, engine.max_inflight_bytes // 2, arena.take)
+        engine.moments = MomentStager(engine, regions)
+        moments = {}
+        for region in regions:
+            moments.update(region.views(region.host))
+        optimizer.pin_state(moments)
+        for s in trainable if opts.accumulation_steps > 1 else ():
+            s.grad_sum = arena.take(s.param.shape, torch.float32)
     engine.adapter = Adapter(engine, profile, unpageable, on_device)
     events = engine.events
     events.add(f"device {device}; {stack.describe()}")

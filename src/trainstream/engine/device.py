@@ -2,10 +2,10 @@
 
 On a GPU, weights come in on one copy stream (H2D) and gradients and activations go out on
 another (D2H), so both PCIe directions run at once and neither waits behind compute; with
-optimizer_mode="gpu" the updates run on a third stream, beside backward. On the
-CPU backend every stream operation is a no-op and a copy is finished when it returns: the
-engine's bookkeeping (hooks, hand-offs, paging decisions) then runs unchanged in CI, where
-there is no GPU.
+optimizer_mode="gpu" the updates run on a third stream, beside backward, and their moments
+travel on two streams of their own. On the CPU backend every stream operation is a no-op
+and a copy is finished when it returns: the engine's bookkeeping (hooks, hand-offs, paging
+decisions) then runs unchanged in CI, where there is no GPU.
 """
 from __future__ import annotations
 
@@ -30,19 +30,21 @@ DONE = _DoneEvent()
 
 class DeviceUpdate:
     """A unit's AdamW queued on the device's update stream (optimizer_mode="gpu"): the
-    handle the engine keeps in place of a host job's. Host readers wait() for it; device
-    work that must follow it (the next forward, a copy of the host weights it writes)
-    orders itself after `event` on the GPU instead."""
-    __slots__ = ("event",)
+    handle the engine keeps in place of a host job's. Device work that must follow it (the
+    next forward, a copy of the host weights it writes) orders itself after `event`, the
+    kernel's end, on the GPU. Host readers wait() for `home`: the moments staged in VRAM
+    are back in host memory too (moments.py)."""
+    __slots__ = ("event", "home")
 
-    def __init__(self, event):
+    def __init__(self, event, home=None):
         self.event = event
+        self.home = home if home is not None else event
 
     def done(self) -> bool:
-        return self.event.query()
+        return self.home.query()
 
     def wait(self) -> None:
-        self.event.synchronize()
+        self.home.synchronize()
 
 
 class Backend:
@@ -52,10 +54,14 @@ class Backend:
         if self.is_cuda:
             self.copy_in = torch.cuda.Stream(device)   # host -> device: weights, activations
             self.copy_out = torch.cuda.Stream(device)  # device -> host: gradients, activations
-            # optimizer_mode="gpu": the zero-copy AdamW, beside backward rather than behind it
+            # optimizer_mode="gpu": the AdamW kernel, beside backward rather than behind it, and
+            # its moments' copies in and out (moments.py), apart from the weights' and the
+            # activations' so that neither queues behind the other
             self.update = torch.cuda.Stream(device)
+            self.moments_in = torch.cuda.Stream(device)
+            self.moments_out = torch.cuda.Stream(device)
         else:
-            self.copy_in = self.copy_out = self.update = None
+            self.copy_in = self.copy_out = self.update = self.moments_in = self.moments_out = None
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.device) if self.is_cuda else None

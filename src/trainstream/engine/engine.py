@@ -123,6 +123,7 @@ class Engine:
         # wrap() replaces the default with placement.default_inflight_bytes(profile).
         self.max_inflight_bytes = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else GiB
         self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
+        self.moments = None               # optimizer_mode="gpu": the MomentStager (wrap() sets it)
         self.weights = WeightPager(self)
         self.acts = ActivationPager(self)
         self.grads = GradStreamer(self)
@@ -455,10 +456,11 @@ class Engine:
             self.weights.expect_update(unit)
 
     def _queue_on_device(self, unit, slots, grad_scale: float) -> None:
-        """optimizer_mode="gpu": the zero-copy AdamW on the update stream, once compute has
-        produced the gradients and queued every read of the old weights. A resident unit's
-        weights are updated in place on the device (fp32 ones are their own master there);
-        a paged unit's in host memory, where its next fetch reads them."""
+        """optimizer_mode="gpu": the AdamW kernel on the update stream, once compute has
+        produced the gradients and queued every read of the old weights, and once the
+        moments are copied in (moments.py). A resident unit's weights are updated in place on
+        the device (fp32 ones are their own master there); a paged unit's in host memory,
+        where its next fetch reads them."""
         backend = self.backend
         stream = backend.update
         backend.follow_compute(stream)
@@ -469,13 +471,15 @@ class Engine:
                 s.reader.wait()
         targets, masters = zip(*(_device_update_roles(s, unit.paged) for s in slots))
         grads = [self.grads.grad_of(s) for s in slots]
+        staged = self.moments.stage_in([s.param for s in slots], stream)
         with backend.on(stream):
-            self.optimizer.queue_on_device(backend.device, slots, grads, list(targets), list(masters), grad_scale,
-                                           self.DEVICE_UPDATE_BLOCKS)
+            self.optimizer.queue_on_device(backend.device, slots, grads, list(targets), list(masters),
+                                           staged.moments, grad_scale, self.DEVICE_UPDATE_BLOCKS)
             for g in grads:
                 if g.device == backend.device:
                     backend.keep_until(g, stream)
-        handle = DeviceUpdate(backend.record(stream))
+        kernel_done = backend.record(stream)
+        handle = DeviceUpdate(kernel_done, self.moments.send_home(staged, kernel_done))
         self.inflight.add(handle.event, sum(g.numel() * g.element_size() for g in grads
                                             if g.device == backend.device))
         # A resident unit's handles are otherwise only dropped by synchronize(): keep the

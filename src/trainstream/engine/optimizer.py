@@ -36,17 +36,16 @@ class StreamedAdamW(OffloadAdamW):
 
     _engine = None
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
-    # optimizer_mode="gpu" on a GPU: param -> its moments in pinned memory, which the kernel
-    # maps. Their state exists from wrap() on, and a loaded state_dict is copied into them.
-    # Moments made later (mode "cpu": pageable) are those of no kernel.
+    # optimizer_mode="gpu": param -> its moments in the host arena (pinned on a GPU), which
+    # the update copies to VRAM or maps. Their state exists from wrap() on, and a loaded
+    # state_dict is copied into them. Moments made later (mode "cpu") are those of no kernel.
     _mapped: dict = {}
 
-    def pin_state(self, params, take) -> None:
-        """optimizer_mode="gpu" on a GPU: every moment in pinned memory that the kernel maps,
-        carved by `take(shape, dtype)` from one arena (pinning tensor by tensor would round
-        each up to a power of two, and would happen in the first backward); a converted
-        optimizer's moments are copied in."""
-        self._mapped = {p: (take(p.shape, self.moment_dtype), take(p.shape, self.moment_dtype)) for p in params}
+    def pin_state(self, moments: dict) -> None:
+        """optimizer_mode="gpu": every param's moments in the buffers `moments` gives
+        (param -> (exp_avg, exp_avg_sq), views of the host arena's regions, moments.py);
+        a converted optimizer's moments are copied in."""
+        self._mapped = moments
         self._into_mapped()
 
     def _into_mapped(self) -> None:
@@ -145,13 +144,13 @@ class StreamedAdamW(OffloadAdamW):
         return out
 
     def queue_on_device(self, device: torch.device, slots: list, grads: list, targets: list, masters: list,
-                        grad_scale: float, max_blocks: int = 0) -> None:
-        """optimizer_mode="gpu": the zero-copy CUDA AdamW on the current stream for `slots`,
-        reading `grads` and writing the new weights into `targets` (each on the device or in
-        pinned host memory) and the host fp32 `masters` (None where the fp32 target is the
-        master). The moments must be pinned; `max_blocks` caps the kernel's grid. On the CPU
-        backend the host AdamW, which gives
-        the same bits, stands in and is done when this returns."""
+                        moments: dict, grad_scale: float, max_blocks: int = 0) -> None:
+        """optimizer_mode="gpu": the CUDA AdamW on the current stream for `slots`, reading
+        `grads` and writing the new weights into `targets` (each on the device or in pinned
+        host memory), the host fp32 `masters` (None where the fp32 target is the master)
+        and the moments where `moments` (param -> (exp_avg, exp_avg_sq)) puts them: staged
+        in VRAM, or pinned. `max_blocks` caps the kernel's grid. On the CPU backend the host
+        AdamW, which gives the same bits, stands in and is done when this returns."""
         where = {s: (t, m) for s, t, m in zip(slots, targets, masters)}
         key = lambda s: (where[s][0].dtype, where[s][1] is None)  # noqa: E731  (one kernel launch each)
         for group, items in self._batches(slots, grads, key):
@@ -161,7 +160,7 @@ class StreamedAdamW(OffloadAdamW):
             tgts = [where[s][0] for s, *_ in items]
             mstrs = None if where[items[0][0]][1] is None else [where[s][1] for s, *_ in items]
             gs = [g for _, g, *_ in items]
-            m, v = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+            m, v = ([moments[s.param][k] for s, *_ in items] for k in (0, 1))
             if device.type == "cuda":
                 adamw_step_mapped(device, tgts, gs, m, v, steps, masters=mstrs, grad_scale=grad_scale,
                                   seeds=seeds, max_blocks=max_blocks, **_hyper(group))

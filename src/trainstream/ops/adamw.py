@@ -239,7 +239,8 @@ def adamw_step_gpu(
     device = params[0].device
     if device.type != "cuda":
         raise ValueError(f"adamw_step_gpu: params must be CUDA tensors, got {device}")
-    _gpu_launch(device, _check_cuda, params, grads, exp_avgs, exp_avg_sqs, steps, masters=masters, lr=lr,
+    _gpu_launch(device, _check_cuda, _check_pinned_moment, params, grads, exp_avgs, exp_avg_sqs, steps,
+                masters=masters, lr=lr,
                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
                 grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, seeds=seeds)
 
@@ -249,17 +250,22 @@ def adamw_step_mapped(device: torch.device, params, grads, exp_avgs, exp_avg_sqs
     """:func:`adamw_step_gpu` for the engine: params and grads may each be on `device` or
     in pinned host memory (a paged block's host weights, gradients landed in host memory
     for clipping or accumulation); the kernel reaches mapped host memory over PCIe.
+    The moments may be on `device` too (copied there for the update, engine/moments.py).
     `max_blocks` > 0 caps the kernel's grid (see GpuAdamWLaunch.max_blocks)."""
     from .._native import require_cuda
 
     require_cuda("the GPU AdamW")
     if params:
-        _gpu_launch(device, _check_reachable, params, grads, exp_avgs, exp_avg_sqs, steps, masters=masters,
-                    max_blocks=max_blocks, **hyper)
+        _gpu_launch(device, _check_reachable, _check_reachable, params, grads, exp_avgs, exp_avg_sqs, steps,
+                    masters=masters, max_blocks=max_blocks, **hyper)
 
 
-def _gpu_launch(device, check_place, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters, lr, beta1=0.9,
-                beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0, grad_scale_tensor=None,
+def _check_pinned_moment(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    _check_pinned(kind, i, t, numel)
+
+
+def _gpu_launch(device, check_place, check_moment, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters, lr,
+                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0, grad_scale_tensor=None,
                 seeds=None, max_blocks: int = 0) -> None:
     n = len(params)
     param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
@@ -279,8 +285,8 @@ def _gpu_launch(device, check_place, params, grads, exp_avgs, exp_avg_sqs, steps
         numel = p.numel()
         check_place("params", i, p, numel, device)
         check_place("grads", i, grads[i], numel, device)
-        _check_pinned("exp_avgs", i, exp_avgs[i], numel)
-        _check_pinned("exp_avg_sqs", i, exp_avg_sqs[i], numel)
+        check_moment("exp_avgs", i, exp_avgs[i], numel, device)
+        check_moment("exp_avg_sqs", i, exp_avg_sqs[i], numel, device)
         if masters is not None:
             _check_pinned("masters", i, masters[i], numel)
         step = int(steps[i])
