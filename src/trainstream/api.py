@@ -257,9 +257,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         engine.max_inflight_bytes = default_inflight_bytes(profile)
     if fit.mapped_bytes:
         arena = HostArena(backend, fit.mapped_bytes)
-        # Regions of at most half the in-flight cap: two are in VRAM at once, one coming in
-        # while the other goes home.
-        regions = lay_out(units, optimizer.moment_dtype, engine.max_inflight_bytes // 2, arena.take)
+        # Regions of at most a quarter of the in-flight cap, which also counts the gradients
+        # each update holds (half its fp32 moments' bytes): two units' regions are in VRAM at
+        # once, one unit's coming in while the other's go home (with half, a 1.9B GPT's
+        # blocks went one at a time under the default cap, each direction idle in turn).
+        regions = lay_out(units, optimizer.moment_dtype, engine.max_inflight_bytes // 4, arena.take)
         engine.moments = MomentStager(engine, regions)
         moments = {}
         for region in regions:

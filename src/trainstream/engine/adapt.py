@@ -49,17 +49,6 @@ from .placement import activations_as_placed, plan_inputs, usable_device_bytes, 
 GiB = 1 << 30
 
 
-def _allocated_bytes(device) -> dict:
-    """The caching allocator's allocated-bytes counters ("current", "peak") for `device`.
-    torch.cuda.memory_allocated() flattens every allocator statistic into a new dict on each
-    call (about a tenth of a millisecond); the adapter reads this a few times per block, so
-    it takes the nested statistics torch builds that dict from."""
-    try:
-        return torch._C._cuda_memoryStats(device.index)["allocated_bytes"]["all"]
-    except (AttributeError, KeyError, TypeError, RuntimeError):
-        return {"current": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
-
-
 class Adapter:
     SETTLE_STEPS = 3
     SWITCH_AFTER = 2
@@ -104,11 +93,11 @@ class Adapter:
     def allocated(self):
         """Device bytes allocated now; None where it cannot be measured (the CPU backend)."""
         backend = self.engine.backend
-        return _allocated_bytes(backend.device)["current"] if backend.is_cuda else None
+        return backend.allocated()["current"] if backend.is_cuda else None
 
     def device_peak(self):
         backend = self.engine.backend
-        return _allocated_bytes(backend.device)["peak"] if backend.is_cuda else None
+        return backend.allocated()["peak"] if backend.is_cuda else None
 
     def sample(self, now=None) -> None:
         """Raise the step's peak to what is allocated (`now`, when the caller just read it)."""

@@ -96,6 +96,17 @@ class Backend:
             for source in {id(s): s for s in sources if s is not None}.values():
                 stream.wait_stream(source)
 
+    def allocated(self) -> dict:
+        """The caching allocator's allocated-bytes counters ("current", "peak") on a GPU.
+        torch.cuda.memory_allocated() flattens every allocator statistic into a new dict on
+        each call (about a tenth of a millisecond); the engine reads these a few times per
+        block, so it takes the nested statistics torch builds that dict from."""
+        try:
+            return torch._C._cuda_memoryStats(self.device.index)["allocated_bytes"]["all"]
+        except (AttributeError, KeyError, TypeError, RuntimeError):
+            return {"current": torch.cuda.memory_allocated(self.device),
+                    "peak": torch.cuda.max_memory_allocated(self.device)}
+
     def keep_until(self, tensor: torch.Tensor, stream) -> None:
         """Keep `tensor`'s device memory out of reuse until `stream` has passed its current
         work (the caching allocator would otherwise hand it out while a copy still reads it)."""
