@@ -296,7 +296,7 @@ def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect
     profile = dataclasses.replace(machine(), host_adamw_params_per_s=host_rate)
     on_device, note = choose_optimizer_mode(opts, blocks + outside, profile, 4, _Backend())
     assert on_device is expect
-    assert ("zero-copy GPU AdamW" if expect else "host AdamW (estimated") in note
+    assert ("GPU AdamW (estimated" if expect else "host AdamW (estimated") in note
     # The CPU backend never picks the device; "gpu" is taken as asked.
     assert choose_optimizer_mode(opts, blocks, profile, 4, type("B", (), {"is_cuda": False})())[0] is False
     monkeypatch.setattr("trainstream._native.require_cuda", lambda feature: None)  # a GPU machine

@@ -11,7 +11,7 @@ from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend, HostArena
 from .engine.engine import Engine, grads_stay_on_device
 from .engine.layout import arena_bytes, build_units, quantizable_slots, set_quantization
-from .engine.moments import MomentStager, lay_out
+from .engine.moments import MomentStager, lay_out, region_limit
 from .engine.optimizer import StreamedAdamW
 from .engine.adapt import Adapter
 from .engine.placement import (check_fits, choose, choose_moment_dtype, choose_optimizer_mode,
@@ -257,11 +257,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         engine.max_inflight_bytes = default_inflight_bytes(profile)
     if fit.mapped_bytes:
         arena = HostArena(backend, fit.mapped_bytes)
-        # Regions of at most a quarter of the in-flight cap, which also counts the gradients
-        # each update holds (half its fp32 moments' bytes): two units' regions are in VRAM at
-        # once, one unit's coming in while the other's go home (with half, a 1.9B GPT's
-        # blocks went one at a time under the default cap, each direction idle in turn).
-        regions = lay_out(units, optimizer.moment_dtype, engine.max_inflight_bytes // 4, arena.take)
+        regions = lay_out(units, optimizer.moment_dtype, region_limit(engine.max_inflight_bytes), arena.take)
         engine.moments = MomentStager(engine, regions)
         moments = {}
         for region in regions:
@@ -281,8 +277,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         events.add(moment_note)
     moments = str(optimizer.moment_dtype).replace('torch.', '')
     if update_on_device:
-        events.add(f"optimizer: zero-copy GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments "
-                   f"({moments}), {len(in_optimizer)} trainable tensors; gradients "
+        events.add(f"optimizer: GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments ({moments}), "
+                   f"copied through VRAM for each update in regions of up to "
+                   f"{region_limit(engine.max_inflight_bytes) / 2**20:.1f} MiB, {len(in_optimizer)} trainable "
+                   "tensors; gradients "
                    + ("stay on the device until their update" if engine.device_grads else
                       "land in host memory (clipping or accumulation needs them there)"))
     else:

@@ -140,7 +140,7 @@ def run(*, quick: bool = False) -> dict:
     # offload=True: these cases measure the engine; offload="auto" would switch a model that
     # fits to stock training (the planner suite measures that).
     resident = dict(offload=True, param_offload=False, activation_offload=False)
-    resident_gpu = dict(resident, optimizer_mode="gpu")  # the zero-copy AdamW on the device
+    resident_gpu = dict(resident, optimizer_mode="gpu")  # the AdamW kernel on the device
     paged = dict(offload=True, param_offload=True, activation_offload=False)
     paged_acts = dict(offload=True, param_offload=True, activation_offload=True)
     mlp_steps = dict(warmup=3, steps=4 if quick else 10)

@@ -6,10 +6,11 @@ region of the host arena. Before the kernel updates a group, the region is copie
 in one copy on the moments-in stream; after the kernel, it is copied back on the
 moments-out stream. The copy engines move both directions at once at the PCIe rate.
 
-The kernel could also read and write mapped host memory itself, without copies. On the
-H200 that reached 40 GB/s each way; staged copies reached 44.6 to 47.6 GB/s, 48.2 being
-the two-way copy rate. With a busy GPU, 402M params took 100.6 ms staged against
-104.1 ms mapped, and 1.9B params took 325 ms against 377 ms (scratch/stage_bench.py).
+The kernel could also read and write mapped host memory itself, without copies. In a
+diagnostic run on the H200 (the same kernel both ways, same bits), mapping reached 40 GB/s
+each way and the staged copies 44.6 to 47.6 GB/s; 48.2 is the two-way copy rate. Beside a
+busy GPU, 402M params took 100.6 ms staged against 104.1 ms mapped, and 1.9B params 325 ms
+against 377 ms.
 
 A region is staged only where, when its update is queued, its VRAM copy fits under the
 process's peak so far (the caching allocator's counter): staging is not to raise the peak
@@ -50,6 +51,14 @@ class MomentRegion:
             n = p.numel() * dtype.itemsize
             out[p] = (buf[m_at:m_at + n].view(dtype).view(p.shape), buf[v_at:v_at + n].view(dtype).view(p.shape))
         return out
+
+
+def region_limit(max_inflight_bytes: int) -> int:
+    """The largest region: a quarter of the in-flight cap, which also counts the gradients
+    each update holds (half its fp32 moments' bytes). Then two units' regions are in VRAM at
+    once, one unit's coming in while the other's go home. With half the cap, a 1.9B GPT's
+    blocks went one at a time under the default cap, each PCIe direction idle in turn."""
+    return max_inflight_bytes // 4
 
 
 def lay_out(units, moment_dtype: torch.dtype, limit: int, take) -> list:

@@ -52,7 +52,7 @@ def build_report(engine) -> dict:
             "blocks": engine.stack.describe(),
             "quantized": quant,
             "moment_dtype": str(engine.optimizer.moment_dtype).replace("torch.", ""),
-            # Where the updates run: "cpu" (host AdamW) or "gpu" (zero-copy kernel), as decided.
+            # Where the updates run: "cpu" (host AdamW) or "gpu" (the CUDA kernel), as decided.
             "optimizer_mode": "gpu" if engine.update_on_device else "cpu",
             "max_inflight_bytes": engine.max_inflight_bytes,
             "budget": engine.budget,
