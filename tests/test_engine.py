@@ -58,6 +58,10 @@ def test_gpu_mode_stages_moments_in_regions_of_a_quarter_of_the_inflight_cap():
                     for p, *_ in r.layout}) == 1
     assert engine.moments.copies == 4 * sum(r.staged for r in regions) and engine.moments.mapped == 0
     assert engine.inflight.bytes == 0  # every staged copy has come home
+    assert trainstream.memory_report(device[2][0])["plan"]["moment_copies"] == {
+        "regions": len(regions), "regions_too_large_to_copy": sum(not r.staged for r in regions),
+        "copied": engine.moments.copies, "mapped_for_want_of_room": 0}
+    assert trainstream.memory_report(host[2][0])["plan"]["moment_copies"] is None
 
 
 def test_gpu_mode_maps_the_moments_a_copy_would_raise_the_peak_for(monkeypatch):

@@ -32,6 +32,16 @@ def quantization(engine) -> dict:
             "bytes_before": sum(s.full_nbytes for s in slots), "bytes_after": sum(s.quant.nbytes for s in slots)}
 
 
+def moment_copies(engine) -> dict | None:
+    """optimizer_mode="gpu": how the moments have reached the kernel so far (moments.py)."""
+    stager = engine.moments
+    if stager is None:
+        return None
+    regions = set(stager.region_of.values())
+    return {"regions": len(regions), "regions_too_large_to_copy": sum(not r.staged for r in regions),
+            "copied": stager.copies, "mapped_for_want_of_room": stager.mapped}
+
+
 def build_report(engine) -> dict:
     blocks = engine.block_units
     quant = quantization(engine)
@@ -54,6 +64,9 @@ def build_report(engine) -> dict:
             "moment_dtype": str(engine.optimizer.moment_dtype).replace("torch.", ""),
             # Where the updates run: "cpu" (host AdamW) or "gpu" (the CUDA kernel), as decided.
             "optimizer_mode": "gpu" if engine.update_on_device else "cpu",
+            # optimizer_mode="gpu": region updates whose moments were copied through VRAM, and
+            # those mapped because a copy would have raised the VRAM peak (None: host AdamW).
+            "moment_copies": moment_copies(engine),
             "max_inflight_bytes": engine.max_inflight_bytes,
             "budget": engine.budget,
             "profile": dataclasses.asdict(engine.profile),

@@ -265,8 +265,8 @@ def _check_pinned_moment(kind: str, i: int, t: torch.Tensor, numel: int, device:
 
 
 def _gpu_launch(device, check_place, check_moment, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters, lr,
-                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0, grad_scale_tensor=None,
-                seeds=None, max_blocks: int = 0) -> None:
+                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0,
+                grad_scale_tensor=None, seeds=None, max_blocks: int = 0) -> None:
     n = len(params)
     param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
                               (torch.float32, torch.bfloat16, torch.float16), n)
