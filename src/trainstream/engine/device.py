@@ -32,8 +32,9 @@ class DeviceUpdate:
     """A unit's AdamW queued on the device's update stream (optimizer_mode="gpu"): the
     handle the engine keeps in place of a host job's. Device work that must follow it (the
     next forward, a copy of the host weights it writes) orders itself after `event`, the
-    kernel's end, on the GPU. Host readers wait() for `home`: the moments staged in VRAM
-    are back in host memory too (moments.py)."""
+    kernel's end, on the GPU. Host readers of the moments wait() for `home`: those staged
+    in VRAM are back in host memory too (moments.py). A host buffer the kernel only reads
+    (a gradient landed for clipping or accumulation) is free again at `event`: wait_read()."""
     __slots__ = ("event", "home")
 
     def __init__(self, event, home=None):
@@ -45,6 +46,9 @@ class DeviceUpdate:
 
     def wait(self) -> None:
         self.home.synchronize()
+
+    def wait_read(self) -> None:
+        self.event.synchronize()
 
 
 class Backend:

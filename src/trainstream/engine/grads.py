@@ -28,7 +28,7 @@ from collections import deque
 import torch
 
 from .. import ops
-from .device import DONE
+from .device import DONE, DeviceUpdate
 
 
 def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,7 @@ class GradStreamer:
         nbytes = sum(g.numel() * g.element_size() for _, g, _ in batch)
         for slot, g, _ in batch:
             if slot.reader is not None:
-                slot.reader.wait()  # the last job reading this buffer (long finished, as a rule)
+                _wait_read(slot.reader)  # the last job reading this buffer (long finished, as a rule)
                 slot.reader = None
             if slot.stage is None or slot.stage.dtype != g.dtype:
                 slot.stage = _view_as(slot.stage_region, g)
@@ -298,9 +298,15 @@ class GradStreamer:
         if self.engine.opts.accumulation_steps > 1:
             for s in slots:  # the host sums may still be being added to on the pool
                 if s.reader is not None:
-                    s.reader.wait()
+                    _wait_read(s.reader)
             return torch.nn.utils.get_total_norm([s.grad_sum for s in slots], 2.0)
         norms = [s.norm for s in slots if s.norm is not None]
         if not norms:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms), 2.0).cpu()
+
+
+def _wait_read(reader) -> None:
+    """Wait until `reader` (a host job, or a device update) has done with a gradient buffer:
+    a device update's kernel reads it, so its end suffices, not its moments' copies home."""
+    (reader.wait_read if isinstance(reader, DeviceUpdate) else reader.wait)()

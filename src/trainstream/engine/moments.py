@@ -13,13 +13,13 @@ busy GPU, 402M params took 100.6 ms staged against 104.1 ms mapped, and 1.9B par
 against 377 ms.
 
 A region is staged only where, when its update is queued, its VRAM copy fits under the
-process's peak so far (the caching allocator's counter): staging is not to raise the peak
-the planner and the user see. At the start of backward, before activations are freed, the
-kernel maps the first units' moments instead (staged regardless, the 402M MLP's peak rose
-by 32 MB, 1.3%, on the H200).
-A param whose moments alone exceed `limit` always stays mapped: the kernel reads and writes
-its moments over PCIe. On the CPU backend the "device" copy is a second host buffer, so CI
-runs the layout, the offsets and the copies.
+process's peak so far (the caching allocator's counter) and, with the other transfers in
+flight, under max_inflight_bytes: staging is not to raise the peak the planner and the user
+see. At the start of backward, before activations are freed, the kernel maps the first
+units' moments instead (staged regardless, the 402M MLP's peak rose by 32 MB, 1.3%, on the
+H200). A param whose moments alone exceed `limit` always stays mapped: the kernel reads and
+writes its moments over PCIe. On the CPU backend the "device" copy is a second host buffer,
+so CI runs the layout, the offsets and the copies.
 """
 from __future__ import annotations
 
@@ -31,13 +31,19 @@ from .device import HostArena
 class MomentRegion:
     """One group's moments: a contiguous host region and where each param's two moments
     sit in it (byte offsets), as `views` of any buffer laid out like it."""
-    __slots__ = ("host", "layout", "staged", "home")
+    __slots__ = ("host", "layout", "staged", "last")
 
     def __init__(self, host: torch.Tensor, layout: list, staged: bool):
         self.host = host        # uint8, the group's bytes in the arena
         self.layout = layout    # [(param, exp_avg offset, exp_avg_sq offset, dtype)]
-        self.staged = staged    # copied to VRAM for each update (else the kernel maps it)
-        self.home = None        # the last copy back to the host (an event; None: none yet)
+        self.staged = staged    # small enough to be copied to VRAM for each update (else mapped)
+        # The end of the last device work on the host bytes (an event; None: none yet): the
+        # copy home if the last update was staged, the kernel if it mapped them. The next
+        # update, either way, waits for it on the GPU: a region can go one way in one step
+        # and the other in the next (room under the peak varies), and without the wait a
+        # late copy home would overwrite a mapped kernel's update, or a copy in would read
+        # moments a mapped kernel has not written yet.
+        self.last = None
 
     @property
     def nbytes(self) -> int:
@@ -91,13 +97,14 @@ def lay_out(units, moment_dtype: torch.dtype, limit: int, take) -> list:
 
 
 class Staged:
-    """What stage_in() hands the kernel: where to read each param's moments, and the VRAM
-    copies to send back after it."""
-    __slots__ = ("moments", "copies")
+    """What stage_in() hands the kernel: where to read each param's moments, the VRAM
+    copies to send back after it, and the regions it maps."""
+    __slots__ = ("moments", "copies", "mapped")
 
     def __init__(self):
         self.moments: dict = {}   # param -> (exp_avg, exp_avg_sq), in VRAM or mapped host memory
         self.copies: list = []    # (region, its VRAM copy)
+        self.mapped: list = []    # regions the kernel reads and writes in host memory
 
 
 class MomentStager:
@@ -115,27 +122,41 @@ class MomentStager:
         counters = backend.allocated()
         return counters["peak"] - counters["current"]
 
+    def _fits(self, region, held: int) -> bool:
+        """Whether to copy `region` in, `held` bytes being already staged for this update:
+        after waiting for room under max_inflight_bytes (older regions coming home), the
+        copy must fit under the cap and under the VRAM peak so far."""
+        engine = self.engine
+        cap = engine.max_inflight_bytes
+        if held + region.nbytes > cap:
+            return False  # more than the cap allows even with nothing else in flight
+        engine.inflight.make_room(region.nbytes, cap, held)
+        room = self.room()
+        return room is None or held + region.nbytes <= room
+
     def stage_in(self, params, stream) -> Staged:
         """Copy the regions holding `params`' moments to VRAM and order `stream` (the
-        kernel's) after the copies. Each copy waits for room under max_inflight_bytes (the
-        host waits for older regions to come back) and, on the GPU, for the region's last
-        trip home; a region whose copy would raise the peak is mapped instead."""
+        kernel's) after the copies and after each mapped region's last device work. The
+        buffers come from compute's pool (the allocator reuses memory per stream: there, the
+        activations backward frees back them, and the peak check means what it says), so
+        the copies first follow compute."""
         engine, backend = self.engine, self.engine.backend
-        staged = Staged()
+        staged, held = Staged(), 0
         for region in dict.fromkeys(self.region_of[p] for p in params):
-            fits = False
-            if region.staged:
-                engine.inflight.make_room(region.nbytes, engine.max_inflight_bytes)
-                room = self.room()
-                fits = room is None or region.nbytes <= room
-                self.mapped += not fits
+            fits = region.staged and self._fits(region, held)
+            self.mapped += region.staged and not fits
             if not fits:
+                backend.wait(region.last, stream)
+                staged.mapped.append(region)
                 staged.moments.update(region.views(region.host))
                 continue
+            if not staged.copies:
+                backend.follow_compute(backend.moments_in)
             self.copies += 1
-            backend.wait(region.home, backend.moments_in)
+            held += region.nbytes
+            buf = torch.empty(region.nbytes, dtype=torch.uint8, device=backend.device)
+            backend.wait(region.last, backend.moments_in)
             with backend.on(backend.moments_in):
-                buf = torch.empty(region.nbytes, dtype=torch.uint8, device=backend.device)
                 buf.copy_(region.host, non_blocking=True)
             staged.copies.append((region, buf))
             staged.moments.update(region.views(buf))
@@ -145,7 +166,10 @@ class MomentStager:
 
     def send_home(self, staged: Staged, kernel_done):
         """Copy the updated regions back once the kernel (`kernel_done`, an event) is past
-        them. Returns the event of their arrival (None if nothing was staged)."""
+        them, and mark each region's last device work. Returns the event of the copies'
+        arrival (None if nothing was staged)."""
+        for region in staged.mapped:
+            region.last = kernel_done
         if not staged.copies:
             return None
         engine, backend = self.engine, self.engine.backend
@@ -156,7 +180,8 @@ class MomentStager:
                 region.host.copy_(buf, non_blocking=True)
         home = backend.record(out)
         for region, buf in staged.copies:
-            region.home = home
-            backend.keep_until(buf, out)  # out waited for the kernel: its work covers every reader
+            region.last = home
+            for stream in (backend.moments_in, backend.update, out):  # every stream that used it
+                backend.keep_until(buf, stream)
             engine.inflight.add(home, region.nbytes)
         return home

@@ -43,8 +43,9 @@ class StreamedAdamW(OffloadAdamW):
 
     def pin_state(self, moments: dict) -> None:
         """optimizer_mode="gpu": every param's moments in the buffers `moments` gives
-        (param -> (exp_avg, exp_avg_sq), views of the host arena's regions, moments.py);
-        a converted optimizer's moments are copied in."""
+        (param -> (exp_avg, exp_avg_sq)); a converted optimizer's moments are copied in.
+        The engine passes views of the host arena's regions (moments.py), which are what
+        the updates read and write: other buffers would part the state from them."""
         self._mapped = moments
         self._into_mapped()
 

@@ -145,3 +145,4 @@ def unwrap(engine) -> None:
             weights = s.quant.dequantize() if s.quant is not None else _host_weights(s)
             s.param.data = weights.to(engine.backend.device)
     engine.optimizer._engine = None
+    engine.moments = None  # the regions (the optimizer's state still holds the moments)

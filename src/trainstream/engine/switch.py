@@ -89,6 +89,7 @@ def switch_to_stock(engine) -> None:
         }
     opt.state = stock.state
     opt._mapped = {}  # the pinned moments the kernel read: free them with the old state
+    engine.moments = None  # (and the regions they were views of)
     opt._stock = stock
     opt._stock_engine = engine
     engine.mode = "stock"
