@@ -17,9 +17,13 @@ process's peak so far (the caching allocator's counter) and, with the other tran
 flight, under max_inflight_bytes: staging is not to raise the peak the planner and the user
 see. At the start of backward, before activations are freed, the kernel maps the first
 units' moments instead (staged regardless, the 402M MLP's peak rose by 32 MB, 1.3%, on the
-H200). A param whose moments alone exceed `limit` always stays mapped: the kernel reads and
-writes its moments over PCIe. On the CPU backend the "device" copy is a second host buffer,
-so CI runs the layout, the offsets and the copies.
+H200). A param whose moments alone exceed `limit` gets a region of its own, still copied
+up to twice `limit` (half the cap: a Llama-7B MLP matrix, 360 MB, under the default 1 GiB)
+with less overlap; beyond that it always stays mapped: the kernel reads and writes its
+moments over PCIe. Copying such a param in slices would need the element offset of each
+slice in both AdamW kernels (bf16 moments' stochastic rounding hashes the element index).
+On the CPU backend the "device" copy is a second host buffer, so CI runs the layout, the
+offsets and the copies.
 """
 from __future__ import annotations
 
@@ -60,7 +64,8 @@ class MomentRegion:
 
 
 def region_limit(max_inflight_bytes: int) -> int:
-    """The largest region: a quarter of the in-flight cap, which also counts the gradients
+    """The largest region of several params (one param alone may take up to twice this,
+    see lay_out): a quarter of the in-flight cap, which also counts the gradients
     each update holds (half its fp32 moments' bytes). Then two units' regions are in VRAM at
     once, one unit's coming in while the other's go home. With half the cap, a 1.9B GPT's
     blocks went one at a time under the default cap, each PCIe direction idle in turn."""
@@ -70,7 +75,8 @@ def region_limit(max_inflight_bytes: int) -> int:
 def lay_out(units, moment_dtype: torch.dtype, limit: int, take) -> list:
     """The moment regions of every trainable param of `units`, carved by `take(shape, dtype)`
     from the host arena: each unit's params in order, a new region whenever the next param
-    would take the current one past `limit` bytes."""
+    would take the current one past `limit` bytes. Regions up to twice `limit` (one param
+    alone) are copied for the update; larger ones are mapped."""
     regions = []
 
     def close(group, nbytes):
@@ -80,7 +86,7 @@ def lay_out(units, moment_dtype: torch.dtype, limit: int, take) -> list:
             size = HostArena.size_of(p.numel(), moment_dtype)
             layout.append((p, at, at + size, moment_dtype))
             at += 2 * size
-        regions.append(MomentRegion(host, layout, staged=nbytes <= limit))
+        regions.append(MomentRegion(host, layout, staged=nbytes <= 2 * limit))
 
     for unit in units:
         group, nbytes = [], 0
