@@ -66,6 +66,19 @@ def test_gpu_mode_stages_moments_in_regions_of_a_quarter_of_the_inflight_cap():
     assert trainstream.memory_report(host[2][0])["plan"]["moment_copies"] is None
 
 
+def test_gpu_mode_maps_a_region_the_inflight_cap_has_no_room_for():
+    """Regions of one update count against max_inflight_bytes together: in tiny_gpt's blocks
+    under this cap, the norms, qkv, proj and fc are copied in (264 KB) and out (131 KB) no
+    longer fits, so it is mapped, every step, with the same bits."""
+    cap = 300_000
+    host = train("gpt", RESIDENT, steps=3)
+    device = train("gpt", dict(RESIDENT, **GPU_MODE, max_inflight_bytes=cap), steps=3)
+    assert_same_bits(host, device)
+    engine = device[2][0]._trainstream_engine
+    assert all(r.staged for r in engine.moments.region_of.values())  # each fits alone
+    assert engine.moments.mapped == 3 * len(engine.block_units)
+
+
 def test_gpu_mode_maps_the_moments_a_copy_would_raise_the_peak_for(monkeypatch):
     """No room under the peak so far: every region stays in host memory for the kernel to
     map, with the same bits."""
@@ -550,20 +563,14 @@ def test_gpu_mode_synchronization_stress(base, copied, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_mode_regions_switching_between_copied_and_mapped_keep_their_order(monkeypatch):
-    """A region copied in one step and mapped in the next, and back (room under the peak
-    varies), with the copy home and the mapped kernel each held back on the GPU: each update
-    must wait for the region's last device work, whichever way it went, or a late copy home
-    overwrites a mapped update, or a copy in reads moments not yet written."""
+    """Steps that copy the moments in, copy them in again, then map them (room under the
+    peak varies), every copy home held back on the GPU: the next update, copied or mapped,
+    must wait for the region's last copy home, or it reads stale moments, or the late copy
+    lands on top of a mapped kernel's update. (Mapped, then copied, is also ordered by the
+    next forward's wait for the kernel.)"""
     from trainstream.engine.moments import MomentStager
-    delay = int(1e8)  # GPU cycles, tens of milliseconds
-    stage_in, send_home = MomentStager.stage_in, MomentStager.send_home
-
-    def late_mapped_kernel(self, params, stream):
-        staged = stage_in(self, params, stream)
-        if staged.mapped:
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(delay)
-        return staged
+    delay = int(1e8)  # GPU cycles, tens of milliseconds: longer than a step of this model
+    send_home = MomentStager.send_home
 
     def late_copy_home(self, staged, kernel_done):
         if staged.copies:
@@ -574,11 +581,10 @@ def test_gpu_mode_regions_switching_between_copied_and_mapped_keep_their_order(m
         return send_home(self, staged, kernel_done)
 
     factory = lambda: tiny_mlp(layers=6, dim=2048, rows=2)  # noqa: E731
-    host = train("mlp", RESIDENT, device="cuda", steps=8, lr=1e-3, model_factory=factory)
-    _moment_room(monkeypatch, lambda self: None if self.engine.steps % 2 == 0 else 0)
-    monkeypatch.setattr(MomentStager, "stage_in", late_mapped_kernel)
+    host = train("mlp", RESIDENT, device="cuda", steps=9, lr=1e-3, model_factory=factory)
+    _moment_room(monkeypatch, lambda self: 0 if self.engine.steps % 3 == 2 else None)
     monkeypatch.setattr(MomentStager, "send_home", late_copy_home)
-    device = train("mlp", dict(RESIDENT, **GPU_MODE), device="cuda", steps=8, lr=1e-3, model_factory=factory)
+    device = train("mlp", dict(RESIDENT, **GPU_MODE), device="cuda", steps=9, lr=1e-3, model_factory=factory)
     assert_same_bits(host, device)
     stager = device[2][0]._trainstream_engine.moments
     assert stager.copies > 0 and stager.mapped > 0

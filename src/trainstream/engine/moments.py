@@ -65,9 +65,9 @@ class MomentRegion:
 
 def region_limit(max_inflight_bytes: int) -> int:
     """The largest region of several params (one param alone may take up to twice this,
-    see lay_out): a quarter of the in-flight cap, which also counts the gradients
-    each update holds (half its fp32 moments' bytes). Then two units' regions are in VRAM at
-    once, one unit's coming in while the other's go home. With half the cap, a 1.9B GPT's
+    see lay_out): a quarter of the in-flight cap, which also counts the gradients each
+    update holds until its kernel has run. Then, as a rule, two units' regions are in VRAM
+    at once, one unit's coming in while the other's go home. With half the cap, a 1.9B GPT's
     blocks went one at a time under the default cap, each PCIe direction idle in turn."""
     return max_inflight_bytes // 4
 
@@ -130,15 +130,19 @@ class MomentStager:
 
     def _fits(self, region, held: int) -> bool:
         """Whether to copy `region` in, `held` bytes being already staged for this update:
-        after waiting for room under max_inflight_bytes (older regions coming home), the
-        copy must fit under the cap and under the VRAM peak so far."""
+        the copy must fit under the VRAM peak so far (the counters already include what is
+        held) and, once older regions have come home (the host waits), under
+        max_inflight_bytes with everything else in flight. The unit's own gradients, in
+        VRAM whatever is decided here, join the ledger after the kernel."""
         engine = self.engine
         cap = engine.max_inflight_bytes
         if held + region.nbytes > cap:
             return False  # more than the cap allows even with nothing else in flight
-        engine.inflight.make_room(region.nbytes, cap, held)
         room = self.room()
-        return room is None or held + region.nbytes <= room
+        if room is not None and region.nbytes > room:
+            return False  # checked first: waiting for the ledger frees no allocated bytes
+        engine.inflight.make_room(region.nbytes, cap, held)
+        return True
 
     def stage_in(self, params, stream) -> Staged:
         """Copy the regions holding `params`' moments to VRAM and order `stream` (the
@@ -164,6 +168,7 @@ class MomentStager:
             backend.wait(region.last, backend.moments_in)
             with backend.on(backend.moments_in):
                 buf.copy_(region.host, non_blocking=True)
+            backend.keep_until(buf, backend.moments_in)  # even if the update is never queued
             staged.copies.append((region, buf))
             staged.moments.update(region.views(buf))
         if staged.copies:
@@ -187,7 +192,7 @@ class MomentStager:
         home = backend.record(out)
         for region, buf in staged.copies:
             region.last = home
-            for stream in (backend.moments_in, backend.update, out):  # every stream that used it
+            for stream in (backend.update, out):  # the kernel's and the copy home's (stage_in: the copy in)
                 backend.keep_until(buf, stream)
             engine.inflight.add(home, region.nbytes)
         return home
