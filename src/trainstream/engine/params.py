@@ -213,7 +213,7 @@ class WeightPager:
                     # device already) and are dequantized here, on the copy-in stream.
                     dev = torch.empty(s.param.shape, dtype=dtypes[s], device=backend.device)
                     q = s.quant if s.quant.device == backend.device else s.quant.to(backend.device, non_blocking=True)
-                    q.dequantize(out=dev)
+                    q.dequantize_into(dev)
                 else:
                     src = self._host_source(s, dtypes[s])
                     dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)

@@ -53,6 +53,12 @@ class QuantizedWeight:
         dtype = dtype or (out.dtype if out is not None else self.dtype)
         return dequantize(self.codes, self.absmax, self.shape, dtype, self.block_size, out=out)
 
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """Dequantize into `out`, a contiguous tensor of this weight's shape on its device
+        (in any value dtype), without re-checking codes this class holds (the engine's
+        fetches: qops.dequantize_trusted)."""
+        qops.dequantize_trusted(self.format, self.codes, self.absmax, self.block_size, out)
+
     @property
     def device(self) -> torch.device:
         return self.codes.device
