@@ -192,7 +192,7 @@ class MomentStager:
         home = backend.record(out)
         for region, buf in staged.copies:
             region.last = home
-            for stream in (backend.update, out):  # the kernel's and the copy home's (stage_in: the copy in)
-                backend.keep_until(buf, stream)
+            for stream in (backend.update, out):  # the kernel's and the copy home's uses
+                backend.keep_until(buf, stream)   # (stage_in kept it for the copy in)
             engine.inflight.add(home, region.nbytes)
         return home

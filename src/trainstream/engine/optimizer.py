@@ -4,7 +4,8 @@ Its param groups hold the model's own parameters (LR schedulers, ``param_groups`
 ``state_dict`` behave as with ``torch.optim.AdamW``), its moments live in host RAM, and
 the update itself is queued by the engine unit by unit: on the host thread pool, reading
 the host gradients and writing the host fp32 masters (plus the lower-precision copy a unit
-pages or a bf16 model holds), or with optimizer_mode="gpu" as the CUDA kernel (moments.py brings it the moments).
+pages or a bf16 model holds), or with optimizer_mode="gpu" as the CUDA kernel, to which
+moments.py brings the moments.
 """
 from __future__ import annotations
 
