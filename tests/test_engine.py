@@ -82,8 +82,7 @@ def test_gpu_mode_maps_a_region_the_inflight_cap_has_no_room_for():
 def test_gpu_mode_maps_the_moments_a_copy_would_raise_the_peak_for(monkeypatch):
     """No room under the peak so far: every region stays in host memory for the kernel to
     map, with the same bits."""
-    from trainstream.engine.moments import MomentStager
-    monkeypatch.setattr(MomentStager, "room", lambda self: 0)
+    _moment_room(monkeypatch, lambda self: 0)
     host = train("gpt", RESIDENT, steps=3)
     device = train("gpt", dict(RESIDENT, **GPU_MODE), steps=3)
     assert_same_bits(host, device)
