@@ -80,6 +80,13 @@ def machine_slug(env: dict) -> str:
     return f"cpu-{env['cores']}core"
 
 
+def cap_vram(cap_gib) -> None:
+    """Simulate a smaller card in this process: a VRAM cap of `cap_gib` GiB (None: none)."""
+    if cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_gib * (1 << 30) / total)
+
+
 def settle(opt) -> None:
     """Wait for the GPU and, with TrainStream, for host updates still in flight: they belong
     to the steps timed."""

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .common import case_in_subprocess, markdown_table, timed_window, warm_up
+from .common import cap_vram, case_in_subprocess, markdown_table, timed_window, warm_up
 
 GiB = 1 << 30
 MLP_BATCH = 2048
@@ -59,9 +59,7 @@ def _make(case: dict, model):
 
 def run_case(case: dict) -> dict:
     """One case, in this process."""
-    if case.get("cap_gib"):
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(case["cap_gib"] * GiB / total)
+    cap_vram(case.get("cap_gib"))
     t0 = time.perf_counter()
     try:
         model, batch, loss_fn, autocast = _workload(case["model"], "cpu" if case["runner"] == "trainstream" else "cuda")

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .common import case_in_subprocess, markdown_table, timed_window, warm_up
+from .common import cap_vram, case_in_subprocess, markdown_table, timed_window, warm_up
 
 GiB = 1 << 30
 BATCH, SEQ = 4, 512
@@ -98,9 +98,7 @@ def _lora(model):
 
 
 def run_case(case: dict) -> dict:
-    if case.get("cap_gib"):
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(case["cap_gib"] * GiB / total)
+    cap_vram(case.get("cap_gib"))
     t0 = time.perf_counter()
     try:
         model = _base(case["quick"])

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .common import case_in_subprocess, markdown_table, settle, timed_window, warm_up
+from .common import cap_vram, case_in_subprocess, markdown_table, settle, timed_window, warm_up
 
 GiB = 1 << 30
 BATCH, SEQ = 8, 512
@@ -130,9 +130,7 @@ def run_sweep(case: dict) -> list:
     other, or with `interleave` all at once, windows taken in turns)."""
     import trainstream
     from .models import GPT
-    if case.get("cap_gib"):
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(case["cap_gib"] * GiB / total)
+    cap_vram(case.get("cap_gib"))
     cfg = _config(case["model"])
     torch.manual_seed(0)
     base = GPT(cfg)
