@@ -38,8 +38,8 @@ def test_autocast_pages_linear_weights_in_bf16():
     assert torch.bfloat16 not in slots["layers.0.ln1.weight"].host  # LayerNorm runs in fp32 under autocast
 
 
-def test_gpu_mode_stages_moments_in_regions_of_a_quarter_of_the_inflight_cap():
-    """Each unit's moments are cut, in order, into regions of at most max_inflight_bytes / 4
+def test_gpu_mode_stages_moments_in_regions_of_an_eighth_of_the_inflight_cap():
+    """Each unit's moments are cut, in order, into regions of at most max_inflight_bytes / 8
     that go to VRAM and back around each update (on the CPU backend into a second host
     buffer: a region not copied back, or a param read at another's offset, changes the
     bits); a param whose moments alone exceed that has its own region, copied up to half
@@ -51,8 +51,8 @@ def test_gpu_mode_stages_moments_in_regions_of_a_quarter_of_the_inflight_cap():
     engine = device[2][0]._trainstream_engine
     regions = list(dict.fromkeys(engine.moments.region_of.values()))
     assert all(r.staged == (r.nbytes <= cap // 2) for r in regions)
-    assert all(len(r.layout) == 1 for r in regions if r.nbytes > cap // 4)
-    assert any(r.staged and r.nbytes > cap // 4 for r in regions)
+    assert all(len(r.layout) == 1 for r in regions if r.nbytes > cap // 8)
+    assert any(r.staged and r.nbytes > cap // 8 for r in regions)
     assert max(len(r.layout) for r in regions if r.staged) > 1 and any(not r.staged for r in regions)
     order = [s.param for u in engine.units for s in u.trainable]
     assert [p for r in regions for p, *_ in r.layout] == order  # each unit's params, in order
@@ -66,17 +66,34 @@ def test_gpu_mode_stages_moments_in_regions_of_a_quarter_of_the_inflight_cap():
     assert trainstream.memory_report(host[2][0])["plan"]["moment_copies"] is None
 
 
-def test_gpu_mode_maps_a_region_the_inflight_cap_has_no_room_for():
-    """Regions of one update count against max_inflight_bytes together: in tiny_gpt's blocks
-    under this cap, the norms, qkv, proj and fc are copied in (264 KB) and out (131 KB) no
-    longer fits, so it is mapped, every step, with the same bits."""
-    cap = 300_000
-    host = train("gpt", RESIDENT, steps=3)
-    device = train("gpt", dict(RESIDENT, **GPU_MODE, max_inflight_bytes=cap), steps=3)
-    assert_same_bits(host, device)
-    engine = device[2][0]._trainstream_engine
-    assert all(r.staged for r in engine.moments.region_of.values())  # each fits alone
-    assert engine.moments.mapped == 3 * len(engine.block_units)
+def test_gpu_mode_runs_one_kernel_per_region_between_its_copies(monkeypatch):
+    """Each region's kernel comes after its own copy in and before its copy home, and the
+    next region's copy in comes after this one's kernel: a unit's regions are never all
+    held in VRAM at once waiting for one kernel."""
+    from trainstream.engine.moments import MomentStager
+    from trainstream.engine.optimizer import StreamedAdamW
+    calls = []
+    stage_in, send_home, kernel = MomentStager.stage_in, MomentStager.send_home, StreamedAdamW.queue_on_device
+
+    def record(name, fn, region_of):
+        def wrapped(self, *args, **kwargs):
+            calls.append((name, region_of(self, *args)))
+            return fn(self, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(MomentStager, "stage_in", record(
+        "in", stage_in, lambda self, params, stream: {id(self.region_of[p]) for p in params}))
+    monkeypatch.setattr(MomentStager, "send_home", record(
+        "home", send_home, lambda self, staged, done: {id(staged.region)}))
+    monkeypatch.setattr(StreamedAdamW, "queue_on_device", record(
+        "kernel", kernel, lambda self, device, slots, *rest: {id(s.param) for s in slots}))
+    device = train("gpt", dict(RESIDENT, **GPU_MODE, max_inflight_bytes=240_000), steps=2)
+    stager = device[2][0]._trainstream_engine.moments
+    params_of = {id(r): {id(p) for p, *_ in r.layout} for r in stager.region_of.values()}
+    names = [name for name, _ in calls]
+    assert names == ["in", "kernel", "home"] * (len(names) // 3) and len(names) > 3 * len(stager.region_of) // 2
+    for (_, into), (_, kernel_params), (_, home) in zip(calls[::3], calls[1::3], calls[2::3]):
+        assert len(into) == 1 and into == home and kernel_params == params_of[next(iter(into))]
 
 
 def test_gpu_mode_maps_the_moments_a_copy_would_raise_the_peak_for(monkeypatch):
@@ -572,7 +589,7 @@ def test_gpu_mode_regions_switching_between_copied_and_mapped_keep_their_order(m
     send_home = MomentStager.send_home
 
     def late_copy_home(self, staged, kernel_done):
-        if staged.copies:
+        if staged.copy is not None:
             out = self.engine.backend.moments_out
             out.wait_event(kernel_done)
             with torch.cuda.stream(out):

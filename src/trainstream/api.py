@@ -257,7 +257,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         engine.max_inflight_bytes = default_inflight_bytes(profile)
     if fit.mapped_bytes:
         arena = HostArena(backend, fit.mapped_bytes)
-        regions = lay_out(units, optimizer.moment_dtype, region_limit(engine.max_inflight_bytes), arena.take)
+        regions = lay_out(units, optimizer.moment_dtype, engine.max_inflight_bytes, arena.take)
         engine.moments = MomentStager(engine, regions)
         moments = {}
         for region in regions:
@@ -278,7 +278,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     moments = str(optimizer.moment_dtype).replace('torch.', '')
     if update_on_device:
         events.add(f"optimizer: GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments ({moments}), "
-                   f"copied through VRAM for each update in regions of up to "
+                   f"copied through VRAM around one kernel each, in regions of up to "
                    f"{region_limit(engine.max_inflight_bytes) / 2**20:.1f} MiB, {len(in_optimizer)} trainable "
                    "tensors; gradients "
                    + ("stay on the device until their update" if engine.device_grads else

@@ -32,9 +32,11 @@ class DeviceUpdate:
     """A unit's AdamW queued on the device's update stream (optimizer_mode="gpu"): the
     handle the engine keeps in place of a host job's. Device work that must follow it (the
     next forward, a copy of the host weights it writes) orders itself after `event`, the
-    kernel's end, on the GPU. Host readers of the moments wait() for `home`: those staged
-    in VRAM are back in host memory too (moments.py). A host buffer the kernel only reads
-    (a gradient landed for clipping or accumulation) is free again at `event`: wait_read()."""
+    end of its last kernel, on the GPU. Host readers of the moments wait() for that and for
+    `home`, the last of its regions' copies home (moments.py): a unit's regions each have
+    their own kernel, and a mapped region's may end after a copied one's copy home. A host
+    buffer the kernels only read (a gradient landed for clipping or accumulation) is free
+    again at `event`: wait_read()."""
     __slots__ = ("event", "home")
 
     def __init__(self, event, home=None):
@@ -42,9 +44,10 @@ class DeviceUpdate:
         self.home = home if home is not None else event
 
     def done(self) -> bool:
-        return self.home.query()
+        return self.event.query() and self.home.query()
 
     def wait(self) -> None:
+        self.event.synchronize()
         self.home.synchronize()
 
     def wait_read(self) -> None:

@@ -1,10 +1,11 @@
 """optimizer_mode="gpu": where the AdamW moments live, and how they reach the kernel.
 
 The moments stay in host memory (pinned on a GPU). Each unit's params are cut into groups
-of at most `limit` bytes of moments, in order, and each group's moments fill one contiguous
-region of the host arena. Before the kernel updates a group, the region is copied to VRAM
-in one copy on the moments-in stream; after the kernel, it is copied back on the
-moments-out stream. The copy engines move both directions at once at the PCIe rate.
+of at most region_limit bytes of moments, in order, and each group's moments fill one
+contiguous region of the host arena. Each region gets its own kernel: the region is copied
+to VRAM in one copy on the moments-in stream, the kernel updates it, and it is copied back
+on the moments-out stream, while the next region's copy in runs. The copy engines move both
+directions at once at the PCIe rate.
 
 The kernel could also read and write mapped host memory itself, without copies. In a
 diagnostic run on the H200 (the same kernel both ways, same bits), mapping reached 40 GB/s
@@ -12,16 +13,16 @@ each way and the staged copies 44.6 to 47.6 GB/s; 48.2 is the two-way copy rate.
 busy GPU, 402M params took 100.6 ms staged against 104.1 ms mapped, and 1.9B params 325 ms
 against 377 ms.
 
-A region is staged only where, when its update is queued, its VRAM copy fits under the
-process's peak so far (the caching allocator's counter) and, with the other transfers in
-flight, under max_inflight_bytes: staging is not to raise the peak the planner and the user
-see. At the start of backward, before activations are freed, the kernel maps the first
-units' moments instead (staged regardless, the 402M MLP's peak rose by 32 MB, 1.3%, on the
-H200). A param whose moments alone exceed `limit` gets a region of its own, still copied
-up to twice `limit` (half the cap: a Llama-7B MLP matrix, 360 MB, under the default 1 GiB)
-with less overlap; beyond that it always stays mapped: the kernel reads and writes its
-moments over PCIe. Copying such a param in slices would need the element offset of each
-slice in both AdamW kernels (bf16 moments' stochastic rounding hashes the element index).
+A region is copied only where, when its update is queued, its VRAM copy fits under the
+process's peak so far (the caching allocator's counter): staging is not to raise the peak
+the planner and the user see. At the start of backward, before activations are freed, the
+kernel maps the first units' moments instead (staged regardless, the 402M MLP's peak rose
+by 32 MB, 1.3%, on the H200). Under max_inflight_bytes the host waits for older transfers
+to come home before it queues the copy. A param whose moments alone exceed region_limit
+gets a region of its own, still copied up to copy_limit with less overlap; beyond that it
+always stays mapped: the kernel reads and writes its moments over PCIe. Copying such a
+param in slices would need the element offset of each slice in both AdamW kernels (bf16
+moments' stochastic rounding hashes the element index).
 On the CPU backend the "device" copy is a second host buffer, so CI runs the layout, the
 offsets and the copies.
 """
@@ -64,20 +65,27 @@ class MomentRegion:
 
 
 def region_limit(max_inflight_bytes: int) -> int:
-    """The largest region of several params (one param alone may take up to twice this,
-    see lay_out): a quarter of the in-flight cap, which also counts the gradients each
-    update holds until its kernel has run. Then, as a rule, two units' regions are in VRAM
-    at once, one unit's coming in while the other's go home. With half the cap, a 1.9B GPT's
-    blocks went one at a time under the default cap, each PCIe direction idle in turn."""
-    return max_inflight_bytes // 4
+    """The largest region of several params: an eighth of the in-flight cap. Each region
+    has its own kernel between its copy in and its copy home, so with both PCIe directions
+    busy it holds VRAM for about two copy times; a few regions in flight then keep both
+    directions busy, beside the gradients the cap also counts. (With a quarter of the cap
+    and one kernel per unit, a 1.9B GPT's blocks went one at a time under the default cap.)"""
+    return max_inflight_bytes // 8
 
 
-def lay_out(units, moment_dtype: torch.dtype, limit: int, take) -> list:
+def copy_limit(max_inflight_bytes: int) -> int:
+    """The largest region copied to VRAM for its update (a single param's, larger than
+    region_limit): half the in-flight cap, a Llama-7B MLP matrix (360 MB) under the default
+    1 GiB. Larger ones are mapped."""
+    return max_inflight_bytes // 2
+
+
+def lay_out(units, moment_dtype: torch.dtype, max_inflight_bytes: int, take) -> list:
     """The moment regions of every trainable param of `units`, carved by `take(shape, dtype)`
     from the host arena: each unit's params in order, a new region whenever the next param
-    would take the current one past `limit` bytes. Regions up to twice `limit` (one param
-    alone) are copied for the update; larger ones are mapped."""
-    regions = []
+    would take the current one past region_limit. Regions up to copy_limit are copied for
+    the update; larger ones are mapped."""
+    limit, regions = region_limit(max_inflight_bytes), []
 
     def close(group, nbytes):
         host = take((nbytes,), torch.uint8)
@@ -86,7 +94,7 @@ def lay_out(units, moment_dtype: torch.dtype, limit: int, take) -> list:
             size = HostArena.size_of(p.numel(), moment_dtype)
             layout.append((p, at, at + size, moment_dtype))
             at += 2 * size
-        regions.append(MomentRegion(host, layout, staged=nbytes <= 2 * limit))
+        regions.append(MomentRegion(host, layout, staged=nbytes <= copy_limit(max_inflight_bytes)))
 
     for unit in units:
         group, nbytes = [], 0
@@ -103,14 +111,14 @@ def lay_out(units, moment_dtype: torch.dtype, limit: int, take) -> list:
 
 
 class Staged:
-    """What stage_in() hands the kernel: where to read each param's moments, the VRAM
-    copies to send back after it, and the regions it maps."""
-    __slots__ = ("moments", "copies", "mapped")
+    """What stage_in() hands the kernel: where to read each param of one region's moments,
+    and the region's VRAM copy to send back after it (None: the kernel maps the region)."""
+    __slots__ = ("region", "moments", "copy")
 
-    def __init__(self):
-        self.moments: dict = {}   # param -> (exp_avg, exp_avg_sq), in VRAM or mapped host memory
-        self.copies: list = []    # (region, its VRAM copy)
-        self.mapped: list = []    # regions the kernel reads and writes in host memory
+    def __init__(self, region, moments: dict, copy):
+        self.region = region
+        self.moments = moments  # param -> (exp_avg, exp_avg_sq), in VRAM or mapped host memory
+        self.copy = copy        # uint8 VRAM buffer laid out like region.host, or None
 
 
 class MomentStager:
@@ -118,6 +126,14 @@ class MomentStager:
         self.engine = engine
         self.region_of = {p: r for r in regions for p, *_ in r.layout}
         self.copies = self.mapped = 0  # regions staged, and left mapped for want of room, so far
+
+    def by_region(self, slots) -> list:
+        """`slots` grouped by the region holding their moments, in the order they come: one
+        kernel each."""
+        groups = {}
+        for s in slots:
+            groups.setdefault(self.region_of[s.param], []).append(s)
+        return list(groups.values())
 
     def room(self) -> int | None:
         """VRAM this process may take without passing its peak so far (None: no limit, the
@@ -128,71 +144,57 @@ class MomentStager:
         counters = backend.allocated()
         return counters["peak"] - counters["current"]
 
-    def _fits(self, region, held: int) -> bool:
-        """Whether to copy `region` in, `held` bytes being already staged for this update:
-        the copy must fit under the VRAM peak so far (the counters already include what is
-        held) and, once older regions have come home (the host waits), under
-        max_inflight_bytes with everything else in flight. The unit's own gradients, in
-        VRAM whatever is decided here, join the ledger after the kernel."""
-        engine = self.engine
-        cap = engine.max_inflight_bytes
-        if held + region.nbytes > cap:
-            return False  # more than the cap allows even with nothing else in flight
+    def _fits(self, region) -> bool:
+        """Whether to copy `region` in: the copy must fit under the VRAM peak so far, and
+        then, once older transfers have come home (the host waits for them, oldest first),
+        under max_inflight_bytes with everything else in flight."""
         room = self.room()
         if room is not None and region.nbytes > room:
             return False  # checked first: waiting for the ledger frees no allocated bytes
-        engine.inflight.make_room(region.nbytes, cap, held)
+        self.engine.inflight.make_room(region.nbytes, self.engine.max_inflight_bytes)
         return True
 
     def stage_in(self, params, stream) -> Staged:
-        """Copy the regions holding `params`' moments to VRAM and order `stream` (the
-        kernel's) after the copies and after each mapped region's last device work. The
-        buffers come from compute's pool (the allocator reuses memory per stream: there, the
-        activations backward frees back them, and the peak check means what it says), so
-        the copies first follow compute."""
-        engine, backend = self.engine, self.engine.backend
-        staged, held = Staged(), 0
-        for region in dict.fromkeys(self.region_of[p] for p in params):
-            fits = region.staged and self._fits(region, held)
-            self.mapped += region.staged and not fits
-            if not fits:
-                backend.wait(region.last, stream)
-                staged.mapped.append(region)
-                staged.moments.update(region.views(region.host))
-                continue
-            if not staged.copies:
-                backend.follow_compute(backend.moments_in)
-            self.copies += 1
-            held += region.nbytes
-            buf = torch.empty(region.nbytes, dtype=torch.uint8, device=backend.device)
-            backend.wait(region.last, backend.moments_in)
-            with backend.on(backend.moments_in):
-                buf.copy_(region.host, non_blocking=True)
-            backend.keep_until(buf, backend.moments_in)  # even if the update is never queued
-            staged.copies.append((region, buf))
-            staged.moments.update(region.views(buf))
-        if staged.copies:
-            backend.wait(backend.record(backend.moments_in), stream)
-        return staged
+        """Bring the moments of `params` (one region's) to the kernel on `stream`: copied to
+        VRAM on the moments-in stream, `stream` ordered after the copy; or mapped, `stream`
+        ordered after the region's last device work. The buffer comes from compute's pool
+        (the allocator reuses memory per stream: there, the activations backward frees back
+        it, and the peak check means what it says), so the copy first follows compute."""
+        backend = self.engine.backend
+        regions = {self.region_of[p] for p in params}
+        if len(regions) != 1:
+            raise ValueError("trainstream internal: stage_in takes one region's params (by_region)")
+        region = regions.pop()
+        fits = region.staged and self._fits(region)
+        self.mapped += region.staged and not fits
+        if not fits:
+            backend.wait(region.last, stream)
+            return Staged(region, region.views(region.host), None)
+        self.copies += 1
+        buf = torch.empty(region.nbytes, dtype=torch.uint8, device=backend.device)
+        backend.follow_compute(backend.moments_in)
+        backend.wait(region.last, backend.moments_in)
+        with backend.on(backend.moments_in):
+            buf.copy_(region.host, non_blocking=True)
+        backend.keep_until(buf, backend.moments_in)  # even if the update is never queued
+        backend.wait(backend.record(backend.moments_in), stream)
+        return Staged(region, region.views(buf), buf)
 
     def send_home(self, staged: Staged, kernel_done):
-        """Copy the updated regions back once the kernel (`kernel_done`, an event) is past
-        them, and mark each region's last device work. Returns the event of the copies'
-        arrival (None if nothing was staged)."""
-        for region in staged.mapped:
+        """Copy the updated region back once the kernel (`kernel_done`, an event) is past
+        it, and mark the region's last device work. Returns the event of the copy's arrival
+        (None if the region was mapped)."""
+        region = staged.region
+        if staged.copy is None:
             region.last = kernel_done
-        if not staged.copies:
             return None
         engine, backend = self.engine, self.engine.backend
         out = backend.moments_out
         backend.wait(kernel_done, out)
         with backend.on(out):
-            for region, buf in staged.copies:
-                region.host.copy_(buf, non_blocking=True)
-        home = backend.record(out)
-        for region, buf in staged.copies:
-            region.last = home
-            for stream in (backend.update, out):  # the kernel's and the copy home's uses
-                backend.keep_until(buf, stream)   # (stage_in kept it for the copy in)
-            engine.inflight.add(home, region.nbytes)
+            region.host.copy_(staged.copy, non_blocking=True)
+        home = region.last = backend.record(out)
+        for stream in (backend.update, out):       # the kernel's and the copy home's uses
+            backend.keep_until(staged.copy, stream)  # (stage_in kept it for the copy in)
+        engine.inflight.add(home, region.nbytes)
         return home

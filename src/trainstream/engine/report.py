@@ -65,8 +65,7 @@ def build_report(engine) -> dict:
             # Where the updates run: "cpu" (host AdamW) or "gpu" (the CUDA kernel), as decided.
             "optimizer_mode": "gpu" if engine.update_on_device else "cpu",
             # optimizer_mode="gpu": region updates whose moments were copied through VRAM, and
-            # those mapped for want of room under the VRAM peak so far or under
-            # max_inflight_bytes (None: host AdamW).
+            # those mapped for want of room under the VRAM peak so far (None: host AdamW).
             "moment_copies": moment_copies(engine),
             "max_inflight_bytes": engine.max_inflight_bytes,
             "budget": engine.budget,
