@@ -91,7 +91,7 @@ def test_gpu_mode_runs_one_kernel_per_region_between_its_copies(monkeypatch):
     stager = device[2][0]._trainstream_engine.moments
     params_of = {id(r): {id(p) for p, *_ in r.layout} for r in stager.region_of.values()}
     names = [name for name, _ in calls]
-    assert names == ["in", "kernel", "home"] * (len(names) // 3) and len(names) > 3 * len(stager.region_of) // 2
+    assert names == ["in", "kernel", "home"] * (2 * len(params_of))  # every region, each step
     for (_, into), (_, kernel_params), (_, home) in zip(calls[::3], calls[1::3], calls[2::3]):
         assert len(into) == 1 and into == home and kernel_params == params_of[next(iter(into))]
 
@@ -590,10 +590,8 @@ def test_gpu_mode_regions_switching_between_copied_and_mapped_keep_their_order(m
 
     def late_copy_home(self, staged, kernel_done):
         if staged.copy is not None:
-            out = self.engine.backend.moments_out
-            out.wait_event(kernel_done)
-            with torch.cuda.stream(out):
-                torch.cuda._sleep(delay)
+            with torch.cuda.stream(self.engine.backend.moments_out):
+                torch.cuda._sleep(delay)  # no wait added here: send_home orders the copy itself
         return send_home(self, staged, kernel_done)
 
     factory = lambda: tiny_mlp(layers=6, dim=2048, rows=2)  # noqa: E731
@@ -604,6 +602,54 @@ def test_gpu_mode_regions_switching_between_copied_and_mapped_keep_their_order(m
     assert_same_bits(host, device)
     stager = device[2][0]._trainstream_engine.moments
     assert stager.copies > 0 and stager.mapped > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_gpu_mode_units_of_several_regions_with_every_stream_held_back(base, monkeypatch):
+    """tiny_gpt under this cap: each block's moments in five regions, three copied and two
+    mapped (fc, out), each with a kernel of its own. Every copy in, kernel and copy home is
+    held back on its own stream, and nothing here orders them: a missing wait between a
+    region's copy in, its kernel and its copy home, between steps, or between a unit's last
+    kernel or copy home and a host reader of the moments, changes the bits."""
+    from trainstream.engine.moments import MomentStager
+    from trainstream.engine.optimizer import StreamedAdamW
+    delay = int(1e7)  # GPU cycles, a few milliseconds: longer than this model's kernels and copies
+    stage_in, send_home, kernel = MomentStager.stage_in, MomentStager.send_home, StreamedAdamW.queue_on_device
+
+    def late_copy_in(self, params, stream):
+        with torch.cuda.stream(self.engine.backend.moments_in):
+            torch.cuda._sleep(delay)
+        return stage_in(self, params, stream)
+
+    def late_kernel(self, *args, **kwargs):
+        torch.cuda._sleep(delay)  # on the update stream, where the engine queues the kernel
+        return kernel(self, *args, **kwargs)
+
+    def late_copy_home(self, staged, kernel_done):
+        with torch.cuda.stream(self.engine.backend.moments_out):
+            torch.cuda._sleep(delay)
+        return send_home(self, staged, kernel_done)
+
+    cap = dict(max_inflight_bytes=240_000)
+    host = train("gpt", dict(base, **cap), device="cuda", steps=4)
+    _moment_room(monkeypatch, lambda self: None)
+    monkeypatch.setattr(MomentStager, "stage_in", late_copy_in)
+    monkeypatch.setattr(StreamedAdamW, "queue_on_device", late_kernel)
+    monkeypatch.setattr(MomentStager, "send_home", late_copy_home)
+    device = train("gpt", dict(base, **GPU_MODE, **cap), device="cuda", steps=4)
+    assert_same_bits(host, device)
+    moments = lambda opt: {(i, k): v for i, st in opt.state_dict()["state"].items()  # noqa: E731
+                           for k, v in st.items() if k != "step"}
+    host_moments, device_moments = moments(host[2][1]), moments(device[2][1])
+    assert host_moments.keys() == device_moments.keys() and host_moments
+    for k in host_moments:
+        assert torch.equal(host_moments[k], device_moments[k]), k
+    stager = device[2][0]._trainstream_engine.moments
+    block_regions = [r for r in set(stager.region_of.values())
+                     if any(p is q for p, *_ in r.layout for q in device[2][0].layers[0].parameters())]
+    assert sorted(r.staged for r in block_regions) == [False, False, True, True, True]
+    assert stager.copies > 0 and stager.mapped == 0
 
 
 @pytest.mark.gpu

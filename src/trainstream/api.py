@@ -11,7 +11,7 @@ from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend, HostArena
 from .engine.engine import Engine, grads_stay_on_device
 from .engine.layout import arena_bytes, build_units, quantizable_slots, set_quantization
-from .engine.moments import MomentStager, lay_out, region_limit
+from .engine.moments import MomentStager, copy_limit, lay_out, region_limit
 from .engine.optimizer import StreamedAdamW
 from .engine.adapt import Adapter
 from .engine.placement import (check_fits, choose, choose_moment_dtype, choose_optimizer_mode,
@@ -279,7 +279,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if update_on_device:
         events.add(f"optimizer: GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments ({moments}), "
                    f"copied through VRAM around one kernel each, in regions of up to "
-                   f"{region_limit(engine.max_inflight_bytes) / 2**20:.1f} MiB, {len(in_optimizer)} trainable "
+                   f"{region_limit(engine.max_inflight_bytes) / 2**20:.1f} MiB (one tensor alone: "
+                   f"{copy_limit(engine.max_inflight_bytes) / 2**20:.1f} MiB), {len(in_optimizer)} trainable "
                    "tensors; gradients "
                    + ("stay on the device until their update" if engine.device_grads else
                       "land in host memory (clipping or accumulation needs them there)"))

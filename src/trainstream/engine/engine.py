@@ -475,28 +475,40 @@ class Engine:
             if s.reader is not None and not isinstance(s.reader, DeviceUpdate):  # is outside its pool
                 s.reader.wait()
         kernel_done = home = None
-        for group in self.moments.by_region(slots):
-            targets, masters = zip(*(_device_update_roles(s, unit.paged) for s in group))
-            grads = [self.grads.grad_of(s) for s in group]
-            staged = self.moments.stage_in([s.param for s in group], stream)
-            with backend.on(stream):
-                self.optimizer.queue_on_device(backend.device, group, grads, list(targets), list(masters),
-                                               staged.moments, grad_scale, self.DEVICE_UPDATE_BLOCKS)
-                for g in grads:
-                    if g.device == backend.device:
-                        backend.keep_until(g, stream)
-            kernel_done = backend.record(stream)
-            home = self.moments.send_home(staged, kernel_done) or home
-            self.inflight.add(kernel_done, sum(g.numel() * g.element_size() for g in grads
-                                               if g.device == backend.device))
-        handle = DeviceUpdate(kernel_done, home)
+        try:
+            for group in self.moments.by_region(slots):
+                targets, masters = zip(*(_device_update_roles(s, unit.paged) for s in group))
+                grads = [self.grads.grad_of(s) for s in group]
+                staged = self.moments.stage_in([s.param for s in group], stream)
+                with backend.on(stream):
+                    self.optimizer.queue_on_device(backend.device, group, grads, list(targets), list(masters),
+                                                   staged.moments, grad_scale, self.DEVICE_UPDATE_BLOCKS)
+                    for g in grads:
+                        if g.device == backend.device:
+                            backend.keep_until(g, stream)
+                kernel_done = backend.record(stream)
+                home = self.moments.send_home(staged, kernel_done) or home
+                self.inflight.add(kernel_done, sum(g.numel() * g.element_size() for g in grads
+                                                   if g.device == backend.device))
+                # Let go of the region's buffer and gradients now: the allocator frees them once
+                # their streams pass this kernel and copy, as the ledger just recorded (held to
+                # the unit's end, they would also take room the next region's copy needs).
+                for s in group:
+                    s.device_grad = None
+                staged = grads = None
+        finally:
+            # Even if a later region's copy failed (out of memory), the kernels already queued
+            # are tracked: host readers of their moments and the next forward wait for them.
+            if kernel_done is not None:
+                self._track_device_update(unit, slots, DeviceUpdate(kernel_done, home))
+
+    def _track_device_update(self, unit, slots, handle) -> None:
         # A resident unit's handles are otherwise only dropped by synchronize(): keep the
         # list to the updates that may still run (one event per step would pile up).
         unit.updates = [h for h in unit.updates if not h.done()]
         unit.updates.append(handle)
         for s in slots:
             s.reader = handle
-            s.device_grad = None
         if not unit.paged:
             unit.h2d_event = handle.event  # the next forward's guard waits for it on the GPU
 
