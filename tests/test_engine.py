@@ -606,12 +606,14 @@ def test_gpu_mode_regions_switching_between_copied_and_mapped_keep_their_order(m
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
-def test_gpu_mode_units_of_several_regions_with_every_stream_held_back(base, monkeypatch):
+@pytest.mark.parametrize("late", ["copy_in", "kernel", "copy_home"])
+def test_gpu_mode_units_of_several_regions_with_one_stream_held_back(base, late, monkeypatch):
     """tiny_gpt under this cap: each block's moments in five regions, three copied and two
-    mapped (fc, out), each with a kernel of its own. Every copy in, kernel and copy home is
-    held back on its own stream, and nothing here orders them: a missing wait between a
-    region's copy in, its kernel and its copy home, between steps, or between a unit's last
-    kernel or copy home and a host reader of the moments, changes the bits."""
+    mapped (fc, out), each with a kernel of its own. One stream's work is held back each
+    time (several held back at once keep pace with each other and hide a missing wait), and
+    nothing here orders it: a missing wait between a region's copy in, its kernel and its
+    copy home, between steps, or between a unit's copies home and a host reader of the
+    moments, changes the bits."""
     from trainstream.engine.moments import MomentStager
     from trainstream.engine.optimizer import StreamedAdamW
     delay = int(1e7)  # GPU cycles, a few milliseconds: longer than this model's kernels and copies
@@ -634,9 +636,12 @@ def test_gpu_mode_units_of_several_regions_with_every_stream_held_back(base, mon
     cap = dict(max_inflight_bytes=240_000)
     host = train("gpt", dict(base, **cap), device="cuda", steps=4)
     _moment_room(monkeypatch, lambda self: None)
-    monkeypatch.setattr(MomentStager, "stage_in", late_copy_in)
-    monkeypatch.setattr(StreamedAdamW, "queue_on_device", late_kernel)
-    monkeypatch.setattr(MomentStager, "send_home", late_copy_home)
+    if late == "copy_in":
+        monkeypatch.setattr(MomentStager, "stage_in", late_copy_in)
+    elif late == "kernel":
+        monkeypatch.setattr(StreamedAdamW, "queue_on_device", late_kernel)
+    else:
+        monkeypatch.setattr(MomentStager, "send_home", late_copy_home)
     device = train("gpt", dict(base, **GPU_MODE, **cap), device="cuda", steps=4)
     assert_same_bits(host, device)
     moments = lambda opt: {(i, k): v for i, st in opt.state_dict()["state"].items()  # noqa: E731
