@@ -21,8 +21,10 @@ by 32 MB, 1.3%, on the H200). Under max_inflight_bytes the host waits for older 
 to come home before it queues the copy. A param whose moments alone exceed region_limit
 gets a region of its own, still copied up to copy_limit with less overlap; beyond that it
 always stays mapped: the kernel reads and writes its moments over PCIe. Copying such a
-param in slices would need the element offset of each slice in both AdamW kernels (bf16
-moments' stochastic rounding hashes the element index).
+param in slices would need regions of two host ranges (its exp_avg and its exp_avg_sq each
+stay whole for the optimizer's state), one step count per param rather than per slice and,
+with bf16 moments, the element offset of each slice in both AdamW kernels (stochastic
+rounding hashes the element index).
 On the CPU backend the "device" copy is a second host buffer, so CI runs the layout, the
 offsets and the copies.
 """
