@@ -32,6 +32,7 @@ def _profile_cache(tmp_path_factory):
     """Hardware profiles measured by the tests are cached in a temporary directory, never in
     the user's home."""
     import os
+
     old = os.environ.get("TRAINSTREAM_CACHE_DIR")
     os.environ["TRAINSTREAM_CACHE_DIR"] = str(tmp_path_factory.mktemp("trainstream-cache"))
     yield

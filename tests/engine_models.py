@@ -1,4 +1,5 @@
 """Small models and a training loop shared by the engine tests (CPU path and GPU)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,7 @@ def tiny_gpt(dim=64, layers=4, heads=4, vocab=97):
         g = torch.Generator().manual_seed(1000 + i)
         idx = torch.randint(0, vocab_, (4, 16), generator=g)
         return (idx.to(device), torch.roll(idx, -1, 1).to(device))
+
     return model, batch, lambda m, b: m(*b)
 
 
@@ -25,13 +27,21 @@ def tiny_mlp(layers=6, dim=256, rows=8):
 
     def batch(i, device):
         return torch.randn(rows, dim, generator=torch.Generator().manual_seed(2000 + i)).to(device)
+
     return model, batch, mlp_loss
 
 
 def _hf(kind: str):
     transformers = __import__("pytest").importorskip("transformers")
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=64,
+    )
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
@@ -41,15 +51,28 @@ def _hf(kind: str):
     def batch(i, device):
         g = torch.Generator().manual_seed(3000 + i)
         return torch.randint(0, 101, (2, 12), generator=g).to(device)
+
     return model, batch, lambda m, ids: m(input_ids=ids, labels=ids).loss
 
 
 MODELS = {"gpt": tiny_gpt, "mlp": tiny_mlp, "llama": lambda: _hf("llama"), "qwen2": lambda: _hf("qwen2")}
 
 
-def train(name: str, wrap_options: dict | None, *, steps: int = 10, device: str = "cpu", autocast=None,
-          accumulation: int = 1, clip: float | None = None, lr: float = 1e-2, dtype=None, freeze=None,
-          seed: int = 0, model_factory=None):
+def train(
+    name: str,
+    wrap_options: dict | None,
+    *,
+    steps: int = 10,
+    device: str = "cpu",
+    autocast=None,
+    accumulation: int = 1,
+    clip: float | None = None,
+    lr: float = 1e-2,
+    dtype=None,
+    freeze=None,
+    seed: int = 0,
+    model_factory=None,
+):
     """Train `name` for `steps` steps, stock (wrap_options None) or wrapped; return the
     losses, a host copy of the final state dict, and (model, optimizer)."""
     torch.manual_seed(seed)
@@ -62,8 +85,7 @@ def train(name: str, wrap_options: dict | None, *, steps: int = 10, device: str 
                 p.requires_grad_(False)
     if wrap_options is None:
         model = model.to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
-                            foreach=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, foreach=False)
     if wrap_options is not None:
         # offload=True unless a test asks otherwise: "auto" would switch these small models to
         # stock training after two steps, and the tests are about the engine.
@@ -113,6 +135,7 @@ def checkpointed_gpt(reentrant: bool, forwards: list | None = None, shared_gain:
             for blk in checkpointed.layers:
                 blk.register_forward_pre_hook(lambda m, a: forwards.append(m))
         return checkpointed, batch, loss_fn
+
     return factory
 
 

@@ -1,4 +1,5 @@
 """The native host AdamW (trainstream.ops.adamw_step) against its pure-torch twin."""
+
 import itertools
 
 import pytest
@@ -8,8 +9,11 @@ from trainstream import _native, ops
 from trainstream.ops import reference
 
 C = _native.lib()
-LEVELS = [lvl for lvl in ("scalar", "avx2", "avx512")
-          if ("scalar", "avx2", "avx512").index(lvl) <= ("scalar", "avx2", "avx512").index(C.best_simd_level())]
+LEVELS = [
+    lvl
+    for lvl in ("scalar", "avx2", "avx512")
+    if ("scalar", "avx2", "avx512").index(lvl) <= ("scalar", "avx2", "avx512").index(C.best_simd_level())
+]
 
 
 def make_state(n, grad_dtype=torch.float32, moment_dtype=torch.float32, seed=0):
@@ -66,16 +70,41 @@ def test_native_matches_reference_bit_for_bit(grad_dtype, moment_dtype, copy_dty
 
 
 def test_copy_conversion_special_values():
-    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1e-5,
-                             -1e-7, 2.0**-24, 2.0**-25, 1.5 * 2.0**-24, 3.4e38, float("inf"),
-                             float("-inf"), float("nan"), -float("nan"), 1.00390625, 1.01171875])
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            65504.0,
+            65519.0,
+            65520.0,
+            1e6,
+            -1e6,
+            6e-8,
+            3e-8,
+            1e-5,
+            -1e-7,
+            2.0**-24,
+            2.0**-25,
+            1.5 * 2.0**-24,
+            3.4e38,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            -float("nan"),
+            1.00390625,
+            1.01171875,
+        ]
+    )
     n = specials.numel()
     # With lr=0 and no decay the update leaves the weight unchanged, so the copy is a pure conversion.
     for dtype in (torch.bfloat16, torch.float16):
         p = specials.clone()
         copy = torch.empty(n, dtype=dtype)
-        ops.adamw_step([p], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)], [1], lr=0.0,
-                       param_copies=[copy]).wait()
+        ops.adamw_step(
+            [p], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)], [1], lr=0.0, param_copies=[copy]
+        ).wait()
         expected = specials.to(dtype)
         nan = expected.isnan()
         assert torch.equal(copy.isnan(), nan)
@@ -101,7 +130,7 @@ def test_simd_levels_give_identical_bits(level):
 
 def test_unsupported_simd_level_is_refused():
     order = ["scalar", "avx2", "avx512"]
-    above = order[order.index(C.best_simd_level()) + 1:]
+    above = order[order.index(C.best_simd_level()) + 1 :]
     for lvl in above:
         with pytest.raises(ValueError, match="does not support SIMD level"):
             C.set_simd_level(lvl)
@@ -114,8 +143,9 @@ def test_thread_counts_give_identical_bits():
     outs = []
     for threads in (1, 2, 7):
         tensors = [make_state(n, torch.float32, torch.bfloat16, seed=i) for i, n in enumerate(sizes)]
-        ops.adamw_step(*[[t[k] for t in tensors] for k in range(4)], [3] * 3, seeds=[1, 2, 3],
-                       threads=threads, **HYPER).wait()
+        ops.adamw_step(
+            *[[t[k] for t in tensors] for k in range(4)], [3] * 3, seeds=[1, 2, 3], threads=threads, **HYPER
+        ).wait()
         outs.append(tensors)
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
@@ -128,6 +158,7 @@ def test_stochastic_rounding_is_reproducible_and_seeded():
         p, g, m, v = make_state(10_000, torch.float32, torch.bfloat16)
         ops.adamw_step([p], [g], [m], [v], [step], seeds=[seed], **HYPER).wait()
         return m
+
     assert_same_bits(run(5, 3), run(5, 3))
     assert not torch.equal(bits(run(5, 3)), bits(run(6, 3)))
     assert not torch.equal(bits(run(5, 3)), bits(run(5, 4)))
@@ -202,8 +233,10 @@ def test_priority_picks_which_independent_job_runs_next():
     # number goes next. C is long enough (tens of ms) that A and B are both queued before it ends.
     states = {name: make_state(12_000_000 if name == "C" else 1_000_000, seed=i) for i, name in enumerate("CAB")}
     priority = {"C": 0, "A": 5, "B": 1}
-    handles = {name: ops.adamw_step([t[0]], [t[1]], [t[2]], [t[3]], [1], threads=1, priority=priority[name],
-                                    **HYPER) for name, t in states.items()}
+    handles = {
+        name: ops.adamw_step([t[0]], [t[1]], [t[2]], [t[3]], [1], threads=1, priority=priority[name], **HYPER)
+        for name, t in states.items()
+    }
     # Read once A, the last by priority, has finished: C and B must be done by then (a
     # scheduler running A earlier leaves one of them running). Not by polling all three in
     # turn: a poll descheduled between reading C and reading B sees B finish first (it did
@@ -229,32 +262,50 @@ def test_empty_call_and_empty_tensor():
     ops.adamw_step([p], [g], [m], [v], [1], lr=1e-3).wait()
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(params=[torch.randn(4, dtype=torch.float64)]), "params dtype must be one of"),
-    (dict(grads=[torch.randn(4, dtype=torch.float16)]), "grads dtype must be one of"),
-    (dict(exp_avgs=[torch.zeros(4, dtype=torch.bfloat16)]), "same dtype"),
-    (dict(grads=[torch.randn(5)]), r"grads\[0\] has 5 elements"),
-    (dict(grads=[torch.randn(4, 2)[:, 0]]), r"grads\[0\] must be contiguous"),
-    (dict(steps=[0]), r"steps\[0\] must be >= 1"),
-    (dict(steps=[1, 2]), "steps has 2 entries"),
-    (dict(param_copies=[torch.empty(4)]), "param_copies dtype must be one of"),
-    (dict(threads=0), "threads must be None or an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(params=[torch.randn(4, dtype=torch.float64)]), "params dtype must be one of"),
+        (dict(grads=[torch.randn(4, dtype=torch.float16)]), "grads dtype must be one of"),
+        (dict(exp_avgs=[torch.zeros(4, dtype=torch.bfloat16)]), "same dtype"),
+        (dict(grads=[torch.randn(5)]), r"grads\[0\] has 5 elements"),
+        (dict(grads=[torch.randn(4, 2)[:, 0]]), r"grads\[0\] must be contiguous"),
+        (dict(steps=[0]), r"steps\[0\] must be >= 1"),
+        (dict(steps=[1, 2]), "steps has 2 entries"),
+        (dict(param_copies=[torch.empty(4)]), "param_copies dtype must be one of"),
+        (dict(threads=0), "threads must be None or an integer >= 1"),
+    ],
+)
 def test_argument_errors(bad, match):
-    args = dict(params=[torch.zeros(4)], grads=[torch.zeros(4)], exp_avgs=[torch.zeros(4)],
-                exp_avg_sqs=[torch.zeros(4)], steps=[1])
+    args = dict(
+        params=[torch.zeros(4)],
+        grads=[torch.zeros(4)],
+        exp_avgs=[torch.zeros(4)],
+        exp_avg_sqs=[torch.zeros(4)],
+        steps=[1],
+    )
     args.update(bad)
     with pytest.raises(ValueError, match=match):
-        ops.adamw_step(args.pop("params"), args.pop("grads"), args.pop("exp_avgs"),
-                       args.pop("exp_avg_sqs"), args.pop("steps"), lr=1e-3, **args)
+        ops.adamw_step(
+            args.pop("params"),
+            args.pop("grads"),
+            args.pop("exp_avgs"),
+            args.pop("exp_avg_sqs"),
+            args.pop("steps"),
+            lr=1e-3,
+            **args,
+        )
 
 
 def test_reference_hash_matches_known_values():
     # lowbias32 values computed independently (pure Python, 32-bit wraparound).
     def lowbias32(x):
-        x ^= x >> 16; x = (x * 0x7FEB352D) & 0xFFFFFFFF
-        x ^= x >> 15; x = (x * 0x846CA68B) & 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
         return x ^ (x >> 16)
+
     xs = [0, 1, 2, 0xFFFFFFFF, 0x12345678, 0x80000000]
     assert [reference.mix32(x) for x in xs] == [lowbias32(x) for x in xs]
     t = torch.tensor(xs, dtype=torch.int64)
@@ -322,8 +373,7 @@ def test_gpu_adamw_equals_host_adamw_bit_for_bit(grad_dtype, moment_dtype, decou
     seeds = list(range(100, 108))
     kw = dict(HYPER, decoupled=decoupled, grad_scale=0.5, seeds=seeds)
     params = [c[0].cuda() for c in cases]
-    ops.adamw_step_gpu(params, [c[1].cuda() for c in cases], [c[2] for c in cases], [c[3] for c in cases],
-                       steps, **kw)
+    ops.adamw_step_gpu(params, [c[1].cuda() for c in cases], [c[2] for c in cases], [c[3] for c in cases], steps, **kw)
     torch.cuda.synchronize()
     ops.adamw_step(*[[h[k] for h in host] for k in range(4)], steps, **kw).wait()
     for i in range(len(sizes)):
@@ -339,13 +389,23 @@ def test_gpu_adamw_on_a_capped_grid_updates_device_masters(grad_dtype, moment_dt
     """No host masters (the fp32 device params are the master), gradients read from pinned
     host memory, fewer blocks than chunks."""
     from trainstream.ops.adamw import adamw_step_mapped
+
     sizes = [16385, 100_003, 7]
     cases = [_gpu_case(n, grad_dtype, moment_dtype, 20 + i) for i, n in enumerate(sizes)]
     host = [clone_all(*c) for c in cases]
     params = [c[0].cuda() for c in cases]
     steps, seeds = [3, 1, 2], [4, 5, 6]
-    adamw_step_mapped(params[0].device, params, [c[1].pin_memory() for c in cases], [c[2] for c in cases],
-                      [c[3] for c in cases], steps, seeds=seeds, max_blocks=2, **HYPER)
+    adamw_step_mapped(
+        params[0].device,
+        params,
+        [c[1].pin_memory() for c in cases],
+        [c[2] for c in cases],
+        [c[3] for c in cases],
+        steps,
+        seeds=seeds,
+        max_blocks=2,
+        **HYPER,
+    )
     torch.cuda.synchronize()
     ops.adamw_step(*[[h[k] for h in host] for k in range(4)], steps, seeds=seeds, **HYPER).wait()
     for i in range(len(sizes)):
@@ -360,6 +420,7 @@ def test_gpu_adamw_on_a_capped_grid_with_mapped_host_tensors(max_blocks):
     """The engine's launch: fewer blocks than chunks (each loops), gradients and the written
     weights in pinned host memory as well as on the device."""
     from trainstream.ops.adamw import adamw_step_mapped
+
     sizes = [5, 16385, 100_003, 40_000]
     cases = [_gpu_case(n, torch.float32, torch.float32, i) for i, n in enumerate(sizes)]
     host = [clone_all(*c) for c in cases]
@@ -367,8 +428,18 @@ def test_gpu_adamw_on_a_capped_grid_with_mapped_host_tensors(max_blocks):
     targets = [torch.empty(n, device="cuda") if i % 2 else torch.empty(n).pin_memory() for i, n in enumerate(sizes)]
     grads = [c[1].cuda() if i % 2 == 0 else c[1].pin_memory() for i, c in enumerate(cases)]
     steps, seeds = [1, 2, 3, 4], [7, 8, 9, 10]
-    adamw_step_mapped(torch.device("cuda", torch.cuda.current_device()), targets, grads, [c[2] for c in cases],
-                      [c[3] for c in cases], steps, masters=masters, seeds=seeds, max_blocks=max_blocks, **HYPER)
+    adamw_step_mapped(
+        torch.device("cuda", torch.cuda.current_device()),
+        targets,
+        grads,
+        [c[2] for c in cases],
+        [c[3] for c in cases],
+        steps,
+        masters=masters,
+        seeds=seeds,
+        max_blocks=max_blocks,
+        **HYPER,
+    )
     torch.cuda.synchronize()
     ops.adamw_step(*[[h[k] for h in host] for k in range(4)], steps, seeds=seeds, **HYPER).wait()
     for i in range(len(sizes)):
@@ -431,8 +502,14 @@ def test_gpu_adamw_orders_with_the_stream_under_heavy_transfers():
 def test_gpu_adamw_argument_errors_need_no_gpu_to_explain():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="must be in pinned host memory"):
-            ops.adamw_step_gpu([torch.zeros(4, device="cuda")], [torch.zeros(4, device="cuda")],
-                               [torch.zeros(4)], [torch.zeros(4)], [1], lr=1e-3)
+            ops.adamw_step_gpu(
+                [torch.zeros(4, device="cuda")],
+                [torch.zeros(4, device="cuda")],
+                [torch.zeros(4)],
+                [torch.zeros(4)],
+                [1],
+                lr=1e-3,
+            )
     else:
         with pytest.raises(RuntimeError, match="the GPU AdamW needs a CUDA GPU"):
             ops.adamw_step_gpu([torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4)], [1], lr=1e-3)
@@ -442,10 +519,20 @@ def test_scalars_the_gpu_path_packs_are_the_host_paths():
     # adamw_scalars feeds the CUDA kernel; it must be make_scalars itself, which the bit-exact
     # host tests above already pin to the reference arithmetic.
     import math
+
     lr, b1, b2, eps, wd, gs, step = 3e-3, 0.9, 0.999, 1e-8, 0.05, 0.75, 7
     floats, key = C.adamw_scalars(lr, b1, b2, eps, wd, gs, step, 12345)
     f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()
-    expected = [f32(1 - lr * wd), f32(wd), f32(1 - b1), f32(b2), f32(1 - b2),
-                f32(math.sqrt(1 - b2**step)), f32(eps), f32(-(lr / (1 - b1**step))), f32(gs)]
+    expected = [
+        f32(1 - lr * wd),
+        f32(wd),
+        f32(1 - b1),
+        f32(b2),
+        f32(1 - b2),
+        f32(math.sqrt(1 - b2**step)),
+        f32(eps),
+        f32(-(lr / (1 - b1**step))),
+        f32(gs),
+    ]
     assert floats == expected
     assert key == reference.rng_key(12345, step)

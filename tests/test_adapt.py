@@ -1,11 +1,12 @@
 """The adapter on the CPU path: replanning from measured activations, the watchdog and the
 online guard (device memory simulated), and offload="auto"'s switch to stock training."""
+
 import pytest
 import torch
-
-import trainstream
 from engine_models import RESIDENT, assert_same_bits, max_diff, tiny_mlp, train
 from test_engine import machine
+
+import trainstream
 
 AUTO = dict(param_offload="auto", activation_offload="auto")
 KiB = 1 << 10
@@ -42,16 +43,25 @@ def on_fake_device(make, vram_mib, now, param_offload=(0,)):
     """A model wrapped on the CPU path for a card of `vram_mib`, its device memory simulated:
     (model, optimizer, adapter, fake device, batch, loss_fn)."""
     model, batch, loss_fn = make()
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=list(param_offload),
-                                  activation_offload="auto", profile=machine(vram_gib=vram_mib / 1024))
+    model, opt = trainstream.wrap(
+        model,
+        None,
+        device="cpu",
+        lr=1e-2,
+        offload=True,
+        param_offload=list(param_offload),
+        activation_offload="auto",
+        profile=machine(vram_gib=vram_mib / 1024),
+    )
     adapter = model._trainstream_engine.adapter
     return model, opt, adapter, FakeDevice(adapter, now), batch, loss_fn
 
 
 def test_the_watchdog_pages_more_when_a_step_grows():
     model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **AUTO,
-                                  profile=machine(vram_gib=8 / 1024))
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", lr=1e-2, offload=True, **AUTO, profile=machine(vram_gib=8 / 1024)
+    )
     adapter = model._trainstream_engine.adapter
     fake = FakeDevice(adapter, 2 * MiB)
 
@@ -81,12 +91,15 @@ def test_what_runs_after_the_stack_is_measured_and_planned_on_top_of_the_activat
     model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_mlp, 64, 2 * MiB, param_offload)
     in_backward = {"rise": 0}  # a transient of backward, after the stack: block 1's input gradient
     model[1].register_full_backward_pre_hook(
-        lambda m, g: setattr(fake, "peak", max(fake.peak, fake.now + in_backward["rise"])))
+        lambda m, g: setattr(fake, "peak", max(fake.peak, fake.now + in_backward["rise"]))
+    )
     hooked = bool(param_offload)
     # (head's rise, what the head still holds into backward, backward's transient) per step
-    for head, held, rise, after_stack in [(3 * MiB, MiB, 6 * MiB, 3 * MiB if hooked else 7 * MiB),
-                                          (12 * MiB, 0, 0, 12 * MiB),
-                                          (MiB, 0, 0, 12 * MiB)]:  # below the last peak: nothing learnt
+    for head, held, rise, after_stack in [
+        (3 * MiB, MiB, 6 * MiB, 3 * MiB if hooked else 7 * MiB),
+        (12 * MiB, 0, 0, 12 * MiB),
+        (MiB, 0, 0, 12 * MiB),
+    ]:  # below the last peak: nothing learnt
         fake.now = 2 * MiB
         loss = loss_fn(model, batch(0, "cpu"))
         fake.peak = max(fake.peak, fake.now + head)  # the loss and its gradient, after the stack
@@ -109,22 +122,23 @@ def test_memory_freed_before_backward_is_added_to_the_heads_rise_until_a_pass_fr
     # and cannot be read. With nothing freed it would have been that much higher: the plan
     # counts the rise plus what was freed, until a pass that frees nothing measures it.
     from engine_models import tiny_gpt
+
     model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_gpt, 256, 0)
-    at = {}
 
     def head_forward(m, a, out):  # the logits: the peak rises 3 MiB above the stack's end
         fake.peak = max(fake.peak, fake.now + 3 * MiB)
-        fake.now += 2 * MiB          # what the head keeps for backward
+        fake.now += 2 * MiB  # what the head keeps for backward
 
-    def head_backward(m, g):         # the logits' gradient: 4 MiB above what is allocated then
+    def head_backward(m, g):  # the logits' gradient: 4 MiB above what is allocated then
         fake.peak = max(fake.peak, fake.now + 4 * MiB)
+
     model.head.register_forward_hook(head_forward)
     model.head.register_full_backward_pre_hook(head_backward)
 
     def step(stack_end, freed):
         fake.now = stack_end
         loss = loss_fn(model, batch(0, "cpu"))
-        fake.now -= freed            # autocast's exit
+        fake.now -= freed  # autocast's exit
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -167,8 +181,15 @@ def test_the_online_guard_pages_activations_during_a_pass():
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, param_offload=False,
-                                  activation_offload="auto", profile=machine(vram_gib=8 / 1024))
+    model, opt = trainstream.wrap(
+        model,
+        opt,
+        device="cpu",
+        offload=True,
+        param_offload=False,
+        activation_offload="auto",
+        profile=machine(vram_gib=8 / 1024),
+    )
     adapter = model._trainstream_engine.adapter
     FakeDevice(adapter, adapter.usable - 3 * 8192)  # room for about three blocks' activations
     losses = []
@@ -183,15 +204,24 @@ def test_the_online_guard_pages_activations_during_a_pass():
     # One history entry per pass, listing every block the guard paged in it.
     assert len([g for g in guarded if g["step"] == 0]) == 1 and len(guarded[0]["blocks"]) > 1
     first, last = guarded[0]["blocks"][0], guarded[0]["blocks"][-1]
-    assert f"the guard paged the activations of {len(guarded[0]['blocks'])} blocks in that pass: {first}-{last}" \
+    assert (
+        f"the guard paged the activations of {len(guarded[0]['blocks'])} blocks in that pass: {first}-{last}"
         in trainstream.memory_report(model)["events"]
+    )
     assert_same_bits(resident, (losses, {k: v.clone() for k, v in model.state_dict().items()}))
 
 
 def test_the_guard_projects_as_the_plan_does_and_pages_when_a_pass_grows():
     model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, param_offload=False,
-                                  activation_offload="auto", profile=machine(vram_gib=8 / 1024))
+    model, opt = trainstream.wrap(
+        model,
+        None,
+        device="cpu",
+        offload=True,
+        param_offload=False,
+        activation_offload="auto",
+        profile=machine(vram_gib=8 / 1024),
+    )
     engine = model._trainstream_engine
     adapter = engine.adapter
     for i in range(2):
@@ -253,10 +283,13 @@ def test_after_the_switch_clipping_and_lr_changes_still_apply():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("opts, reason", [
-    (dict(profile=machine(vram_gib=4 / 1024)), "stock training would need"),
-    (dict(param_offload=True, profile=machine(vram_gib=24)), "param_offload=True asks for paged weights"),
-])
+@pytest.mark.parametrize(
+    "opts, reason",
+    [
+        (dict(profile=machine(vram_gib=4 / 1024)), "stock training would need"),
+        (dict(param_offload=True, profile=machine(vram_gib=24)), "param_offload=True asks for paged weights"),
+    ],
+)
 def test_offload_auto_stays_when_it_must(opts, reason):
     model = train("mlp", dict(offload="auto", **opts), steps=3)[2][0]
     report = trainstream.memory_report(model)
@@ -264,6 +297,7 @@ def test_offload_auto_stays_when_it_must(opts, reason):
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
+
 
 def _gpt_steps(model, opt, cfg, steps):
     idx = torch.randint(0, cfg.vocab, (8, 512), device="cuda")
@@ -285,9 +319,14 @@ def test_gpu_defaults_train_the_1_9b_gpt_under_each_cap(cap_gib):
     import json
     import subprocess
     import sys
+
     case = dict(model="gpt-1.9b", cap_gib=cap_gib, settings=[{}], warmup=4, steps=2)
-    proc = subprocess.run([sys.executable, "-m", "trainstream.bench.planner", json.dumps(case)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainstream.bench.planner", json.dumps(case)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])[0]
     assert not row.get("oom") and row["peak_GiB"] < cap_gib, row
@@ -297,6 +336,7 @@ def test_gpu_defaults_train_the_1_9b_gpt_under_each_cap(cap_gib):
 @pytest.mark.gpu
 def test_gpu_a_model_that_fits_switches_to_fused_adamw():
     from trainstream.bench.models import GPT, GPTConfig
+
     cfg = GPTConfig(dim=768, layers=12, heads=12, vocab=32000)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -310,8 +350,9 @@ def test_gpu_a_model_that_fits_switches_to_fused_adamw():
 
 def test_verbose_prints_each_decision_as_it_happens(capsys):
     model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, verbose=True, **AUTO,
-                                  profile=machine(vram_gib=3 / 1024))
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload=True, verbose=True, **AUTO, profile=machine(vram_gib=3 / 1024)
+    )
     at_wrap = capsys.readouterr().out
     assert "trainstream: plan at wrap()" in at_wrap and "blocks paged" in at_wrap
     loss_fn(model, batch(0, "cpu")).backward()
@@ -322,8 +363,11 @@ def test_verbose_prints_each_decision_as_it_happens(capsys):
     assert "trainstream: weights paged for blocks []" in capsys.readouterr().out
     # The events log holds the same lines, time-stamped.
     events = trainstream.memory_report(model)["events"]
-    assert all(line.split("trainstream: ", 1)[1] in events
-               for line in (at_wrap + after_step).splitlines() if line.startswith("trainstream: "))
+    assert all(
+        line.split("trainstream: ", 1)[1] in events
+        for line in (at_wrap + after_step).splitlines()
+        if line.startswith("trainstream: ")
+    )
 
 
 def test_activations_are_recorded_as_with_the_weights_resident_autocasts_copies_included():
@@ -332,8 +376,8 @@ def test_activations_are_recorded_as_with_the_weights_resident_autocasts_copies_
     as they are with its weights resident, with the copies' share beside them."""
     from trainstream.engine.placement import activations_as_placed
     from trainstream.engine.switch import stock_bytes
-    _, _, (model, _) = train("gpt", dict(param_offload=[0], activation_offload=False), steps=2,
-                             autocast=torch.bfloat16)
+
+    _, _, (model, _) = train("gpt", dict(param_offload=[0], activation_offload=False), steps=2, autocast=torch.bfloat16)
     engine = model._trainstream_engine
     acts, casts = engine.activation_bytes, engine.activation_cast
     copies = sum(m.weight.numel() * 2 for m in model.layers[1].modules() if isinstance(m, torch.nn.Linear))
@@ -360,7 +404,7 @@ def test_backward_start_is_read_without_the_outputs_own_gradient():
     # when backward's first reading is taken, and is not memory freed.
     model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_mlp, 256, 10 * MiB)
     loss = loss_fn(model, batch(0, "cpu"))  # the stack's end and the forward's return, at 10 MiB
-    fake.now = 9 * MiB + 3 * MiB            # 1 MiB freed, then a 3 MiB gradient of the logits
+    fake.now = 9 * MiB + 3 * MiB  # 1 MiB freed, then a 3 MiB gradient of the logits
     adapter.backward_starts(3 * MiB)
     assert adapter._fwd_end - adapter._bwd_start == MiB
     loss.backward()
@@ -392,6 +436,7 @@ def test_a_model_output_that_is_a_leaf_gets_no_hook():
 
 def test_a_checkpointed_model_recomputing_in_backward_is_not_a_new_pass():
     from torch.utils.checkpoint import checkpoint
+
     model, batch, loss_fn = tiny_mlp()
     model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, param_offload=[0])
     adapter = model._trainstream_engine.adapter

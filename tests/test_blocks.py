@@ -1,6 +1,6 @@
 """Finding the repeated block stack."""
+
 import pytest
-import torch
 from torch import nn
 
 from trainstream.engine.blocks import find_blocks, named_stack
@@ -61,5 +61,7 @@ def test_named_stack_checks_what_the_caller_gave():
         named_stack(model, [nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="same module twice"):
         named_stack(model, [model.layers[0], model.layers[0]])
-    with pytest.raises(ValueError, match=r"blocks\[0\] \('layers.0'\) contains another listed block \('layers.0.attn'\)"):
+    with pytest.raises(
+        ValueError, match=r"blocks\[0\] \('layers.0'\) contains another listed block \('layers.0.attn'\)"
+    ):
         named_stack(model, [model.layers[0], model.layers[0].attn])

@@ -1,22 +1,25 @@
 """Converting the optimizer wrap() is given into an OffloadAdamW, state included."""
+
 import copy
 
 import pytest
 import torch
+from test_offload_adamw import OddModel, batches, groups_of, max_diff, train
 
 from trainstream import OffloadAdamW
 from trainstream.optim import convert_optimizer
 
-from test_offload_adamw import OddModel, batches, groups_of, max_diff, train
-
 TOL = 1e-6
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
-    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, foreach=False),
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, fused=True),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, foreach=False),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, fused=True),
+    ],
+)
 def test_conversion_continues_exactly_where_torch_left_off(make):
     model = OddModel()
     data = batches(16)
@@ -55,8 +58,11 @@ def test_an_offload_adamw_keeps_its_state_and_takes_new_options():
 
 def test_unsupported_optimizers_and_options_are_refused():
     model = OddModel()
-    with pytest.raises(ValueError, match=r"optimizer must be one of torch.optim.AdamW, torch.optim.Adam, "
-                                         r"trainstream.OffloadAdamW, None; got torch.optim.sgd.SGD"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer must be one of torch.optim.AdamW, torch.optim.Adam, "
+        r"trainstream.OffloadAdamW, None; got torch.optim.sgd.SGD",
+    ):
         convert_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), None)
     with pytest.raises(ValueError, match=r"does not support amsgrad=True"):
         convert_optimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), None)

@@ -1,5 +1,6 @@
 """The offload engine on the CPU path (device="cpu": the same hooks and bookkeeping as on a
 GPU, with streams as no-ops) and, for tests marked gpu, on CUDA."""
+
 import copy
 import dataclasses
 import gc
@@ -9,16 +10,15 @@ import sys
 
 import pytest
 import torch
+from engine_models import PAGED, RESIDENT, assert_same_bits, checkpointed_gpt, max_diff, tiny_gpt, tiny_mlp, train
 
 import trainstream
-
-from engine_models import (PAGED, RESIDENT, assert_same_bits, checkpointed_gpt, max_diff, tiny_gpt, tiny_mlp,
-                           train)
 
 CPU_MODELS = ["gpt", "mlp", "llama", "qwen2"]
 
 
 # -- paging is bit-exact -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", CPU_MODELS)
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
@@ -34,7 +34,7 @@ def test_autocast_pages_linear_weights_in_bf16():
     _, _, (model, _) = train("gpt", PAGED, autocast=torch.bfloat16, steps=2)
     engine = model._trainstream_engine
     slots = {s.name: s for u in engine.block_units for s in u.slots}
-    assert torch.bfloat16 in slots["layers.0.qkv.weight"].host   # Linear: bf16 copy kept by the optimizer
+    assert torch.bfloat16 in slots["layers.0.qkv.weight"].host  # Linear: bf16 copy kept by the optimizer
     assert torch.bfloat16 not in slots["layers.0.ln1.weight"].host  # LayerNorm runs in fp32 under autocast
 
 
@@ -57,12 +57,17 @@ def test_gpu_mode_stages_moments_in_regions_of_an_eighth_of_the_inflight_cap():
     order = [s.param for u in engine.units for s in u.trainable]
     assert [p for r in regions for p, *_ in r.layout] == order  # each unit's params, in order
     for r in regions:  # a region never spans two units
-        assert len({next(u.name for u in engine.units if any(s.param is p for s in u.trainable))
-                    for p, *_ in r.layout}) == 1
+        assert (
+            len({next(u.name for u in engine.units if any(s.param is p for s in u.trainable)) for p, *_ in r.layout})
+            == 1
+        )
     assert engine.moments.copies == 4 * sum(r.staged for r in regions) and engine.moments.mapped == 0
     assert trainstream.memory_report(device[2][0])["plan"]["moment_copies"] == {
-        "regions": len(regions), "regions_too_large_to_copy": sum(not r.staged for r in regions),
-        "copied": engine.moments.copies, "mapped_for_want_of_room": 0}
+        "regions": len(regions),
+        "regions_too_large_to_copy": sum(not r.staged for r in regions),
+        "copied": engine.moments.copies,
+        "mapped_for_want_of_room": 0,
+    }
     assert trainstream.memory_report(host[2][0])["plan"]["moment_copies"] is None
 
 
@@ -72,6 +77,7 @@ def test_gpu_mode_runs_one_kernel_per_region_between_its_copies(monkeypatch):
     held in VRAM at once waiting for one kernel."""
     from trainstream.engine.moments import MomentStager
     from trainstream.engine.optimizer import StreamedAdamW
+
     calls = []
     stage_in, send_home, kernel = MomentStager.stage_in, MomentStager.send_home, StreamedAdamW.queue_on_device
 
@@ -79,14 +85,22 @@ def test_gpu_mode_runs_one_kernel_per_region_between_its_copies(monkeypatch):
         def wrapped(self, *args, **kwargs):
             calls.append((name, region_of(self, *args)))
             return fn(self, *args, **kwargs)
+
         return wrapped
 
-    monkeypatch.setattr(MomentStager, "stage_in", record(
-        "in", stage_in, lambda self, params, stream: {id(self.region_of[p]) for p in params}))
-    monkeypatch.setattr(MomentStager, "send_home", record(
-        "home", send_home, lambda self, staged, done: {id(staged.region)}))
-    monkeypatch.setattr(StreamedAdamW, "queue_on_device", record(
-        "kernel", kernel, lambda self, device, slots, *rest: {id(s.param) for s in slots}))
+    monkeypatch.setattr(
+        MomentStager,
+        "stage_in",
+        record("in", stage_in, lambda self, params, stream: {id(self.region_of[p]) for p in params}),
+    )
+    monkeypatch.setattr(
+        MomentStager, "send_home", record("home", send_home, lambda self, staged, done: {id(staged.region)})
+    )
+    monkeypatch.setattr(
+        StreamedAdamW,
+        "queue_on_device",
+        record("kernel", kernel, lambda self, device, slots, *rest: {id(s.param) for s in slots}),
+    )
     device = train("gpt", dict(RESIDENT, **GPU_MODE, max_inflight_bytes=240_000), steps=2)
     stager = device[2][0]._trainstream_engine.moments
     params_of = {id(r): {id(p) for p, *_ in r.layout} for r in stager.region_of.values()}
@@ -107,8 +121,11 @@ def test_gpu_mode_maps_the_moments_a_copy_would_raise_the_peak_for(monkeypatch):
     assert stager.copies == 0 and stager.mapped == 3 * len(set(stager.region_of.values()))
 
 
-@pytest.mark.parametrize("opts", [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],
-                         ids=["accumulation", "clip", "accumulation+clip"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],
+    ids=["accumulation", "clip", "accumulation+clip"],
+)
 def test_paging_bit_exact_with_clipping_and_accumulation(opts):
     assert_same_bits(train("gpt", RESIDENT, steps=4, **opts), train("gpt", PAGED, steps=4, **opts))
 
@@ -123,8 +140,9 @@ def test_paging_bit_exact_bf16_model_and_frozen_params():
 
 
 def test_guard_params_false_gives_the_same_run():
-    assert_same_bits(train("gpt", dict(PAGED, guard_params=True), steps=3),
-                     train("gpt", dict(PAGED, guard_params=False), steps=3))
+    assert_same_bits(
+        train("gpt", dict(PAGED, guard_params=True), steps=3), train("gpt", dict(PAGED, guard_params=False), steps=3)
+    )
 
 
 # -- optimizer_mode="gpu": the update on the device over host moments ------------------------------
@@ -152,8 +170,11 @@ def test_gpu_mode_gives_the_host_modes_bits(name, autocast, base):
     assert trainstream.memory_report(host[2][0])["plan"]["optimizer_mode"] == "cpu"
 
 
-@pytest.mark.parametrize("opts", [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],
-                         ids=["accumulation", "clip", "accumulation+clip"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(accumulation=3), dict(clip=0.05), dict(accumulation=2, clip=0.05)],
+    ids=["accumulation", "clip", "accumulation+clip"],
+)
 def test_gpu_mode_with_clipping_and_accumulation_lands_gradients_on_the_host(opts):
     for base in (RESIDENT, PAGED):
         device = train("gpt", dict(base, **GPU_MODE), steps=4, **opts)
@@ -185,8 +206,14 @@ def _train_and_move(mode: str) -> dict:
     back: the host weights of a unit updated on the device must be brought level first."""
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
-    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
-                                  offload=True, optimizer_mode=mode, **RESIDENT)
+    model, opt = trainstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        offload=True,
+        optimizer_mode=mode,
+        **RESIDENT,
+    )
     engine = model._trainstream_engine
     for i in range(9):
         if i in (3, 6):  # applied by the adapter at the next forward, as its replans are
@@ -207,8 +234,14 @@ def test_gpu_mode_blocks_moved_between_steps_keep_their_weights():
 def _gpt_steps(mode: str, steps: int = 3):
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
-    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu",
-                                  offload=True, optimizer_mode=mode, **RESIDENT)
+    model, opt = trainstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        offload=True,
+        optimizer_mode=mode,
+        **RESIDENT,
+    )
     for i in range(steps):
         loss_fn(model, batch(i, "cpu")).backward()
         opt.step()
@@ -239,6 +272,7 @@ def test_mapped_moments_take_a_loaded_state_dict_and_go_with_the_switch():
     keep their buffers through load_state_dict, which copies into them, and are let go when
     offload="auto" switches to stock training."""
     from trainstream.engine.switch import switch_to_stock
+
     model, opt = _gpt_steps("gpu")
     params = [p for g in opt.param_groups for p in g["params"]]
     assert set(opt._mapped) == set(params)  # laid out at wrap()
@@ -248,8 +282,9 @@ def test_mapped_moments_take_a_loaded_state_dict_and_go_with_the_switch():
     for p in params:  # the state was copied in
         assert opt.state[p]["exp_avg_sq"] is buffers[p][1] and torch.equal(buffers[p][1], before[p])
     sd = opt.state_dict()
-    sd["state"] = {k: {kk: (vv * 2 if kk == "exp_avg" else vv.clone()) for kk, vv in v.items()}
-                   for k, v in sd["state"].items()}
+    sd["state"] = {
+        k: {kk: (vv * 2 if kk == "exp_avg" else vv.clone()) for kk, vv in v.items()} for k, v in sd["state"].items()
+    }
     del sd["state"][0]  # a param without saved state starts again from zeros, in its buffers
     opt.load_state_dict(sd)
     assert opt._mapped == buffers
@@ -280,12 +315,14 @@ def test_gpu_mode_waits_for_the_host_sum_before_the_update_reads_it(monkeypatch)
     """With accumulation the last pass adds into the host sums on the thread pool; the kernel
     is not in that pool, so the update must wait for the adds before it is queued."""
     from trainstream.engine.device import DeviceUpdate
+
     real = trainstream.ops.accumulate_
     monkeypatch.setattr(trainstream.ops, "accumulate_", lambda *a, **k: _LateAccumulation(real(*a, **k)))
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
-    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, optimizer_mode="gpu",
-                                  accumulation_steps=2, **RESIDENT)
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload=True, optimizer_mode="gpu", accumulation_steps=2, **RESIDENT
+    )
     queue = opt.queue_on_device
     checked = []
 
@@ -294,6 +331,7 @@ def test_gpu_mode_waits_for_the_host_sum_before_the_update_reads_it(monkeypatch)
             assert s.reader is None or isinstance(s.reader, DeviceUpdate) or s.reader.done(), s.name
         checked.append(len(slots))
         return queue(device, slots, *args, **kwargs)
+
     monkeypatch.setattr(opt, "queue_on_device", checking)
     for i in range(4):
         loss_fn(model, batch(i, "cpu")).backward()
@@ -323,6 +361,7 @@ def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect
     from trainstream.engine.layout import build_units
     from trainstream.engine.placement import choose_optimizer_mode, device_update_bytes
     from trainstream.options import parse
+
     model, _, _ = tiny_mlp(layers=4, dim=256)
     blocks, outside, _ = build_units(model, list(model), set(model.parameters()))
     opts = parse({"optimizer_mode": "auto"})
@@ -340,8 +379,12 @@ def test_optimizer_mode_auto_weighs_the_host_rate_against_pcie(host_rate, expect
 
 # -- against torch ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("opts", [{}, dict(clip=0.05), dict(accumulation=3), dict(accumulation=2, clip=0.05)],
-                         ids=["plain", "clip", "accumulation", "accumulation+clip"])
+
+@pytest.mark.parametrize(
+    "opts",
+    [{}, dict(clip=0.05), dict(accumulation=3), dict(accumulation=2, clip=0.05)],
+    ids=["plain", "clip", "accumulation", "accumulation+clip"],
+)
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_matches_torch_adamw(name, opts):
     stock = train(name, None, **opts)
@@ -376,6 +419,7 @@ def test_converts_an_optimizer_with_state():
 
 # -- state dicts and unwrap --------------------------------------------------------------------------
 
+
 def test_state_dicts_round_trip():
     losses, state, (model, opt) = train("gpt", PAGED, steps=3)
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
@@ -409,8 +453,9 @@ def test_unwrap_gives_a_plain_model():
     trainstream.unwrap(model)
     assert not hasattr(model, "_trainstream_engine")
     assert not model._forward_pre_hooks and all("forward" not in b.__dict__ for b in blocks)
-    assert all(p._post_accumulate_grad_hooks in (None, {}) or not p._post_accumulate_grad_hooks
-               for p in model.parameters())
+    assert all(
+        p._post_accumulate_grad_hooks in (None, {}) or not p._post_accumulate_grad_hooks for p in model.parameters()
+    )
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]) and v.stride() == v.contiguous().stride(), k
     with pytest.raises(RuntimeError, match="unwrapped"):
@@ -422,11 +467,16 @@ def test_unwrap_gives_a_plain_model():
 
 # -- behaviour and errors ----------------------------------------------------------------------------
 
+
 def test_model_without_a_block_stack():
     def factory():
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        return model, (lambda i, d: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(d)), \
-            (lambda m, x: m(x).square().mean())
+        return (
+            model,
+            (lambda i, d: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(d)),
+            (lambda m, x: m(x).square().mean()),
+        )
+
     stock = train("none", None, model_factory=factory)
     wrapped = train("none", {}, model_factory=factory)
     assert max_diff(stock[1], wrapped[1]) < 1e-5
@@ -454,13 +504,22 @@ def test_zero_grad_drops_an_unfinished_window():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("option, value", [("quantize", "fp4"), ("param_offload", [0, 99]), ("prefetch_depth", 0),
-                                           ("device", "tpu"), ("optimiser_mode", "cpu")])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("quantize", "fp4"),
+        ("param_offload", [0, 99]),
+        ("prefetch_depth", 0),
+        ("device", "tpu"),
+        ("optimiser_mode", "cpu"),
+    ],
+)
 def test_bad_options_name_themselves(option, value):
     model, _, _ = tiny_mlp()
     with pytest.raises(ValueError, match=option):
-        trainstream.wrap(model, None, device="cpu", **{option: value}) if option != "device" else \
-            trainstream.wrap(model, None, device=value)
+        trainstream.wrap(model, None, device="cpu", **{option: value}) if option != "device" else trainstream.wrap(
+            model, None, device=value
+        )
 
 
 def test_lr_with_an_optimizer_is_an_error():
@@ -487,10 +546,15 @@ def test_wrong_optimizer_and_double_wrap():
 def machine(vram_gib=24.0, ram_gib=64.0, pinned_gib=None):
     """A simulated machine for the planner (the figures any test may set by keyword)."""
     from trainstream.planner import HardwareProfile
-    return HardwareProfile(vram_total_bytes=int(vram_gib * 2**30), vram_free_bytes=int(vram_gib * 2**30),
-                           ram_available_bytes=int(ram_gib * 2**30),
-                           pinned_limit_bytes=int((pinned_gib or ram_gib) * 2**30),
-                           h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9)
+
+    return HardwareProfile(
+        vram_total_bytes=int(vram_gib * 2**30),
+        vram_free_bytes=int(vram_gib * 2**30),
+        ram_available_bytes=int(ram_gib * 2**30),
+        pinned_limit_bytes=int((pinned_gib or ram_gib) * 2**30),
+        h2d_bytes_per_s=25e9,
+        d2h_bytes_per_s=25e9,
+    )
 
 
 def test_memory_error_gives_the_numbers():
@@ -519,8 +583,12 @@ def test_memory_report_explains_the_plan():
     _, _, (model, _) = train("gpt", dict(param_offload=[1, 3], activation_offload=0.5), steps=1)
     report = trainstream.memory_report(model)
     assert report["mode"] == "offload"
-    assert report["params"] == {"paged_blocks": [1, 3], "resident_blocks": [0, 2],
-                                "activation_paged_blocks": [0, 1], "quantize": "none"}
+    assert report["params"] == {
+        "paged_blocks": [1, 3],
+        "resident_blocks": [0, 2],
+        "activation_paged_blocks": [0, 1],
+        "quantize": "none",
+    }
     assert "block stack 'layers': 4 x Block" in report["events"]
     assert report["plan"]["history"] == [] and report["peaks"]["steps"] == 1
 
@@ -533,6 +601,7 @@ def test_paged_weights_are_placeholders_between_uses():
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gpt", "llama"])
@@ -559,6 +628,7 @@ def _moment_room(monkeypatch, room) -> None:
     None (no limit). With tiny activations the real peak leaves too little to copy the
     moments in, and these tests are about the copies."""
     from trainstream.engine.moments import MomentStager
+
     monkeypatch.setattr(MomentStager, "room", room)
 
 
@@ -585,6 +655,7 @@ def test_gpu_mode_regions_switching_between_copied_and_mapped_keep_their_order(m
     lands on top of a mapped kernel's update. (Mapped, then copied, is also ordered by the
     next forward's wait for the kernel.)"""
     from trainstream.engine.moments import MomentStager
+
     delay = int(1e8)  # GPU cycles, tens of milliseconds: longer than a step of this model
     send_home = MomentStager.send_home
 
@@ -619,6 +690,7 @@ def test_gpu_mode_units_of_several_regions_with_one_stream_held_back(base, late,
     from trainstream.engine.device import TransferLedger
     from trainstream.engine.moments import MomentStager
     from trainstream.engine.optimizer import StreamedAdamW
+
     delay = int(1e7)  # GPU cycles, a few milliseconds: longer than this model's kernels and copies
     stage_in, send_home, kernel = MomentStager.stage_in, MomentStager.send_home, StreamedAdamW.queue_on_device
 
@@ -648,15 +720,22 @@ def test_gpu_mode_units_of_several_regions_with_one_stream_held_back(base, late,
         monkeypatch.setattr(MomentStager, "send_home", late_copy_home)
     device = train("gpt", dict(base, **GPU_MODE, **cap), device="cuda", steps=4)
     assert_same_bits(host, device)
-    moments = lambda opt: {(i, k): v for i, st in opt.state_dict()["state"].items()  # noqa: E731
-                           for k, v in st.items() if k != "step"}
+    moments = lambda opt: {
+        (i, k): v
+        for i, st in opt.state_dict()["state"].items()  # noqa: E731
+        for k, v in st.items()
+        if k != "step"
+    }
     host_moments, device_moments = moments(host[2][1]), moments(device[2][1])
     assert host_moments.keys() == device_moments.keys() and host_moments
     for k in host_moments:
         assert torch.equal(host_moments[k], device_moments[k]), k
     stager = device[2][0]._trainstream_engine.moments
-    block_regions = [r for r in set(stager.region_of.values())
-                     if any(p is q for p, *_ in r.layout for q in device[2][0].layers[0].parameters())]
+    block_regions = [
+        r
+        for r in set(stager.region_of.values())
+        if any(p is q for p, *_ in r.layout for q in device[2][0].layers[0].parameters())
+    ]
     assert sorted(r.staged for r in block_regions) == [False, False, True, True, True]
     assert stager.copies > 0 and stager.mapped == 0
 
@@ -667,8 +746,10 @@ def test_gpu_mode_units_of_several_regions_with_one_stream_held_back(base, late,
 @pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
 def test_gpu_optimizer_mode_gpu_gives_the_host_modes_bits(name, autocast, base):
     """The CUDA kernel on the update stream, beside backward: the same bits as the host AdamW."""
-    assert_same_bits(train(name, base, device="cuda", autocast=autocast, steps=5),
-                     train(name, dict(base, **GPU_MODE), device="cuda", autocast=autocast, steps=5))
+    assert_same_bits(
+        train(name, base, device="cuda", autocast=autocast, steps=5),
+        train(name, dict(base, **GPU_MODE), device="cuda", autocast=autocast, steps=5),
+    )
 
 
 @pytest.mark.gpu
@@ -676,8 +757,10 @@ def test_gpu_optimizer_mode_gpu_gives_the_host_modes_bits(name, autocast, base):
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_gpu_optimizer_mode_gpu_reads_gradients_from_host_memory(opts, autocast):
     for base in (RESIDENT, PAGED):
-        assert_same_bits(train("gpt", base, device="cuda", steps=4, autocast=autocast, **opts),
-                         train("gpt", dict(base, **GPU_MODE), device="cuda", steps=4, autocast=autocast, **opts))
+        assert_same_bits(
+            train("gpt", base, device="cuda", steps=4, autocast=autocast, **opts),
+            train("gpt", dict(base, **GPU_MODE), device="cuda", steps=4, autocast=autocast, **opts),
+        )
 
 
 @pytest.mark.gpu
@@ -686,9 +769,10 @@ def test_gpu_optimizer_mode_gpu_accumulation_of_large_gradients_on_one_thread():
     would read a half-summed gradient."""
     factory = lambda: tiny_mlp(layers=4, dim=2048, rows=2)  # noqa: E731
     opts = dict(RESIDENT, threads=1)
-    assert_same_bits(train("mlp", opts, device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
-                     train("mlp", dict(opts, **GPU_MODE), device="cuda", steps=3, accumulation=2, lr=1e-3,
-                           model_factory=factory))
+    assert_same_bits(
+        train("mlp", opts, device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
+        train("mlp", dict(opts, **GPU_MODE), device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
+    )
 
 
 @pytest.mark.gpu
@@ -740,8 +824,14 @@ def test_gpu_optimizer_mode_gpu_keeps_gradients_out_of_vram():
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    train("mlp", dict(RESIDENT, **GPU_MODE, max_inflight_bytes=64 << 20), device="cuda", steps=3, lr=1e-3,
-          model_factory=factory)
+    train(
+        "mlp",
+        dict(RESIDENT, **GPU_MODE, max_inflight_bytes=64 << 20),
+        device="cuda",
+        steps=3,
+        lr=1e-3,
+        model_factory=factory,
+    )
     weights = 8 * 2048 * 2048 * 4
     assert torch.cuda.max_memory_allocated() - before < 1.5 * weights
 
@@ -753,8 +843,10 @@ def test_gpu_paging_lowers_the_peak():
     trainstream.profile_hardware("cuda")  # measured (and cached) outside the peaks compared
     # The CPU outruns this tiny compute: without max_inflight_bytes holding it back, released
     # blocks and gradients waiting for their copies would pile up in VRAM.
-    for label, opts in (("resident", RESIDENT), ("paged", dict(PAGED, min_offload_bytes=1 << 20,
-                                                                max_inflight_bytes=40 << 20))):
+    for label, opts in (
+        ("resident", RESIDENT),
+        ("paged", dict(PAGED, min_offload_bytes=1 << 20, max_inflight_bytes=40 << 20)),
+    ):
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -770,6 +862,7 @@ def test_gpu_paging_lowers_the_peak():
 
 # -- the pieces that order transfers --------------------------------------------------------------
 
+
 class _Event:
     def __init__(self, log, name):
         self.log, self.name, self.finished = log, name, False
@@ -784,6 +877,7 @@ class _Event:
 
 def test_transfer_ledger_waits_oldest_first_until_it_fits():
     from trainstream.engine.device import DONE, TransferLedger
+
     log = []
     ledger = TransferLedger()
     events = [_Event(log, i) for i in range(4)]
@@ -806,6 +900,7 @@ def test_a_failed_weight_copy_surfaces_on_the_training_thread():
 
     def broken(unit):
         raise OSError("copy failed")
+
     pager.push = broken
     with pytest.raises((RuntimeError, OSError)) as info:
         loss_fn(model, batch(0, "cpu")).backward()
@@ -817,6 +912,7 @@ def test_a_failed_weight_copy_surfaces_on_the_training_thread():
 
 
 # -- edge cases a training loop runs into ----------------------------------------------------------
+
 
 def test_loaded_hyperparameters_take_effect():
     _, _, (model, opt) = train("gpt", PAGED, steps=1)
@@ -868,6 +964,7 @@ def test_training_goes_on_after_a_backward_that_raised():
 
     def fail(grad):
         raise RuntimeError("boom")
+
     handle = hidden.register_hook(fail)
     with pytest.raises(RuntimeError, match="boom"):
         loss.backward()
@@ -889,15 +986,15 @@ def test_state_dict_keep_vars_gives_real_values():
 
 def test_an_offload_adamw_brings_its_clipping():
     model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(model, trainstream.OffloadAdamW(model.parameters(), max_grad_norm=1e-3),
-                                  device="cpu")
+    model, opt = trainstream.wrap(model, trainstream.OffloadAdamW(model.parameters(), max_grad_norm=1e-3), device="cpu")
     loss_fn(model, batch(0, "cpu")).backward()
     opt.step()
     assert model._trainstream_engine.last_grad_norm is not None
     model, _, _ = tiny_mlp()
     with pytest.raises(ValueError, match="max_grad_norm"):
-        trainstream.wrap(model, trainstream.OffloadAdamW(model.parameters(), max_grad_norm=1.0), device="cpu",
-                         max_grad_norm=2.0)
+        trainstream.wrap(
+            model, trainstream.OffloadAdamW(model.parameters(), max_grad_norm=1.0), device="cpu", max_grad_norm=2.0
+        )
     with pytest.raises(ValueError, match="accumulation_steps"):
         trainstream.wrap(model, trainstream.OffloadAdamW(model.parameters(), accumulation_steps=2), device="cpu")
 
@@ -913,6 +1010,7 @@ def test_the_last_backward_of_a_window_updates_units_used_earlier_only():
             for b in self.blocks:
                 x = b(x)
             return (self.extra(x) if use_extra else x).square().mean()
+
     model, opt = trainstream.wrap(Net(), None, device="cpu", accumulation_steps=2)
     model(torch.randn(4, 8), True).backward()
     model(torch.randn(4, 8), False).backward()
@@ -931,6 +1029,7 @@ def test_non_reentrant_checkpointing_pages_bit_exactly():
 
 def test_host_arena_carves_power_of_two_pieces_without_overlap():
     from trainstream.engine.device import Backend, HostArena
+
     shapes = [(1000,), (300, 7), (5,), (4096,), (1,), (2500, 3)] * 5
     total = sum(HostArena.size_of(s[0] * (s[1] if len(s) > 1 else 1), torch.float32) for s in shapes)
     arena = HostArena(Backend(torch.device("cpu")), total)
@@ -977,11 +1076,13 @@ def test_a_deleted_wrapped_model_is_freed(opts):
     """Hooks torch keeps in C++ (invisible to the cycle collector) must not hold the engine:
     otherwise every model wrapped in a process keeps its device memory until exit."""
     import weakref
+
     _, _, (model, opt) = train("mlp", opts, steps=3)
     refs = [weakref.ref(model), weakref.ref(model._trainstream_engine), *map(weakref.ref, model.parameters())]
     del model, opt
     gc.collect()
     import time
+
     time.sleep(0.05)  # the lander thread lets go of its last unit
     gc.collect()
     assert all(r() is None for r in refs)
@@ -991,6 +1092,7 @@ def test_a_deleted_wrapped_model_is_freed(opts):
 @pytest.mark.parametrize("opts", [RESIDENT, PAGED], ids=["resident", "paged"])
 def test_gpu_a_deleted_wrapped_model_frees_its_device_memory(opts):
     import time
+
     gc.collect()
     before = torch.cuda.memory_allocated()
     factory = lambda: tiny_mlp(layers=4, dim=1024, rows=64)  # noqa: E731
@@ -1028,8 +1130,7 @@ def test_the_process_exits_cleanly_while_updates_are_in_flight():
     """At interpreter exit the lander thread may be waiting inside a native call; killed
     there by Python's shutdown, it aborted the process. An exit hook stops it first."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "exiting" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
 
 
@@ -1037,12 +1138,14 @@ def test_small_gradients_leave_in_one_batch_per_unit(monkeypatch):
     """Gradients under GradStreamer.SMALL_GRAD_BYTES wait for their unit's last one and go
     to host memory together (one D2H batch per unit and pass); a large one goes at once."""
     from trainstream.engine.grads import GradStreamer
+
     sends = []
     send = GradStreamer._send
 
     def counting(self, unit):
         sends.append((unit.name, len(unit.waiting)))
         send(self, unit)
+
     monkeypatch.setattr(GradStreamer, "_send", counting)
     _, _, (model, _) = train("gpt", RESIDENT, steps=1)  # every gradient of the tiny GPT is small
     units = [u for u in model._trainstream_engine.units if u.trainable]
@@ -1075,6 +1178,7 @@ def test_a_second_gradient_in_one_pass_is_an_error_not_a_wrong_update():
 
 def test_a_failure_at_the_end_of_backward_leaves_no_half_landed_state(monkeypatch):
     from trainstream.engine.grads import GradStreamer
+
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
     model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, **RESIDENT)
@@ -1089,6 +1193,7 @@ def test_a_failure_at_the_end_of_backward_leaves_no_half_landed_state(monkeypatc
             calls.append(unit)
             if len(calls) == 2:
                 raise RuntimeError("a host job failed")
+
         self._send = send
         for unit in self.engine.units[:2]:  # two units still waiting, as after unused parameters
             unit.waiting = [(unit.trainable[0], torch.zeros(1), None)]
@@ -1096,6 +1201,7 @@ def test_a_failure_at_the_end_of_backward_leaves_no_half_landed_state(monkeypatc
             end_pass(self)
         finally:
             del self._send
+
     monkeypatch.setattr(GradStreamer, "_end_pass", failing_end)
     with pytest.raises(RuntimeError, match="a host job failed"):
         loss_fn(model, batch(0, "cpu")).backward()
@@ -1137,8 +1243,12 @@ def test_a_parameter_in_two_reentrant_segments_of_one_block_sums_its_gradients()
             return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
 
     def factory():
-        return Model(), (lambda i, device: torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
-                         .to(device)), (lambda m, idx: m(idx))
+        return (
+            Model(),
+            (lambda i, device: torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i)).to(device)),
+            (lambda m, idx: m(idx)),
+        )
+
     stock = train("halves", None, steps=3, model_factory=factory)
     wrapped = train("halves", RESIDENT, steps=3, model_factory=factory)
     assert max_diff(stock[1], wrapped[1]) < 5e-5

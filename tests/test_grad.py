@@ -1,4 +1,5 @@
 """Gradient helpers: host accumulation and per-tensor squared norms."""
+
 import pytest
 import torch
 
@@ -26,18 +27,22 @@ def test_accumulate_then_adamw_on_the_same_buffer_run_in_order():
     ref_p = p.clone()
     h1 = ops.accumulate_([total], [g], threads=2)
     h2 = ops.adamw_step([p], [total], [m], [v], [1], lr=1e-2, threads=2)
-    h1.wait(); h2.wait()
+    h1.wait()
+    h2.wait()
     reference.adamw_step([ref_p], [g], [torch.zeros(n)], [torch.zeros(n)], [1], lr=1e-2)
     assert torch.equal(p, ref_p)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(dsts=[torch.zeros(3, dtype=torch.bfloat16)]), r"dsts\[0\] must be float32"),
-    (dict(srcs=[torch.zeros(3, dtype=torch.float16)]), "sources must all be float32 or all bfloat16"),
-    (dict(srcs=[torch.zeros(4)]), r"dsts\[0\] has 3 elements, srcs\[0\] has 4"),
-    (dict(srcs=[torch.zeros(3, 2)[:, 0]]), r"srcs\[0\] must be a contiguous host tensor"),
-    (dict(srcs=[]), "1 destinations but 0 sources"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(dsts=[torch.zeros(3, dtype=torch.bfloat16)]), r"dsts\[0\] must be float32"),
+        (dict(srcs=[torch.zeros(3, dtype=torch.float16)]), "sources must all be float32 or all bfloat16"),
+        (dict(srcs=[torch.zeros(4)]), r"dsts\[0\] has 3 elements, srcs\[0\] has 4"),
+        (dict(srcs=[torch.zeros(3, 2)[:, 0]]), r"srcs\[0\] must be a contiguous host tensor"),
+        (dict(srcs=[]), "1 destinations but 0 sources"),
+    ],
+)
 def test_accumulate_errors(bad, match):
     args = dict(dsts=[torch.zeros(3)], srcs=[torch.zeros(3)])
     args.update(bad)
@@ -89,6 +94,7 @@ def _quantize_in_child(queue):
 
 def test_host_ops_work_in_a_forked_child():
     import multiprocessing as mp
+
     ops.quantize_int8(torch.randn(1000))  # the parent's pool exists and has run work
     ctx = mp.get_context("fork")
     queue = ctx.Queue()

@@ -1,4 +1,5 @@
 """Loading the native module, build information, and the GPU-availability errors."""
+
 import subprocess
 import sys
 
@@ -42,7 +43,9 @@ def test_missing_native_module_gives_a_clear_error(monkeypatch):
 
 def test_require_cuda_on_cpu_only_torch(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
-    with pytest.raises(RuntimeError, match=r"X needs a CUDA GPU, but torch .* is a CPU-only build.*Install a CUDA build"):
+    with pytest.raises(
+        RuntimeError, match=r"X needs a CUDA GPU, but torch .* is a CPU-only build.*Install a CUDA build"
+    ):
         _native.require_cuda("X")
 
 
@@ -56,7 +59,9 @@ def test_require_cuda_on_a_build_without_kernels(monkeypatch):
 def test_require_cuda_major_mismatch(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(_native, "build_info", lambda: {"cuda": True, "cuda_version": "13.0.88"})
-    with pytest.raises(RuntimeError, match=r"built for CUDA 13, but torch .* uses CUDA 12.8\. Install trainstream-cu128"):
+    with pytest.raises(
+        RuntimeError, match=r"built for CUDA 13, but torch .* uses CUDA 12.8\. Install trainstream-cu128"
+    ):
         _native.require_cuda("X")
 
 

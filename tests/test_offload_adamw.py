@@ -1,4 +1,5 @@
 """trainstream.OffloadAdamW as a drop-in for torch.optim.AdamW on CPU parameters."""
+
 import copy
 
 import pytest
@@ -58,8 +59,10 @@ def twin_models():
 
 
 def groups_of(model, lr=1e-2, wd_a=0.1, wd_rest=0.0):
-    return [{"params": model.a.parameters(), "weight_decay": wd_a},
-            {"params": list(model.b.parameters()) + list(model.c.parameters()), "weight_decay": wd_rest, "lr": lr / 3}]
+    return [
+        {"params": model.a.parameters(), "weight_decay": wd_a},
+        {"params": list(model.b.parameters()) + list(model.c.parameters()), "weight_decay": wd_rest, "lr": lr / 3},
+    ]
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -264,25 +267,28 @@ def test_thread_count_does_not_change_results(threads):
     assert max_diff(model, twin) == 0.0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(amsgrad=True), r"does not support amsgrad=True \(accepted: False\)"),
-    (dict(maximize=True), r"does not support maximize=True"),
-    (dict(capturable=True), r"does not support capturable=True"),
-    (dict(differentiable=True), r"does not support differentiable=True"),
-    (dict(lr=-1.0), r"lr must be a float >= 0"),
-    (dict(betas=(0.9, 1.0)), r"betas must be a pair of floats in \[0, 1\)"),
-    (dict(betas=(0.9,)), r"betas must be a pair"),
-    (dict(eps=-1e-8), r"eps must be a float >= 0"),
-    (dict(weight_decay=-0.1), r"weight_decay must be a float >= 0"),
-    (dict(mode="tpu"), r"mode must be one of \('cpu', 'gpu'\), got 'tpu'"),
-    (dict(moment_dtype="float16"), r"moment_dtype must be 'float32' or 'bfloat16'"),
-    (dict(max_grad_norm=0.0), r"max_grad_norm must be None or a float > 0"),
-    (dict(max_grad_norm="1"), r"max_grad_norm must be None or a float > 0"),
-    (dict(accumulation_steps=0), r"accumulation_steps must be an integer >= 1"),
-    (dict(accumulation_steps=2.0), r"accumulation_steps must be an integer >= 1"),
-    (dict(threads=0), r"threads must be None or an integer >= 1"),
-    (dict(threads=True), r"threads must be None or an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(amsgrad=True), r"does not support amsgrad=True \(accepted: False\)"),
+        (dict(maximize=True), r"does not support maximize=True"),
+        (dict(capturable=True), r"does not support capturable=True"),
+        (dict(differentiable=True), r"does not support differentiable=True"),
+        (dict(lr=-1.0), r"lr must be a float >= 0"),
+        (dict(betas=(0.9, 1.0)), r"betas must be a pair of floats in \[0, 1\)"),
+        (dict(betas=(0.9,)), r"betas must be a pair"),
+        (dict(eps=-1e-8), r"eps must be a float >= 0"),
+        (dict(weight_decay=-0.1), r"weight_decay must be a float >= 0"),
+        (dict(mode="tpu"), r"mode must be one of \('cpu', 'gpu'\), got 'tpu'"),
+        (dict(moment_dtype="float16"), r"moment_dtype must be 'float32' or 'bfloat16'"),
+        (dict(max_grad_norm=0.0), r"max_grad_norm must be None or a float > 0"),
+        (dict(max_grad_norm="1"), r"max_grad_norm must be None or a float > 0"),
+        (dict(accumulation_steps=0), r"accumulation_steps must be an integer >= 1"),
+        (dict(accumulation_steps=2.0), r"accumulation_steps must be an integer >= 1"),
+        (dict(threads=0), r"threads must be None or an integer >= 1"),
+        (dict(threads=True), r"threads must be None or an integer >= 1"),
+    ],
+)
 def test_constructor_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OffloadAdamW(torch.nn.Linear(3, 3).parameters(), **kwargs)
@@ -367,8 +373,10 @@ def test_gpu_mode_equals_cpu_mode_bit_for_bit():
             loss_of(gpu_model, x.cuda(), y.cuda()).backward()
             for pg, pc in zip(gpu_model.parameters(), cpu_model.parameters()):
                 pc.grad = pg.grad.cpu()  # identical gradients on both sides
-            gpu_opt.step(); gpu_opt.zero_grad()
-            cpu_opt.step(); cpu_opt.zero_grad()
+            gpu_opt.step()
+            gpu_opt.zero_grad()
+            cpu_opt.step()
+            cpu_opt.zero_grad()
         for pg, pc in zip(gpu_model.parameters(), cpu_model.parameters()):
             assert torch.equal(pg.cpu(), pc), moment_dtype
 

@@ -1,4 +1,5 @@
 """The planner's choice, table by table: pure byte counts and rates, no engine, no GPU."""
+
 import pytest
 
 from trainstream.planner import BlockBytes, PlanInputs, device_bytes, make_plan
@@ -10,28 +11,40 @@ BLOCK = dict(weight_bytes=100, crossing_bytes=50, push_bytes=100, act_bytes=200)
 
 def inputs(usable, *, compute=0.5, pageable=(True,) * 4, slowdown=0.15, **kw):
     blocks = [BlockBytes(pageable=p, **BLOCK) for p in pageable]
-    base = dict(blocks=blocks, fixed_bytes=0, usable_bytes=usable, h2d_bytes_per_s=1000.0, d2h_bytes_per_s=1000.0,
-                adamw_s=0.01, grad_bytes=400, outside_push_bytes=0, compute_s=compute,
-                max_activation_slowdown=slowdown)
+    base = dict(
+        blocks=blocks,
+        fixed_bytes=0,
+        usable_bytes=usable,
+        h2d_bytes_per_s=1000.0,
+        d2h_bytes_per_s=1000.0,
+        adamw_s=0.01,
+        grad_bytes=400,
+        outside_push_bytes=0,
+        compute_s=compute,
+        max_activation_slowdown=slowdown,
+    )
     base.update(kw)
     return PlanInputs(**base)
 
 
-@pytest.mark.parametrize("usable, paged, act_paged, fits, within", [
-    # everything fits: nothing moves
-    (10_000, [], [], True, True),
-    # weights 400 + activations 800 + two blocks crossing (100) must fit in 1050: paging
-    # three blocks' weights costs no PCIe time (2 x 50 in place of the 100 pushed), while
-    # paging activations would double the step: the weights go
-    (1050, [0, 1, 2], [], True, True),
-    # 700: every block's weights paged is not enough (800 of activations + 100 in flight); one
-    # block's activations too: 600 held at the forward's end, 400 when backward fetches it
-    # back with one ahead; the 200 bytes each way add 20% to the step, past the 15% limit
-    (700, [0, 1, 2, 3], [0], True, False),
-    # nothing fits: the plan that needs the least memory, flagged (two blocks' activations
-    # paged need no more than four: backward fetches two at a time either way)
-    (100, [0, 1, 2, 3], [0, 1], False, False),
-])
+@pytest.mark.parametrize(
+    "usable, paged, act_paged, fits, within",
+    [
+        # everything fits: nothing moves
+        (10_000, [], [], True, True),
+        # weights 400 + activations 800 + two blocks crossing (100) must fit in 1050: paging
+        # three blocks' weights costs no PCIe time (2 x 50 in place of the 100 pushed), while
+        # paging activations would double the step: the weights go
+        (1050, [0, 1, 2], [], True, True),
+        # 700: every block's weights paged is not enough (800 of activations + 100 in flight); one
+        # block's activations too: 600 held at the forward's end, 400 when backward fetches it
+        # back with one ahead; the 200 bytes each way add 20% to the step, past the 15% limit
+        (700, [0, 1, 2, 3], [0], True, False),
+        # nothing fits: the plan that needs the least memory, flagged (two blocks' activations
+        # paged need no more than four: backward fetches two at a time either way)
+        (100, [0, 1, 2, 3], [0, 1], False, False),
+    ],
+)
 def test_the_fastest_placement_that_fits(usable, paged, act_paged, fits, within):
     plan = make_plan(inputs(usable))
     assert (plan.paged, plan.act_paged, plan.fits, plan.within_limit) == (paged, act_paged, fits, within)
@@ -84,8 +97,17 @@ def test_paging_a_blocks_weights_also_frees_autocasts_copies_of_them():
     # are paged (autocast keeps them until the forward ends). All resident: 400 + 800 = 1200;
     # in 1050, two paged blocks free 2 x (100 + 50) and hold 100 in flight.
     blocks = [BlockBytes(cast_bytes=50, **BLOCK) for _ in range(4)]
-    inp = PlanInputs(blocks=blocks, fixed_bytes=0, usable_bytes=1050, h2d_bytes_per_s=1000.0,
-                     d2h_bytes_per_s=1000.0, adamw_s=0.01, grad_bytes=400, outside_push_bytes=0, compute_s=0.5)
+    inp = PlanInputs(
+        blocks=blocks,
+        fixed_bytes=0,
+        usable_bytes=1050,
+        h2d_bytes_per_s=1000.0,
+        d2h_bytes_per_s=1000.0,
+        adamw_s=0.01,
+        grad_bytes=400,
+        outside_push_bytes=0,
+        compute_s=0.5,
+    )
     plan = make_plan(inp)
     assert plan.paged == [0, 1] and plan.act_paged == [] and plan.device_bytes == 1000
     assert plan.device_bytes == device_bytes(inp, {0, 1}, set())
@@ -107,18 +129,33 @@ def test_the_logits_and_fetched_activations_are_never_counted_as_held_at_once():
     assert device_bytes(inp, set(), {2, 3}) == 400 + 2 * 200 + 2 * 200
     # The plan counts the same way: in 1000, all resident (1500) does not fit.
     plan = make_plan(inputs(1000, after_stack_bytes=300))
-    assert plan.fits and plan.device_bytes == device_bytes(inputs(1000, after_stack_bytes=300),
-                                                           set(plan.paged), set(plan.act_paged)) <= 1000
+    assert (
+        plan.fits
+        and plan.device_bytes
+        == device_bytes(inputs(1000, after_stack_bytes=300), set(plan.paged), set(plan.act_paged))
+        <= 1000
+    )
 
 
 def test_backward_fetches_a_paged_block_with_the_one_ahead_of_it_above_what_is_still_held():
     # Uneven blocks, one fetched ahead (prefetch_depth 1), 100 bytes after the stack of which
     # 50 are still held in backward (a caller's logits). At block 2's backward: blocks 1 and
     # 2 fetched back (400 + 200), block 0's not-paged 200 still held, and the head's 50.
-    blocks = [BlockBytes(weight_bytes=100, crossing_bytes=50, push_bytes=100, act_bytes=a) for a in (200, 400, 200, 200)]
-    inp = PlanInputs(blocks=blocks, fixed_bytes=0, usable_bytes=10_000, h2d_bytes_per_s=1000.0, d2h_bytes_per_s=1000.0,
-                     adamw_s=0.01, grad_bytes=400, outside_push_bytes=0, after_stack_bytes=100,
-                     held_after_stack_bytes=50)
+    blocks = [
+        BlockBytes(weight_bytes=100, crossing_bytes=50, push_bytes=100, act_bytes=a) for a in (200, 400, 200, 200)
+    ]
+    inp = PlanInputs(
+        blocks=blocks,
+        fixed_bytes=0,
+        usable_bytes=10_000,
+        h2d_bytes_per_s=1000.0,
+        d2h_bytes_per_s=1000.0,
+        adamw_s=0.01,
+        grad_bytes=400,
+        outside_push_bytes=0,
+        after_stack_bytes=100,
+        held_after_stack_bytes=50,
+    )
     weights = 400
     assert device_bytes(inp, set(), {1, 2}) == weights + max(200 + 200 + 100, 200 + 400 + 200 + 50)
     # Not side by side ({0, 2}): block 2 is fetched alone, above block 1's 400 (not paged).

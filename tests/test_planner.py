@@ -1,5 +1,5 @@
 """The hardware profile: measured once, cached by machine, built by hand for simulations."""
-import os
+
 from pathlib import Path
 
 import pytest
@@ -17,8 +17,10 @@ def test_measured_then_cached_then_forced(tmp_path, monkeypatch):
     assert len(files) == 1
     second = profile_hardware("cpu")
     assert second.source == "cached"
-    assert (second.h2d_bytes_per_s, second.host_adamw_params_per_s) == (first.h2d_bytes_per_s,
-                                                                        first.host_adamw_params_per_s)
+    assert (second.h2d_bytes_per_s, second.host_adamw_params_per_s) == (
+        first.h2d_bytes_per_s,
+        first.host_adamw_params_per_s,
+    )
     assert profile_hardware("cpu", force=True).source == "measured"
 
 
@@ -28,8 +30,10 @@ def test_a_damaged_or_foreign_cache_is_measured_again(tmp_path, monkeypatch):
     path = next(Path(tmp_path).glob("profile-*.json"))
     path.write_text("{not json")
     assert profile_hardware("cpu").source == "measured"
-    path.write_text('{"key": "another machine", "h2d_bytes_per_s": 1, "d2h_bytes_per_s": 1, '
-                    '"host_adamw_params_per_s": 1, "matmul_flops": 0}')
+    path.write_text(
+        '{"key": "another machine", "h2d_bytes_per_s": 1, "d2h_bytes_per_s": 1, '
+        '"host_adamw_params_per_s": 1, "matmul_flops": 0}'
+    )
     assert profile_hardware("cpu").source == "measured"
 
 
@@ -49,8 +53,14 @@ def test_conservative_profile_uses_the_fixed_rates():
 
 
 def test_built_by_hand_from_the_six_fields():
-    p = HardwareProfile(vram_total_bytes=4 << 30, vram_free_bytes=4 << 30, ram_available_bytes=16 << 30,
-                        pinned_limit_bytes=8 << 30, h2d_bytes_per_s=12e9, d2h_bytes_per_s=12e9)
+    p = HardwareProfile(
+        vram_total_bytes=4 << 30,
+        vram_free_bytes=4 << 30,
+        ram_available_bytes=16 << 30,
+        pinned_limit_bytes=8 << 30,
+        h2d_bytes_per_s=12e9,
+        d2h_bytes_per_s=12e9,
+    )
     assert p.source == "given" and "4.0 GiB" in p.describe()
     with pytest.raises(TypeError):
         HardwareProfile(vram_total_bytes=1)  # the six memory and PCIe figures are required

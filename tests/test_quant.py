@@ -1,4 +1,5 @@
 """NF4 and int8 quantization: native vs the pure-torch twin vs bitsandbytes, CPU and CUDA."""
+
 import math
 
 import pytest
@@ -33,6 +34,7 @@ def sample(n, dtype, seed=0, zero_block=None):
 def at_each_simd_level(call):
     """call() at the scalar level and at the best one this CPU offers: the results, in that order."""
     from trainstream import _native
+
     C = _native.lib()
     results = []
     for level in ("scalar", C.best_simd_level()):
@@ -85,8 +87,8 @@ def test_nf4_denormals_count_as_zero_like_bitsandbytes():
 def test_non_finite_inputs_behave_as_documented(fmt):
     quantize, dequantize = FORMATS[fmt][:2]
     x = torch.randn(192)
-    x[5] = float("nan")            # block 0: NaN ignored by absmax, code 0
-    x[64 + 7] = float("inf")       # block 1: absmax inf, the block dequantizes to non-finite
+    x[5] = float("nan")  # block 0: NaN ignored by absmax, code 0
+    x[64 + 7] = float("inf")  # block 1: absmax inf, the block dequantizes to non-finite
     codes, absmax = quantize(x, 64)
     assert absmax[0] == x[:64].nan_to_num(0).abs().max()
     assert absmax[1] == float("inf")
@@ -109,8 +111,15 @@ def test_blocks_of_special_values_match_the_reference_at_every_simd_level(fmt, b
     # Per block: all NaN, all zero, -0.0 with denormals, NaN beside the block's max, the max
     # in the last lane, a negative max: each block's absmax reduction sees its own case.
     n = block_size
-    blocks = [torch.full((n,), float("nan")), torch.zeros(n), torch.full((n,), -0.0),
-              torch.full((n,), 1e-40), torch.randn(n), torch.randn(n), torch.randn(n)]
+    blocks = [
+        torch.full((n,), float("nan")),
+        torch.zeros(n),
+        torch.full((n,), -0.0),
+        torch.full((n,), 1e-40),
+        torch.randn(n),
+        torch.randn(n),
+        torch.randn(n),
+    ]
     blocks[2][n // 2] = -1e-41
     blocks[4][0], blocks[4][1] = float("nan"), 50.0
     blocks[5][-1] = 60.0
@@ -148,8 +157,15 @@ def test_nf4_codes_at_every_threshold_match_the_reference_at_every_simd_level(bl
     # in every block so that each value is its own normalized value: every code boundary of
     # the vectorized search is crossed, at each SIMD level the CPU offers.
     t = reference.NF4_THRESHOLDS
-    vals = torch.cat([t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
-                      torch.linspace(-1, 1, 20_001), torch.tensor([float("nan"), -0.0, 1e-40])])
+    vals = torch.cat(
+        [
+            t,
+            torch.nextafter(t, torch.tensor(2.0)),
+            torch.nextafter(t, torch.tensor(-2.0)),
+            torch.linspace(-1, 1, 20_001),
+            torch.tensor([float("nan"), -0.0, 1e-40]),
+        ]
+    )
     per_block = block_size - 1
     vals = torch.cat([vals, torch.zeros(-vals.numel() % per_block)]).view(-1, per_block)
     x = torch.cat([torch.ones(vals.shape[0], 1), vals], 1).reshape(-1)
@@ -185,22 +201,37 @@ def test_out_argument_and_shapes():
     assert_same_bits(ops.quantize_int8(noncontig)[0], ops.quantize_int8(noncontig.contiguous())[0])
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: ops.quantize_nf4(torch.zeros(8), 3), "block_size must be an even integer >= 2, got 3"),
-    (lambda: ops.quantize_nf4(torch.zeros(8), 0), "block_size must be an even integer >= 2"),
-    (lambda: ops.quantize_int8(torch.zeros(8), True), "block_size must be an even integer >= 2"),
-    (lambda: ops.quantize_nf4(torch.zeros(8, dtype=torch.float64)), "x dtype must be one of"),
-    (lambda: ops.dequantize_nf4(torch.zeros(3, dtype=torch.uint8), torch.zeros(1), (8,), torch.float32),
-     "codes must be a contiguous torch.uint8 tensor of 4 elements"),
-    (lambda: ops.dequantize_nf4(torch.zeros(4, dtype=torch.uint8), torch.zeros(2), (8,), torch.float32),
-     "absmax must be a contiguous float32 tensor of 1 elements"),
-    (lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.uint8), torch.zeros(1), (8,), torch.float32),
-     "codes must be a contiguous torch.int8 tensor"),
-    (lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.int8), torch.zeros(1), (8,), torch.int32),
-     "dtype must be one of"),
-    (lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.int8), torch.zeros(1), (8,), torch.float32,
-                                 out=torch.empty(4)), "out must be a contiguous torch.float32 tensor of shape"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: ops.quantize_nf4(torch.zeros(8), 3), "block_size must be an even integer >= 2, got 3"),
+        (lambda: ops.quantize_nf4(torch.zeros(8), 0), "block_size must be an even integer >= 2"),
+        (lambda: ops.quantize_int8(torch.zeros(8), True), "block_size must be an even integer >= 2"),
+        (lambda: ops.quantize_nf4(torch.zeros(8, dtype=torch.float64)), "x dtype must be one of"),
+        (
+            lambda: ops.dequantize_nf4(torch.zeros(3, dtype=torch.uint8), torch.zeros(1), (8,), torch.float32),
+            "codes must be a contiguous torch.uint8 tensor of 4 elements",
+        ),
+        (
+            lambda: ops.dequantize_nf4(torch.zeros(4, dtype=torch.uint8), torch.zeros(2), (8,), torch.float32),
+            "absmax must be a contiguous float32 tensor of 1 elements",
+        ),
+        (
+            lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.uint8), torch.zeros(1), (8,), torch.float32),
+            "codes must be a contiguous torch.int8 tensor",
+        ),
+        (
+            lambda: ops.dequantize_int8(torch.zeros(8, dtype=torch.int8), torch.zeros(1), (8,), torch.int32),
+            "dtype must be one of",
+        ),
+        (
+            lambda: ops.dequantize_int8(
+                torch.zeros(8, dtype=torch.int8), torch.zeros(1), (8,), torch.float32, out=torch.empty(4)
+            ),
+            "out must be a contiguous torch.float32 tensor of shape",
+        ),
+    ],
+)
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -212,10 +243,13 @@ def test_opcheck(fmt):
     name = fmt
     codes, absmax = getattr(ops, f"quantize_{name}")(x, 64)
     torch.library.opcheck(getattr(torch.ops.trainstream, f"quantize_{name}").default, (x, 64))
-    torch.library.opcheck(getattr(torch.ops.trainstream, f"dequantize_{name}").default,
-                          (codes, absmax, [333], torch.bfloat16, 64))
-    torch.library.opcheck(getattr(torch.ops.trainstream, f"dequantize_{name}_out").default,
-                          (codes, absmax, 64, torch.empty(333, dtype=torch.bfloat16)))
+    torch.library.opcheck(
+        getattr(torch.ops.trainstream, f"dequantize_{name}").default, (codes, absmax, [333], torch.bfloat16, 64)
+    )
+    torch.library.opcheck(
+        getattr(torch.ops.trainstream, f"dequantize_{name}_out").default,
+        (codes, absmax, 64, torch.empty(333, dtype=torch.bfloat16)),
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -237,6 +271,7 @@ def test_traced_code_takes_the_registered_op_and_eager_code_the_same_values(fmt)
     assert torch.equal(eager[1], registered[0]) and torch.equal(eager[2], registered[1])
     # A dispatch mode sees the op too (FakeTensorMode: shapes only, no native call).
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode() as mode:
         fake_codes, fake_absmax = quantize(mode.from_tensor(x), 64)
     assert fake_codes.shape == eager[1].shape and fake_absmax.shape == eager[2].shape
@@ -260,6 +295,7 @@ def test_quantized_weight_holder():
 
 # -- bitsandbytes (a test-only dependency) ------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [64, 128, 4096])
 def test_nf4_bit_identical_to_bitsandbytes_on_cpu(dtype, block_size):
@@ -281,6 +317,7 @@ def test_nf4_bit_identical_to_bitsandbytes_on_cpu(dtype, block_size):
 
 
 # -- CUDA ------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)

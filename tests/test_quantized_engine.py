@@ -4,13 +4,13 @@ dequantized for each use, on the CPU path (tests marked gpu: on CUDA).
 The reference for a quantized run is the same model whose frozen weights were replaced,
 before training, by their quantize-dequantize round trip: training computes with exactly
 those values. Paging on or off must not change a bit, as without quantization."""
+
 import pytest
 import torch
+from engine_models import PAGED, RESIDENT, assert_same_bits, checkpointed_gpt, max_diff, tiny_gpt, tiny_mlp, train
 
 import trainstream
 from trainstream.quant import QuantizedWeight
-
-from engine_models import PAGED, RESIDENT, assert_same_bits, checkpointed_gpt, max_diff, tiny_gpt, tiny_mlp, train
 
 FROZEN = lambda n: n.startswith("layers.") and n.endswith(("qkv.weight", "fc.weight", "out.weight"))  # noqa: E731
 HF_FROZEN = lambda n: ".layers." in n and n.endswith(("q_proj.weight", "up_proj.weight"))  # noqa: E731
@@ -19,6 +19,7 @@ HF_FROZEN = lambda n: ".layers." in n and n.endswith(("q_proj.weight", "up_proj.
 def _round_tripped_factory(factory, fmt, frozen):
     """`factory`'s model with the weights `frozen` names holding their quantize-dequantize
     values: what a quantized run computes with (the reference)."""
+
     def build():
         model, batch, loss_fn = factory()
         with torch.no_grad():
@@ -26,11 +27,13 @@ def _round_tripped_factory(factory, fmt, frozen):
                 if frozen(n):
                     p.copy_(QuantizedWeight.quantize(p, fmt).dequantize())
         return model, batch, loss_fn
+
     return build
 
 
 def _round_tripped(name: str, fmt: str, frozen):
     from engine_models import MODELS
+
     return _round_tripped_factory(MODELS[name], fmt, frozen)
 
 
@@ -47,8 +50,9 @@ def test_quantized_training_is_the_round_tripped_model(fmt, name, frozen, autoca
     resident = train(name, dict(RESIDENT, quantize=fmt), steps=6, autocast=autocast, freeze=frozen)
     paged = train(name, dict(PAGED, quantize=fmt), steps=6, autocast=autocast, freeze=frozen)
     assert_same_bits(resident, paged)  # paging stays bit-exact with quantized weights
-    reference = train(name, RESIDENT, steps=6, autocast=autocast, freeze=frozen,
-                      model_factory=_round_tripped(name, fmt, frozen))
+    reference = train(
+        name, RESIDENT, steps=6, autocast=autocast, freeze=frozen, model_factory=_round_tripped(name, fmt, frozen)
+    )
     assert_same_bits(resident, reference)  # the same host AdamW, the same weights: the same bits
     for k in _frozen_names(reference[1], frozen):  # saved dequantized: the values training used
         assert torch.equal(resident[1][k], reference[1][k]), k
@@ -70,10 +74,15 @@ def _peft_llama(fmt=None):
 
     def build():
         model, batch, loss_fn = base()
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"])
+        config = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            bias="none",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
         return peft.get_peft_model(model, config), batch, loss_fn
+
     return build
 
 
@@ -91,8 +100,9 @@ def test_peft_lora_over_a_quantized_base(fmt):
 
 
 def test_quantized_weights_are_stored_as_codes_and_reported():
-    _, _, (model, _) = train("gpt", dict(param_offload=[1, 3], activation_offload=False, quantize="nf4"), steps=1,
-                             freeze=FROZEN)
+    _, _, (model, _) = train(
+        "gpt", dict(param_offload=[1, 3], activation_offload=False, quantize="nf4"), steps=1, freeze=FROZEN
+    )
     engine = model._trainstream_engine
     slots = {s.name: s for u in engine.units for s in u.slots}
     quantized = [s for s in slots.values() if s.quant is not None]
@@ -139,16 +149,22 @@ def test_state_dict_load_requantizes_and_unwrap_gives_dequantized_weights():
 def test_a_partial_load_leaves_the_other_quantized_weights_alone():
     _, _, (model, _) = train("gpt", dict(RESIDENT, quantize="nf4"), steps=1, freeze=FROZEN)
     engine = model._trainstream_engine
-    quant = {s.name: (s.quant.codes.clone(), s.quant.absmax.clone()) for u in engine.units for s in u.slots
-             if s.quant is not None}
+    quant = {
+        s.name: (s.quant.codes.clone(), s.quant.absmax.clone())
+        for u in engine.units
+        for s in u.slots
+        if s.quant is not None
+    }
     slots = {s.name: s for u in engine.units for s in u.slots}
     requantized = []
     import trainstream.engine.state as state_module
+
     original = state_module.QuantizedWeight.quantize
 
     def counting(w, *a, **k):
         requantized.append(w.shape)
         return original(w, *a, **k)
+
     state_module.QuantizedWeight.quantize = counting
     try:
         new_ln = torch.full_like(model.state_dict()["layers.0.ln1.weight"], 0.5)
@@ -157,7 +173,7 @@ def test_a_partial_load_leaves_the_other_quantized_weights_alone():
     finally:
         state_module.QuantizedWeight.quantize = original
     assert requantized == [torch.Size([192, 64])]  # only the quantized weight the dict held
-    for name, (codes, absmax) in quant.items():
+    for name, (codes, _absmax) in quant.items():
         changed = name == "layers.1.qkv.weight"
         assert torch.equal(slots[name].quant.codes, codes) != changed, name
     after = model.state_dict()
@@ -169,8 +185,13 @@ def test_quantized_blocks_measure_the_same_activations_paged_or_resident():
     # Under bf16 autocast a paged block's measured activations add the copies autocast would
     # have made of its fp32 weights, resident. A quantized weight is dequantized per use
     # either way and never copied: counting it would price residency twice.
-    _, _, (model, _) = train("gpt", dict(param_offload=[0, 1], activation_offload=False, quantize="nf4"), steps=2,
-                             autocast=torch.bfloat16, freeze=FROZEN)
+    _, _, (model, _) = train(
+        "gpt",
+        dict(param_offload=[0, 1], activation_offload=False, quantize="nf4"),
+        steps=2,
+        autocast=torch.bfloat16,
+        freeze=FROZEN,
+    )
     engine = model._trainstream_engine
     assert [u.paged for u in engine.block_units] == [True, True, False, False]
     assert engine.activation_bytes[0] == engine.activation_bytes[2] > 0
@@ -182,30 +203,39 @@ def test_weights_that_require_grad_are_not_quantized():
     torch.manual_seed(0)
     model, _, _ = tiny_gpt()
     in_optimizer = [p for n, p in model.named_parameters() if not FROZEN(n)]
-    model, _ = trainstream.wrap(model, torch.optim.AdamW(in_optimizer, lr=1e-2), device="cpu", offload=True,
-                                quantize="nf4", **RESIDENT)
+    model, _ = trainstream.wrap(
+        model, torch.optim.AdamW(in_optimizer, lr=1e-2), device="cpu", offload=True, quantize="nf4", **RESIDENT
+    )
     assert trainstream.memory_report(model)["params"]["quantize"] == "none"
 
 
-@pytest.mark.parametrize("base", [RESIDENT, dict(param_offload=True, activation_offload=False)],
-                         ids=["resident", "paged"])
+@pytest.mark.parametrize(
+    "base", [RESIDENT, dict(param_offload=True, activation_offload=False)], ids=["resident", "paged"]
+)
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_checkpointing_recomputes_quantized_blocks_and_releases_them(reentrant, base, monkeypatch):
     from trainstream.engine.params import WeightPager
+
     forwards, held = [], []
     fetch = WeightPager.fetch
 
     def counting_fetch(self, unit, **kw):
         fetch(self, unit, **kw)
         held.append(sum(u.fetched is not None for u in self.engine.block_units))
+
     monkeypatch.setattr(WeightPager, "fetch", counting_fetch)
     opts = dict(base, quantize="nf4")
     checkpointed = train("ckpt", opts, steps=3, freeze=FROZEN, model_factory=checkpointed_gpt(reentrant, forwards))
     assert len(forwards) == 3 * 4 * 2  # every block's forward ran again in backward
     assert max(held) <= 3  # the block recomputing, the one after it, the one fetched ahead
     assert_same_bits(checkpointed, train("gpt", opts, steps=3, freeze=FROZEN))  # the same run without checkpoints
-    reference = train("ckpt", base, steps=3, freeze=FROZEN,
-                      model_factory=_round_tripped_factory(checkpointed_gpt(reentrant, []), "nf4", FROZEN))
+    reference = train(
+        "ckpt",
+        base,
+        steps=3,
+        freeze=FROZEN,
+        model_factory=_round_tripped_factory(checkpointed_gpt(reentrant, []), "nf4", FROZEN),
+    )
     assert_same_bits(checkpointed, reference)
 
 
@@ -229,13 +259,21 @@ def test_blocks_moved_between_paged_and_resident_keep_their_bits():
         if move:
             assert [u.paged for u in engine.block_units] == [False, False, True, False]
         return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
     assert_same_bits(run(False), run(True))
 
 
 def _machine(ram_bytes: int, vram_bytes: int = 1 << 40):
     from trainstream.planner import HardwareProfile
-    return HardwareProfile(vram_total_bytes=vram_bytes, vram_free_bytes=vram_bytes, ram_available_bytes=ram_bytes,
-                           pinned_limit_bytes=ram_bytes, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9)
+
+    return HardwareProfile(
+        vram_total_bytes=vram_bytes,
+        vram_free_bytes=vram_bytes,
+        ram_available_bytes=ram_bytes,
+        pinned_limit_bytes=ram_bytes,
+        h2d_bytes_per_s=25e9,
+        d2h_bytes_per_s=25e9,
+    )
 
 
 def _frozen_mlp():
@@ -253,8 +291,11 @@ def _host_need(fmt):
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen_weights = 5 * 256 * 256
-    per = {None: 4 * frozen_weights, "int8": frozen_weights + 4 * frozen_weights // 64,
-           "nf4": frozen_weights // 2 + 4 * frozen_weights // 64}[fmt]
+    per = {
+        None: 4 * frozen_weights,
+        "int8": frozen_weights + 4 * frozen_weights // 64,
+        "nf4": frozen_weights // 2 + 4 * frozen_weights // 64,
+    }[fmt]
     # master, landing buffer, two fp32 moments and the bf16 copy a paged Linear keeps
     return per + 4 * (frozen - frozen_weights) + 18 * trained
 
@@ -262,8 +303,15 @@ def _host_need(fmt):
 @pytest.mark.parametrize("ram_for, expect", [(None, "none"), ("int8", "int8"), ("nf4", "nf4")])
 def test_auto_quantizes_only_when_the_run_would_not_fit(ram_for, expect):
     model, batch, loss_fn = _frozen_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, param_offload=True,
-                                  moment_dtype="float32", profile=_machine(_host_need(ram_for) + 1024))
+    model, opt = trainstream.wrap(
+        model,
+        None,
+        device="cpu",
+        offload=True,
+        param_offload=True,
+        moment_dtype="float32",
+        profile=_machine(_host_need(ram_for) + 1024),
+    )
     report = trainstream.memory_report(model)
     assert report["params"]["quantize"] == expect, report["events"]
     if expect != "none":
@@ -274,14 +322,32 @@ def test_auto_quantizes_only_when_the_run_would_not_fit(ram_for, expect):
 
 def test_a_run_that_fits_in_no_format_says_what_was_tried():
     model, _, _ = _frozen_mlp()
-    with pytest.raises(MemoryError, match=r"host RAM.*quantize='auto' tried, and it did not fit either with "
-                                          r"no quantization \(host RAM.*int8 \(host RAM"):
-        trainstream.wrap(model, None, device="cpu", offload=True, param_offload=True, moment_dtype="float32",
-                         profile=_machine(_host_need("nf4") - 4096))
+    with pytest.raises(
+        MemoryError,
+        match=r"host RAM.*quantize='auto' tried, and it did not fit either with "
+        r"no quantization \(host RAM.*int8 \(host RAM",
+    ):
+        trainstream.wrap(
+            model,
+            None,
+            device="cpu",
+            offload=True,
+            param_offload=True,
+            moment_dtype="float32",
+            profile=_machine(_host_need("nf4") - 4096),
+        )
     model, _, _ = _frozen_mlp()
     with pytest.raises(MemoryError, match=r"quantize='int8' or quantize='nf4' \(frozen weights\)"):
-        trainstream.wrap(model, None, device="cpu", offload=True, param_offload=True, quantize="none",
-                         moment_dtype="float32", profile=_machine(_host_need("nf4") + 1024))
+        trainstream.wrap(
+            model,
+            None,
+            device="cpu",
+            offload=True,
+            param_offload=True,
+            quantize="none",
+            moment_dtype="float32",
+            profile=_machine(_host_need("nf4") + 1024),
+        )
 
 
 def test_prefer_speed_takes_nf4_when_it_keeps_every_block_resident():
@@ -291,23 +357,30 @@ def test_prefer_speed_takes_nf4_when_it_keeps_every_block_resident():
     # prefer="exact" leaves the weights as they are.
     def wrap(prefer):
         model, _, _ = _frozen_mlp()
-        model, _ = trainstream.wrap(model, None, device="cpu", offload=True, prefer=prefer,
-                                    profile=_machine(1 << 34, vram_bytes=3 << 20))
+        model, _ = trainstream.wrap(
+            model, None, device="cpu", offload=True, prefer=prefer, profile=_machine(1 << 34, vram_bytes=3 << 20)
+        )
         return trainstream.memory_report(model)
+
     exact, speed = wrap("exact"), wrap("speed")
     assert exact["params"]["quantize"] == "none" and exact["params"]["paged_blocks"], exact["events"]
     assert speed["params"]["quantize"] == "nf4" and not speed["params"]["paged_blocks"], speed["events"]
 
 
 def test_offload_auto_does_not_switch_a_quantized_model():
-    _, _, (model, _) = train("gpt", dict(quantize="nf4", offload="auto", param_offload="auto",
-                                         activation_offload="auto"), steps=4, freeze=FROZEN)
+    _, _, (model, _) = train(
+        "gpt",
+        dict(quantize="nf4", offload="auto", param_offload="auto", activation_offload="auto"),
+        steps=4,
+        freeze=FROZEN,
+    )
     report = trainstream.memory_report(model)
     assert report["mode"] == "offload"
     assert "frozen weights are quantized" in report["events"]
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
@@ -322,14 +395,16 @@ def test_gpu_quantized_training_is_the_round_tripped_model(fmt, autocast):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("base", [RESIDENT, dict(param_offload=True, activation_offload=False)],
-                         ids=["resident", "paged"])
+@pytest.mark.parametrize(
+    "base", [RESIDENT, dict(param_offload=True, activation_offload=False)], ids=["resident", "paged"]
+)
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_gpu_checkpointing_with_quantized_blocks_gives_the_same_bits(reentrant, base):
     opts = dict(base, quantize="nf4")
     forwards = []
-    checkpointed = train("ckpt", opts, steps=3, freeze=FROZEN, device="cuda",
-                         model_factory=checkpointed_gpt(reentrant, forwards))
+    checkpointed = train(
+        "ckpt", opts, steps=3, freeze=FROZEN, device="cuda", model_factory=checkpointed_gpt(reentrant, forwards)
+    )
     assert len(forwards) == 3 * 4 * 2
     assert_same_bits(checkpointed, train("gpt", opts, steps=3, freeze=FROZEN, device="cuda"))
 
@@ -340,12 +415,14 @@ def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize():
     dequantize runs on the copy-in stream: with compute held up by a long kernel, a missing
     wait would dequantize codes not written yet. The first loss must be the stock model's
     on the same (round-tripped) weights, bit for bit."""
+
     def model_on_gpu():
         torch.manual_seed(0)
         model, batch, loss_fn = tiny_gpt(dim=512, layers=4, heads=8)
         for n, p in model.named_parameters():
             p.requires_grad_(not FROZEN(n))
         return model.cuda(), batch, loss_fn
+
     reference, batch, loss_fn = model_on_gpu()
     with torch.no_grad():
         for n, p in reference.named_parameters():
@@ -363,6 +440,7 @@ def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize():
 def test_gpu_quantized_weights_lower_the_peak():
     """A bf16 model whose block Linear weights are frozen but the last: NF4 codes on the
     device take about a quarter of the bf16 weights, and the step's peak drops accordingly."""
+
     def peak(quantize):
         torch.manual_seed(0)
         model, batch, loss_fn = tiny_mlp(layers=24, dim=2048, rows=16)
@@ -384,6 +462,7 @@ def test_gpu_quantized_weights_lower_the_peak():
         out = torch.cuda.max_memory_allocated() - base
         trainstream.unwrap(model)
         return out
+
     full, nf4 = peak("none"), peak("nf4")
     weights = 23 * 2048 * 2048 * 2  # the frozen bf16 weights; as NF4 codes and scales about 0.28 of that,
     assert nf4 < full - weights // 2, (full, nf4)  # plus two blocks dequantized at a time

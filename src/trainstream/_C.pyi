@@ -21,23 +21,72 @@ def available_cores() -> int: ...
 def simd_level() -> str: ...
 def best_simd_level() -> str: ...
 def set_simd_level(name: str) -> None: ...
-def adamw_queue(pool: ThreadPool, params: list[int], grads: list[int], exp_avgs: list[int],
-                exp_avg_sqs: list[int], copies: list[int], numels: list[int], steps: list[int],
-                seeds: list[int], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                grad_scale: float, decoupled: bool, grad_dtype: int, moment_dtype: int, copy_dtype: int,
-                priority: int = 0) -> Job: ...
-def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
-                  step: int, seed: int) -> tuple[list[float], int]: ...
+def adamw_queue(
+    pool: ThreadPool,
+    params: list[int],
+    grads: list[int],
+    exp_avgs: list[int],
+    exp_avg_sqs: list[int],
+    copies: list[int],
+    numels: list[int],
+    steps: list[int],
+    seeds: list[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float,
+    decoupled: bool,
+    grad_dtype: int,
+    moment_dtype: int,
+    copy_dtype: int,
+    priority: int = 0,
+) -> Job: ...
+def adamw_scalars(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float, step: int, seed: int
+) -> tuple[list[float], int]: ...
 def accumulate_queue(pool: ThreadPool, dsts: list[int], srcs: list[int], numels: list[int], src_dtype: int) -> Job: ...
-def quant_queue(pool: ThreadPool, dequantize: bool, format: int, numel: int, block_size: int, dtype: int,
-                values: int, codes: int, absmax: int) -> Job: ...
+def quant_queue(
+    pool: ThreadPool,
+    dequantize: bool,
+    format: int,
+    numel: int,
+    block_size: int,
+    dtype: int,
+    values: int,
+    codes: int,
+    absmax: int,
+) -> Job: ...
 
 # Present only in builds with CUDA (build_info["cuda"]).
 def cuda_info() -> dict[str, Any]: ...
-def adamw_gpu_launch(tensors: int, scalars: int, grad_scale: int, num_tensors: int, num_chunks: int,
-                     decoupled: bool, grad_dtype: int, moment_dtype: int, param_dtype: int, device: int,
-                     stream: int, max_blocks: int = 0) -> None: ...
-def grad_sq_norms_launch(tensors: int, num_tensors: int, num_chunks: int, dtype: int, partials: int, out: int,
-                         device: int, stream: int) -> None: ...
-def quant_cuda(dequantize: bool, format: int, numel: int, block_size: int, dtype: int, values: int, codes: int,
-               absmax: int, device: int, stream: int) -> None: ...
+def adamw_gpu_launch(
+    tensors: int,
+    scalars: int,
+    grad_scale: int,
+    num_tensors: int,
+    num_chunks: int,
+    decoupled: bool,
+    grad_dtype: int,
+    moment_dtype: int,
+    param_dtype: int,
+    device: int,
+    stream: int,
+    max_blocks: int = 0,
+) -> None: ...
+def grad_sq_norms_launch(
+    tensors: int, num_tensors: int, num_chunks: int, dtype: int, partials: int, out: int, device: int, stream: int
+) -> None: ...
+def quant_cuda(
+    dequantize: bool,
+    format: int,
+    numel: int,
+    block_size: int,
+    dtype: int,
+    values: int,
+    codes: int,
+    absmax: int,
+    device: int,
+    stream: int,
+) -> None: ...

@@ -4,12 +4,22 @@ Public API of this release: :func:`wrap`, :func:`unwrap`, :func:`memory_report`,
 :func:`profile_hardware`, :class:`HardwareProfile`,
 :class:`OffloadAdamW`, :class:`QuantizedWeight` and the low-level :mod:`trainstream.ops`.
 """
-from ._version import __version__
-from . import ops
-from .optim import OffloadAdamW
-from .quant import QuantizedWeight
-from .api import memory_report, unwrap, wrap
-from .planner import HardwareProfile, profile_hardware
 
-__all__ = ["__version__", "wrap", "unwrap", "memory_report", "profile_hardware", "HardwareProfile", "OffloadAdamW",
-           "QuantizedWeight", "ops"]
+from . import ops
+from ._version import __version__
+from .api import memory_report, unwrap, wrap
+from .optim import OffloadAdamW
+from .planner import HardwareProfile, profile_hardware
+from .quant import QuantizedWeight
+
+__all__ = [
+    "__version__",
+    "wrap",
+    "unwrap",
+    "memory_report",
+    "profile_hardware",
+    "HardwareProfile",
+    "OffloadAdamW",
+    "QuantizedWeight",
+    "ops",
+]

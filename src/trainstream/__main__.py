@@ -1,4 +1,5 @@
 """``python -m trainstream``: what this installation was built with and what it sees."""
+
 from __future__ import annotations
 
 import platform
@@ -10,8 +11,11 @@ from . import __version__, _native
 def build_report() -> list[tuple[str, str]]:
     import torch
 
-    rows = [("trainstream", __version__), ("python", sys.version.split()[0]),
-            ("platform", f"{platform.system()} {platform.machine()}")]
+    rows = [
+        ("trainstream", __version__),
+        ("python", sys.version.split()[0]),
+        ("platform", f"{platform.system()} {platform.machine()}"),
+    ]
     try:
         native = _native.lib()
     except RuntimeError as exc:
@@ -32,7 +36,9 @@ def build_report() -> list[tuple[str, str]]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            rows.append((f"GPU {i}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}"))
+            rows.append(
+                (f"GPU {i}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}")
+            )
     else:
         rows.append(("GPUs", "none visible to torch"))
     try:

@@ -4,12 +4,14 @@ Everything else asks for it through :func:`lib`, so a missing or mismatched buil
 into one clear error instead of an ImportError deep inside a training step, and
 ``import trainstream`` itself never fails for want of a GPU.
 """
+
 from __future__ import annotations
 
 import sys
 
 try:
     from . import _C as _module
+
     _import_error: BaseException | None = None
 except ImportError as exc:  # a checkout that was never built, or a wheel for another Python
     _module = None
@@ -84,8 +86,7 @@ def require_cuda(feature: str) -> None:
     if not torch.cuda.is_available() or info["device_count"] == 0:
         reason = "no NVIDIA driver found" if not info["driver_version"] else (info["error"] or "no device reported")
         raise RuntimeError(
-            f"{feature} needs a CUDA GPU, but none is visible ({reason}). Check nvidia-smi and "
-            "CUDA_VISIBLE_DEVICES."
+            f"{feature} needs a CUDA GPU, but none is visible ({reason}). Check nvidia-smi and CUDA_VISIBLE_DEVICES."
         )
 
 

@@ -3,12 +3,14 @@ error a bad value gets. The table is the public contract (../shared/SPEC.md); wr
 validates all of it up front, including options whose behaviour later stages deliver, so
 a typo never silently does nothing.
 """
+
 from __future__ import annotations
 
 import difflib
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -42,6 +44,7 @@ def _one_of(*choices):
             if v is c or (type(v) is type(c) and v == c):
                 return v
         raise _Reject
+
     return normalize
 
 
@@ -55,6 +58,7 @@ def _fraction_or(*choices):
                 return float(v)
             raise _Reject
         return pick(v)
+
     return normalize
 
 
@@ -96,8 +100,11 @@ def _device(v):
 def _blocks(v):
     if v is None:
         return None
-    if isinstance(v, (list, tuple, torch.nn.ModuleList)) and len(v) > 0 and all(
-            isinstance(m, torch.nn.Module) for m in v):
+    if (
+        isinstance(v, (list, tuple, torch.nn.ModuleList))
+        and len(v) > 0
+        and all(isinstance(m, torch.nn.Module) for m in v)
+    ):
         return list(v)
     raise _Reject
 
@@ -119,6 +126,7 @@ def _check(pred):
         if pred(v):
             return v
         raise _Reject
+
     return normalize
 
 
@@ -130,8 +138,9 @@ SPECS: dict[str, _Spec] = {
     "optimizer_mode": _Spec("cpu", "'cpu', 'gpu', 'auto'", _one_of("cpu", "gpu", "auto")),
     "offload": _Spec("auto", "'auto', True", _one_of("auto", True)),
     "activation_offload": _Spec("auto", "'auto', True, False, a float in [0, 1]", _fraction_or("auto", True, False)),
-    "param_offload": _Spec("auto", "'auto', True, False, a float in [0, 1], a list of distinct block indices >= 0",
-                           _param_offload),
+    "param_offload": _Spec(
+        "auto", "'auto', True, False, a float in [0, 1], a list of distinct block indices >= 0", _param_offload
+    ),
     "quantize": _Spec("auto", "'auto', 'none', None, False, 'int8', 'nf4'", _quantize),
     "quant_block_size": _Spec(64, "an even integer >= 2", _check(lambda v: _is_int(v) and v >= 2 and v % 2 == 0)),
     "prefer": _Spec("exact", "'exact', 'speed'", _one_of("exact", "speed")),
@@ -144,8 +153,9 @@ SPECS: dict[str, _Spec] = {
     "accumulation_steps": _Spec(1, "an integer >= 1", _check(lambda v: _is_int(v) and v >= 1)),
     "vram_headroom": _Spec(0.10, "a float in [0, 1]", _check(lambda v: _is_real(v) and 0.0 <= v <= 1.0)),
     "check_memory": _Spec(True, "True, False", _one_of(True, False)),
-    "max_inflight_bytes": _Spec(None, "None, an integer number of bytes > 0",
-                                _optional(lambda v: _is_int(v) and v > 0)),
+    "max_inflight_bytes": _Spec(
+        None, "None, an integer number of bytes > 0", _optional(lambda v: _is_int(v) and v > 0)
+    ),
     "max_activation_slowdown": _Spec(0.15, "a float >= 0", _check(lambda v: _is_real(v) and v >= 0)),
     "prefetch_depth": _Spec(1, "an integer >= 1", _check(lambda v: _is_int(v) and v >= 1)),
     "min_offload_bytes": _Spec(1 << 20, "an integer number of bytes >= 0", _check(lambda v: _is_int(v) and v >= 0)),
@@ -160,6 +170,7 @@ SPECS: dict[str, _Spec] = {
 class Options:
     """The validated, normalized options of one wrap() call. `given` names the options the
     caller set explicitly (the planner treats those as constraints)."""
+
     values: dict = field(default_factory=dict)
     given: frozenset = frozenset()
 

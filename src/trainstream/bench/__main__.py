@@ -1,4 +1,5 @@
 """python -m trainstream.bench [suite ...] [--quick] [--out DIR] [--readme [README.md]]"""
+
 from __future__ import annotations
 
 import argparse
@@ -12,11 +13,17 @@ from .common import env_line, environment, write_result
 
 # suite name -> (needs a GPU, runner(args) -> result dict)
 SUITES = {
-    "optimizer": (False, lambda a: optimizer.run(params=a.params or (1 << 24 if a.quick else 1 << 28),
-                                                 threads=a.threads, iters=3 if a.quick else 9)),
+    "optimizer": (
+        False,
+        lambda a: optimizer.run(
+            params=a.params or (1 << 24 if a.quick else 1 << 28), threads=a.threads, iters=3 if a.quick else 9
+        ),
+    ),
     "quant": (False, lambda a: quant.run(threads=a.threads, quick=a.quick)),
-    "optimizer_gpu": (True, lambda a: optimizer_gpu.run(params=a.params or (1 << 24 if a.quick else 1 << 28),
-                                                        iters=5 if a.quick else 10)),
+    "optimizer_gpu": (
+        True,
+        lambda a: optimizer_gpu.run(params=a.params or (1 << 24 if a.quick else 1 << 28), iters=5 if a.quick else 10),
+    ),
     "engine": (True, lambda a: engine.run(quick=a.quick)),
     "planner": (True, lambda a: planner.run(quick=a.quick)),
     "lora": (True, lambda a: lora.run(quick=a.quick)),
@@ -30,8 +37,14 @@ def main(argv=None) -> int:
     parser.add_argument("--params", type=int, default=None, help="parameters for the optimizer suite")
     parser.add_argument("--threads", type=int, default=None, help="host threads (default: all cores)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where results go")
-    parser.add_argument("--readme", nargs="?", const=Path("README.md"), type=Path, default=None,
-                        help="only regenerate the README's tables from the results in --out")
+    parser.add_argument(
+        "--readme",
+        nargs="?",
+        const=Path("README.md"),
+        type=Path,
+        default=None,
+        help="only regenerate the README's tables from the results in --out",
+    )
     args = parser.parse_args(argv)
 
     if args.readme is not None:
@@ -42,13 +55,18 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown suite(s) {unknown}; accepted: {list(SUITES)}")
     from .. import _native
+
     args.threads = args.threads or _native.lib().available_cores()
     has_gpu = torch.cuda.is_available()
     chosen = args.suites or list(SUITES)
     if not has_gpu:
         gpu_suites = [s for s in chosen if SUITES[s][0]]
-        print("No GPU visible: running the CPU suites only"
-              + (f" (skipping {', '.join(gpu_suites)})" if gpu_suites else "") + ".", flush=True)
+        print(
+            "No GPU visible: running the CPU suites only"
+            + (f" (skipping {', '.join(gpu_suites)})" if gpu_suites else "")
+            + ".",
+            flush=True,
+        )
         chosen = [s for s in chosen if not SUITES[s][0]]
     env = environment()
     print(env_line(env), flush=True)

@@ -1,4 +1,5 @@
 """What every suite shares: the machine's description, timing, and result files."""
+
 from __future__ import annotations
 
 import datetime
@@ -23,8 +24,13 @@ def git_commit() -> str:
     if os.environ.get("TRAINSTREAM_COMMIT"):
         return os.environ["TRAINSTREAM_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=10,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -43,8 +49,10 @@ def cpu_model() -> str:
 def import_seconds(repeats: int = 3) -> tuple[float, float]:
     """Median wall times, in a fresh interpreter, of `import torch` and then of
     `import trainstream` on top of it (what the package itself adds)."""
-    code = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
-            "import trainstream; print(t1 - t0, time.perf_counter() - t1)")
+    code = (
+        "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+        "import trainstream; print(t1 - t0, time.perf_counter() - t1)"
+    )
     torch_times, ours = [], []
     for _ in range(repeats):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -152,12 +160,14 @@ def cuda_median_seconds(fn, *, iters: int, warmup: int = 3, reps: int = 10) -> f
 
 def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
     """columns: (key, header) pairs; floats print with 3 significant digits."""
+
     def cell(v):
         if v is None:
             return "-"
         if isinstance(v, float):
             return f"{v:.3g}"
         return str(v)
+
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join(cell(r.get(k)) for k, _ in columns) + " |")
@@ -166,11 +176,15 @@ def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
 
 def env_line(env: dict) -> str:
     hw = env["gpu"] or "no GPU"
-    text = (f"{hw}; {env['cpu']}, {env['cores']} cores ({env['simd']}); torch {env['torch']}; "
-            f"commit {env['commit']}; {env['date']}")
+    text = (
+        f"{hw}; {env['cpu']}, {env['cores']} cores ({env['simd']}); torch {env['torch']}; "
+        f"commit {env['commit']}; {env['date']}"
+    )
     if "import_trainstream_s" in env:
-        text += (f"; `import trainstream` {env['import_trainstream_s']:.2f} s after "
-                 f"`import torch` {env.get('import_torch_s', float('nan')):.2f} s")
+        text += (
+            f"; `import trainstream` {env['import_trainstream_s']:.2f} s after "
+            f"`import torch` {env.get('import_torch_s', float('nan')):.2f} s"
+        )
     return text
 
 
@@ -188,8 +202,9 @@ def case_in_subprocess(module: str, case: dict):
     None with the tail of its output when it failed (a case's memory cap, pinned memory and
     crashes stay in its own process)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", module, json.dumps(case)], capture_output=True, text=True,
-                          env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, json.dumps(case)], capture_output=True, text=True, env=env, timeout=900
+    )
     lines = [line for line in proc.stdout.splitlines() if line[:1] in "{["]
     if proc.returncode != 0 or not lines:
         return None, (proc.stderr or proc.stdout)[-600:]

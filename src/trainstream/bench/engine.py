@@ -11,6 +11,7 @@ The paged target is set against two bounds measured in the same run: the compute
 (forward + backward of the stock model, no optimizer) and the PCIe time of the weights'
 two crossings (forward and backward) at the measured pinned host-to-device bandwidth.
 """
+
 from __future__ import annotations
 
 import gc
@@ -31,6 +32,7 @@ def _workload(model_name: str, build_on: str):
     """(model, batch on cuda, loss function, autocast dtype or None). TrainStream's models
     are built in host memory, as one larger than VRAM has to be; the others on the GPU."""
     from .models import GPT, GPT_1_9B, mlp, mlp_loss
+
     torch.manual_seed(0)
     with torch.device(build_on):
         model = mlp() if model_name == "mlp" else GPT(GPT_1_9B)
@@ -48,12 +50,15 @@ def _make(case: dict, model):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if runner.startswith("torchao"):
         from torchao.optim import CPUOffloadOptimizer
+
         model = model.cuda()
-        return model, CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True,
-                                          offload_gradients=runner == "torchao_grads")
+        return model, CPUOffloadOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True, offload_gradients=runner == "torchao_grads"
+        )
     if runner == "compute":
         return model.cuda(), None
     import trainstream
+
     return trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), device="cuda", **case["wrap"])
 
 
@@ -80,10 +85,16 @@ def run_case(case: dict) -> dict:
 
         warm_up(step, opt, case["warmup"])
         elapsed, loss = timed_window(step, opt, case["steps"])
-        out = {"s_per_step": elapsed, "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "oom": False,
-               "loss": float(loss), "setup_s": setup_s}
+        out = {
+            "s_per_step": elapsed,
+            "peak_GiB": torch.cuda.max_memory_allocated() / GiB,
+            "oom": False,
+            "loss": float(loss),
+            "setup_s": setup_s,
+        }
         if hasattr(model, "_trainstream_engine"):
             import trainstream
+
             report = trainstream.memory_report(model)
             out["paged_blocks"] = len(report["params"]["paged_blocks"])
             out["activation_paged_blocks"] = len(report["params"]["activation_paged_blocks"])
@@ -103,6 +114,7 @@ def _weight_bytes_per_crossing(model_name: str) -> int:
     """Bytes of block weights one crossing moves: fp32 for the MLP; for the GPT under bf16
     autocast the Linear weights travel as bf16 and the LayerNorms as fp32."""
     from .models import GPT_1_9B
+
     if model_name == "mlp":
         return 24 * 4096 * 4096 * 4
     d, layers = GPT_1_9B.dim, GPT_1_9B.layers
@@ -115,6 +127,7 @@ def _host_adamw_params_per_s(quick: bool) -> float:
     64 MiB measurement is a planning estimate: on the H200 host it read well below the
     optimizer suite's rate, and a bound from it was too lenient."""
     from ..ops import adamw_step
+
     count, numel = (4, 1 << 22) if quick else (24, 4096 * 4096)
     params, grads, m, v = ([torch.zeros(numel) for _ in range(count)] for _ in range(4))
     times = []
@@ -128,12 +141,14 @@ def _host_adamw_params_per_s(quick: bool) -> float:
 
 def _params(model_name: str) -> int:
     from .models import GPT_1_9B
+
     d, layers, vocab = GPT_1_9B.dim, GPT_1_9B.layers, GPT_1_9B.vocab
     return 24 * 4096 * 4096 if model_name == "mlp" else layers * (12 * d * d + 4 * d) + 2 * vocab * d + 2 * d
 
 
 def run(*, quick: bool = False) -> dict:
     from .optimizer_gpu import pcie_GBps
+
     bw = pcie_GBps(1 << 30)
     gc.collect()
     torch.cuda.empty_cache()
@@ -158,10 +173,23 @@ def run(*, quick: bool = False) -> dict:
         ("gpt", "torchao_grads", None, {}, gpt_steps, "torchao, offload_gradients=True"),
         ("gpt", "stock", 24, {}, gpt_steps, "stock under a 24 GiB cap"),
         ("gpt", "trainstream", 24, resident, gpt_steps, "TrainStream under a 24 GiB cap, weights resident"),
-        ("gpt", "trainstream", 24, resident_gpu, gpt_steps,
-         "TrainStream under a 24 GiB cap, weights resident, optimizer_mode='gpu'"),
+        (
+            "gpt",
+            "trainstream",
+            24,
+            resident_gpu,
+            gpt_steps,
+            "TrainStream under a 24 GiB cap, weights resident, optimizer_mode='gpu'",
+        ),
         ("gpt", "trainstream", None, paged, gpt_steps, "TrainStream, every block paged"),
-        ("gpt", "trainstream", 4, paged_acts, gpt_steps, "TrainStream under a 4 GiB cap, every block and its activations paged"),
+        (
+            "gpt",
+            "trainstream",
+            4,
+            paged_acts,
+            gpt_steps,
+            "TrainStream under a 4 GiB cap, every block and its activations paged",
+        ),
     ]
     rows = []
     for model_name, runner, cap, wrap_opts, steps, label in cases:
@@ -173,8 +201,14 @@ def run(*, quick: bool = False) -> dict:
 
     def find(model_name, runner, cap="any", wrap=None):
         for r in rows:
-            if r["model"] == model_name and r["runner"] == runner and cap in ("any", r["cap_GiB"]) and \
-                    (wrap is None or r["wrap"] == wrap) and not r.get("oom") and "s_per_step" in r:
+            if (
+                r["model"] == model_name
+                and r["runner"] == runner
+                and cap in ("any", r["cap_GiB"])
+                and (wrap is None or r["wrap"] == wrap)
+                and not r.get("oom")
+                and "s_per_step" in r
+            ):
                 return r
         return None
 
@@ -189,21 +223,42 @@ def run(*, quick: bool = False) -> dict:
                 r["vs_stock"] = r["s_per_step"] / stock["s_per_step"]
         aog = find(model_name, "torchao_grads")
         ao = find(model_name, "torchao") or aog
-        for label, r in (("weights resident", ts_res),
-                         ("weights resident, optimizer_mode='gpu'", find(model_name, "trainstream", wrap=resident_gpu))):
+        for label, r in (
+            ("weights resident", ts_res),
+            ("weights resident, optimizer_mode='gpu'", find(model_name, "trainstream", wrap=resident_gpu)),
+        ):
             if stock and r:
-                checks.append(dict(model=model_name, check=f"{label}: step time / stock", value=r["vs_stock"],
-                                   target="<= 1.15"))
+                checks.append(
+                    dict(model=model_name, check=f"{label}: step time / stock", value=r["vs_stock"], target="<= 1.15")
+                )
             if ao and r:
-                checks.append(dict(model=model_name, check=f"{label}: {ao['run']} time / ours",
-                                   value=ao["s_per_step"] / r["s_per_step"], target=">= 1.5"))
+                checks.append(
+                    dict(
+                        model=model_name,
+                        check=f"{label}: {ao['run']} time / ours",
+                        value=ao["s_per_step"] / r["s_per_step"],
+                        target=">= 1.5",
+                    )
+                )
             if aog and r:
-                checks.append(dict(model=model_name, check=f"{label}: peak GiB (torchao+grads peak)",
-                                   value=r["peak_GiB"], target=f"<= {aog['peak_GiB']:.2f}"))
+                checks.append(
+                    dict(
+                        model=model_name,
+                        check=f"{label}: peak GiB (torchao+grads peak)",
+                        value=r["peak_GiB"],
+                        target=f"<= {aog['peak_GiB']:.2f}",
+                    )
+                )
         if compute and ts_paged:
             bound = max(compute["s_per_step"], pcie_s)
-            checks.append(dict(model=model_name, check=f"every block paged: step / max(compute {compute['s_per_step']:.3f} s, "
-                               f"PCIe {pcie_s:.3f} s)", value=ts_paged["s_per_step"] / bound, target="<= 1.25"))
+            checks.append(
+                dict(
+                    model=model_name,
+                    check=f"every block paged: step / max(compute {compute['s_per_step']:.3f} s, PCIe {pcie_s:.3f} s)",
+                    value=ts_paged["s_per_step"] / bound,
+                    target="<= 1.25",
+                )
+            )
         # The host AdamW bounds a step no matter what is paged; where it is the largest of
         # the bounds, the anchors read a step target as within 10% of it.
         # The host AdamW alone (fp32 moments, 28 B/param): the step also moves gradients and
@@ -212,26 +267,53 @@ def run(*, quick: bool = False) -> dict:
         adamw_s = _params(model_name) / adamw_rate
         for label, r in (("weights resident", ts_res), ("every block paged", ts_paged)):
             if r and compute and adamw_s > max(compute["s_per_step"], pcie_s):
-                checks.append(dict(model=model_name, check=f"{label}: step / host AdamW bound ({adamw_s:.3f} s at "
-                                   f"{adamw_rate / 1e9:.2f} G params/s, measured now)",
-                                   value=r["s_per_step"] / adamw_s, target="<= 1.10"))
+                checks.append(
+                    dict(
+                        model=model_name,
+                        check=f"{label}: step / host AdamW bound ({adamw_s:.3f} s at "
+                        f"{adamw_rate / 1e9:.2f} G params/s, measured now)",
+                        value=r["s_per_step"] / adamw_s,
+                        target="<= 1.10",
+                    )
+                )
         # optimizer_mode="gpu" moves both fp32 moments over PCIe each way instead (8 bytes
         # per param each way, at the rate of copies in both directions at once): where that
         # is beyond the compute bound, the same reading applies to it.
         moments_s = _params(model_name) * 8 / (bw["bidir_each_way"] * 1e9)
         ts_gpu = find(model_name, "trainstream", wrap=resident_gpu)
         if ts_gpu and compute and moments_s > compute["s_per_step"]:
-            checks.append(dict(model=model_name, check=f"weights resident, optimizer_mode='gpu': step / the moments' "
-                               f"PCIe time ({moments_s:.3f} s at {bw['bidir_each_way']:.1f} GB/s each way, "
-                               "measured now)", value=ts_gpu["s_per_step"] / moments_s, target="<= 1.10"))
+            checks.append(
+                dict(
+                    model=model_name,
+                    check=f"weights resident, optimizer_mode='gpu': step / the moments' "
+                    f"PCIe time ({moments_s:.3f} s at {bw['bidir_each_way']:.1f} GB/s each way, "
+                    "measured now)",
+                    value=ts_gpu["s_per_step"] / moments_s,
+                    target="<= 1.10",
+                )
+            )
     table = markdown_table(
-        [("model", "model"), ("run", "run"), ("cap_GiB", "VRAM cap GiB"), ("s_per_step", "s/step"),
-         ("vs_stock", "x stock"), ("peak_GiB", "peak GiB"), ("setup_s", "setup s"), ("oom", "out of memory")],
-        rows)
-    check_table = markdown_table([("model", "model"), ("check", "check"), ("value", "measured"), ("target", "target")],
-                                 checks)
-    md = (f"Pinned host->device {bw['h2d']:.1f} GB/s, device->host {bw['d2h']:.1f} GB/s (same run).\n\n"
-          + table + "\n\n" + check_table)
+        [
+            ("model", "model"),
+            ("run", "run"),
+            ("cap_GiB", "VRAM cap GiB"),
+            ("s_per_step", "s/step"),
+            ("vs_stock", "x stock"),
+            ("peak_GiB", "peak GiB"),
+            ("setup_s", "setup s"),
+            ("oom", "out of memory"),
+        ],
+        rows,
+    )
+    check_table = markdown_table(
+        [("model", "model"), ("check", "check"), ("value", "measured"), ("target", "target")], checks
+    )
+    md = (
+        f"Pinned host->device {bw['h2d']:.1f} GB/s, device->host {bw['d2h']:.1f} GB/s (same run).\n\n"
+        + table
+        + "\n\n"
+        + check_table
+    )
     return {"pcie_GBps": bw, "rows": rows, "checks": checks, "markdown": md}
 
 

@@ -15,6 +15,7 @@ is bitsandbytes' format, so TrainStream's NF4 loss matches QLoRA's up to codes o
 threshold (bitsandbytes quantizes on the GPU with an approximate reciprocal, TrainStream on
 the host) and the order of the adapter's arithmetic.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,24 @@ CAP_GIB = 8
 
 def _config(quick: bool):
     import transformers
+
     if quick:
-        return transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                                        num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
-    return transformers.LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                                    num_attention_heads=24, num_key_value_heads=8, vocab_size=32000)
+        return transformers.LlamaConfig(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=32000,
+        )
+    return transformers.LlamaConfig(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
 
 
 def _fill(model) -> None:
@@ -52,7 +66,7 @@ def _fill(model) -> None:
             flat, start, i = p.view(-1), (k * 7919) % pool.numel(), 0
             while i < flat.numel():
                 n = min(flat.numel() - i, pool.numel() - start)
-                flat[i:i + n].copy_(pool[start:start + n])
+                flat[i : i + n].copy_(pool[start : start + n])
                 i, start = i + n, 0
 
 
@@ -60,6 +74,7 @@ def _base(quick: bool):
     """The bf16 base model in host memory: built on the meta device, then given storage and
     filled (_fill); the rotary embedding's frequencies are computed again for real."""
     import transformers
+
     config = _config(quick)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -78,21 +93,30 @@ def _base(quick: bool):
 def _to_bnb_nf4(model) -> None:
     """Every Linear of the blocks as bitsandbytes' Linear4bit, quantized when moved to the GPU."""
     import bitsandbytes as bnb
+
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name in LINEARS:
                 linear = getattr(parent, name, None)
                 if linear is None:
                     continue
-                q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                      compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4")
-                q.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=False,
-                                             quant_type="nf4", blocksize=64)
+                q = bnb.nn.Linear4bit(
+                    linear.in_features,
+                    linear.out_features,
+                    bias=linear.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    compress_statistics=False,
+                    quant_type="nf4",
+                )
+                q.weight = bnb.nn.Params4bit(
+                    linear.weight.data, requires_grad=False, compress_statistics=False, quant_type="nf4", blocksize=64
+                )
                 setattr(parent, name, q)
 
 
 def _lora(model):
     import peft
+
     config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LINEARS), bias="none")
     return peft.get_peft_model(model, config)
 
@@ -108,8 +132,8 @@ def run_case(case: dict) -> dict:
         trainable = [p for p in model.parameters() if p.requires_grad]
         if case["runner"] == "trainstream":
             import trainstream
-            model, opt = trainstream.wrap(model, torch.optim.AdamW(trainable, lr=1e-4), device="cuda",
-                                          **case["wrap"])
+
+            model, opt = trainstream.wrap(model, torch.optim.AdamW(trainable, lr=1e-4), device="cuda", **case["wrap"])
         else:
             model = model.cuda()
             opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
@@ -126,11 +150,17 @@ def run_case(case: dict) -> dict:
 
         first = warm_up(step, opt, case["warmup"]).item()
         s_per_step, _ = timed_window(step, opt, case["steps"])
-        out = {"s_per_step": s_per_step,
-               "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "first_loss": first, "setup_s": setup_s,
-               "oom": False, "trainable": sum(p.numel() for p in trainable)}
+        out = {
+            "s_per_step": s_per_step,
+            "peak_GiB": torch.cuda.max_memory_allocated() / GiB,
+            "first_loss": first,
+            "setup_s": setup_s,
+            "oom": False,
+            "trainable": sum(p.numel() for p in trainable),
+        }
         if case["runner"] == "trainstream":
             import trainstream
+
             report = trainstream.memory_report(model)
             out["quantize"] = report["params"]["quantize"]
             out["paged_blocks"] = len(report["params"]["paged_blocks"])
@@ -146,12 +176,25 @@ def run(*, quick: bool = False) -> dict:
     cases = [
         dict(runner="stock", label="stock: bf16 base, fused AdamW", **steps),
         dict(runner="bnb", label="bitsandbytes QLoRA: NF4 base (Linear4bit), fused AdamW", **steps),
-        dict(runner="trainstream", label="TrainStream, NF4 base, weights resident",
-             wrap=dict(resident, quantize="nf4"), **steps),
-        dict(runner="trainstream", label="TrainStream, int8 base, weights resident",
-             wrap=dict(resident, quantize="int8"), **steps),
-        dict(runner="trainstream", label=f"TrainStream, NF4 base, defaults under a {CAP_GIB} GiB cap",
-             wrap=dict(quantize="nf4", offload=True), cap_gib=CAP_GIB, **steps),
+        dict(
+            runner="trainstream",
+            label="TrainStream, NF4 base, weights resident",
+            wrap=dict(resident, quantize="nf4"),
+            **steps,
+        ),
+        dict(
+            runner="trainstream",
+            label="TrainStream, int8 base, weights resident",
+            wrap=dict(resident, quantize="int8"),
+            **steps,
+        ),
+        dict(
+            runner="trainstream",
+            label=f"TrainStream, NF4 base, defaults under a {CAP_GIB} GiB cap",
+            wrap=dict(quantize="nf4", offload=True),
+            cap_gib=CAP_GIB,
+            **steps,
+        ),
     ]
     rows = []
     for case in cases:
@@ -171,13 +214,26 @@ def run(*, quick: bool = False) -> dict:
 
 def markdown(rows: list, quick: bool) -> str:
     table = markdown_table(
-        [("run", "run"), ("cap_GiB", "VRAM cap GiB"), ("s_per_step", "s/step"), ("vs_stock", "x stock"),
-         ("peak_GiB", "peak GiB"), ("loss_vs_qlora", "first loss minus QLoRA's (abs)"),
-         ("paged_blocks", "blocks paged"), ("activation_paged_blocks", "activations paged"), ("setup_s", "setup s"),
-         ("oom", "out of memory"), ("error", "error")], rows)
+        [
+            ("run", "run"),
+            ("cap_GiB", "VRAM cap GiB"),
+            ("s_per_step", "s/step"),
+            ("vs_stock", "x stock"),
+            ("peak_GiB", "peak GiB"),
+            ("loss_vs_qlora", "first loss minus QLoRA's (abs)"),
+            ("paged_blocks", "blocks paged"),
+            ("activation_paged_blocks", "activations paged"),
+            ("setup_s", "setup s"),
+            ("oom", "out of memory"),
+            ("error", "error"),
+        ],
+        rows,
+    )
     trainable = next((r["trainable"] for r in rows if "trainable" in r), 0)
-    return (f"Llama-shaped model, {'quick sizes' if quick else 'about 3B parameters'}, bf16; LoRA r=16 on every "
-            f"Linear of the blocks ({trainable / 1e6:.1f}M trainable); batch {BATCH}x{SEQ}.\n\n" + table)
+    return (
+        f"Llama-shaped model, {'quick sizes' if quick else 'about 3B parameters'}, bf16; LoRA r=16 on every "
+        f"Linear of the blocks ({trainable / 1e6:.1f}M trainable); batch {BATCH}x{SEQ}.\n\n" + table
+    )
 
 
 if __name__ == "__main__":

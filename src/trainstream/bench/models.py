@@ -1,10 +1,10 @@
 """The models the engine bench and tests train: the anchors' GPT and MLP, so our figures
 and the peers' are measured on the same shapes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

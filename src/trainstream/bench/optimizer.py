@@ -4,6 +4,7 @@ Every implementation updates the same number of fp32 parameters with the same th
 count, in one run. Bytes per parameter count each stream once: fp32 master read+write 8,
 gradient read 4 (bf16: 2), each moment read+write 8 (bf16: 4), optional bf16 copy 2.
 """
+
 from __future__ import annotations
 
 import gc
@@ -32,10 +33,24 @@ def _ours(grad_dtype, moment_dtype, copy_dtype, threads):
 
         def run():
             step[0] += 1
-            ops.adamw_step([p], [g], [m], [v], [step[0]], lr=HYPER["lr"], beta1=HYPER["betas"][0],
-                           beta2=HYPER["betas"][1], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
-                           seeds=[1], param_copies=c, threads=threads).wait()
+            ops.adamw_step(
+                [p],
+                [g],
+                [m],
+                [v],
+                [step[0]],
+                lr=HYPER["lr"],
+                beta1=HYPER["betas"][0],
+                beta2=HYPER["betas"][1],
+                eps=HYPER["eps"],
+                weight_decay=HYPER["weight_decay"],
+                seeds=[1],
+                param_copies=c,
+                threads=threads,
+            ).wait()
+
         return run, p, (lambda new_g: g.copy_(new_g))
+
     return make
 
 
@@ -45,11 +60,13 @@ def _torch_optimizer(factory):
         p.grad = torch.randn(n) * 1e-2
         opt = factory([p])
         return opt.step, p.data, (lambda new_g: p.grad.copy_(new_g))
+
     return make
 
 
 def _deepspeed_factory():
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401 (import checked by caller)
+
     return lambda params: DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER)
 
 
@@ -71,8 +88,12 @@ def _max_diff_vs_torch(make) -> float:
 
 def implementations(threads: int):
     rows = [
-        ("torch.optim.AdamW(fused=True), CPU", "peer", 28,
-         _torch_optimizer(lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER))),
+        (
+            "torch.optim.AdamW(fused=True), CPU",
+            "peer",
+            28,
+            _torch_optimizer(lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER)),
+        ),
     ]
     try:
         rows.append(("DeepSpeedCPUAdam (adamw_mode)", "peer", 28, _torch_optimizer(_deepspeed_factory())))
@@ -82,8 +103,12 @@ def implementations(threads: int):
         ("trainstream fp32 moments, fp32 grads", "ours", 28, _ours(torch.float32, torch.float32, None, threads)),
         ("trainstream bf16 moments, fp32 grads", "ours", 20, _ours(torch.float32, torch.bfloat16, None, threads)),
         ("trainstream bf16 moments, bf16 grads", "ours", 18, _ours(torch.bfloat16, torch.bfloat16, None, threads)),
-        ("trainstream bf16 moments, bf16 grads, + bf16 weight copy", "ours", 20,
-         _ours(torch.bfloat16, torch.bfloat16, torch.bfloat16, threads)),
+        (
+            "trainstream bf16 moments, bf16 grads, + bf16 weight copy",
+            "ours",
+            20,
+            _ours(torch.bfloat16, torch.bfloat16, torch.bfloat16, threads),
+        ),
     ]
     return rows
 
@@ -138,16 +163,31 @@ def run(*, params: int, threads: int, iters: int) -> dict:
         row["max_abs_diff_vs_torch_20_steps"] = _max_diff_vs_torch(make)
         print(f"  {name}: {row['Gparams_per_s']:.3f} G params/s", flush=True)
     _add_ratios(rows)
-    columns = [("name", "implementation"), ("bytes_per_param", "B/param"), ("s_per_step", "s/step"),
-               ("Gparams_per_s", "G params/s"), ("GBps", "GB/s"), ("vs_torch_fused", "x torch fused"),
-               ("vs_deepspeed", "x DeepSpeed"), ("max_abs_diff_vs_torch_20_steps", "max diff vs torch (20 steps)")]
-    note = (f"{params / 1e6:.0f}M fp32 parameters, {threads} threads; the implementations stepped in turn, "
-            f"median of {iters} rounds; host copy bandwidth in the same run {copy_bw:.1f} GB/s (read + write).")
+    columns = [
+        ("name", "implementation"),
+        ("bytes_per_param", "B/param"),
+        ("s_per_step", "s/step"),
+        ("Gparams_per_s", "G params/s"),
+        ("GBps", "GB/s"),
+        ("vs_torch_fused", "x torch fused"),
+        ("vs_deepspeed", "x DeepSpeed"),
+        ("max_abs_diff_vs_torch_20_steps", "max diff vs torch (20 steps)"),
+    ]
+    note = (
+        f"{params / 1e6:.0f}M fp32 parameters, {threads} threads; the implementations stepped in turn, "
+        f"median of {iters} rounds; host copy bandwidth in the same run {copy_bw:.1f} GB/s (read + write)."
+    )
     skipped = [r for r in rows if r["kind"] not in ("ours", "peer")]
     for r in skipped:
         note += f" {r['name']}: {r['kind']}."
-    return {"params": params, "threads": threads, "iters": iters, "host_copy_GBps": copy_bw,
-            "rows": rows, "markdown": markdown_table(columns, rows) + "\n\n" + note}
+    return {
+        "params": params,
+        "threads": threads,
+        "iters": iters,
+        "host_copy_GBps": copy_bw,
+        "rows": rows,
+        "markdown": markdown_table(columns, rows) + "\n\n" + note,
+    }
 
 
 def _add_ratios(rows: list[dict]) -> None:

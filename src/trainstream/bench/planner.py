@@ -12,6 +12,7 @@ one setting leaves behind can change another's memory). The two 85M runs share a
 and take their timed windows in turns, so that drift of the machine's speed over the run
 cannot decide a 2% comparison.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,16 +29,21 @@ GiB = 1 << 30
 BATCH, SEQ = 8, 512
 FIXED = dict(offload=True)  # hand-tuned settings never switch
 SETTINGS = {
-    24: [dict(FIXED, param_offload=False, activation_offload=0.25),
-         dict(FIXED, param_offload=0.25, activation_offload=False)],
-    8: [dict(FIXED, param_offload=True, activation_offload=0.5),
-        dict(FIXED, param_offload=True, activation_offload=True)],
+    24: [
+        dict(FIXED, param_offload=False, activation_offload=0.25),
+        dict(FIXED, param_offload=0.25, activation_offload=False),
+    ],
+    8: [
+        dict(FIXED, param_offload=True, activation_offload=0.5),
+        dict(FIXED, param_offload=True, activation_offload=True),
+    ],
     4: [dict(FIXED, param_offload=True, activation_offload=True)],
 }
 
 
 def _config(name: str):
     from .models import GPT_1_9B, GPTConfig
+
     return GPT_1_9B if name == "gpt-1.9b" else GPTConfig(dim=768, layers=12, heads=12, vocab=32000)
 
 
@@ -49,6 +55,7 @@ def _stepper(model, opt, batch):
         opt.step()
         opt.zero_grad()
         return loss
+
     return step
 
 
@@ -61,13 +68,18 @@ def _train(model, opt, batch, warmup: int, steps: int, windows: int = 1) -> dict
     for _ in range(windows):
         mean, loss = timed_window(step, opt, steps)
         means.append(mean)
-    return {"s_per_step": sorted(means)[len(means) // 2], "window_s_per_step": means,
-            "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "loss": loss.item()}
+    return {
+        "s_per_step": sorted(means)[len(means) // 2],
+        "window_s_per_step": means,
+        "peak_GiB": torch.cuda.max_memory_allocated() / GiB,
+        "loss": loss.item(),
+    }
 
 
 def _start(setting, base):
     """The model and optimizer of one setting, and the seconds wrap() (or .cuda()) took."""
     import trainstream
+
     model = copy.deepcopy(base)
     t = time.perf_counter()
     if setting in ("stock", "stock copy"):
@@ -81,13 +93,17 @@ def _start(setting, base):
 
 def _report(model) -> dict:
     import trainstream
+
     if not hasattr(model, "_trainstream_engine"):
         return {}
     report = trainstream.memory_report(model)
-    return dict(mode=report["mode"], paged_blocks=len(report["params"]["paged_blocks"]),
-                activation_paged_blocks=len(report["params"]["activation_paged_blocks"]),
-                moves=sum(1 for h in report["plan"]["history"] if h["kind"] == "applied"),
-                history=[f"step {h['step']}: {h['message']}" for h in report["plan"]["history"]])
+    return dict(
+        mode=report["mode"],
+        paged_blocks=len(report["params"]["paged_blocks"]),
+        activation_paged_blocks=len(report["params"]["activation_paged_blocks"]),
+        moves=sum(1 for h in report["plan"]["history"] if h["kind"] == "applied"),
+        history=[f"step {h['step']}: {h['message']}" for h in report["plan"]["history"]],
+    )
 
 
 def _interleaved(case: dict, base, batch) -> list:
@@ -107,8 +123,18 @@ def _interleaved(case: dict, base, batch) -> list:
         for _ in range(case["warmup"]):
             step()
         settle(opt)
-        runs.append(dict(setting=setting, model=model, opt=opt, step=step, wrap_s=wrap_s, means=[], peak=0,
-                         rest=torch.cuda.memory_allocated() - held))
+        runs.append(
+            dict(
+                setting=setting,
+                model=model,
+                opt=opt,
+                step=step,
+                wrap_s=wrap_s,
+                means=[],
+                peak=0,
+                rest=torch.cuda.memory_allocated() - held,
+            )
+        )
     total_rest = sum(r["rest"] for r in runs)
     for _ in range(case.get("windows", 1)):
         # One fixed cycle (A B C A B C ...): every window follows another setting's, the
@@ -120,16 +146,27 @@ def _interleaved(case: dict, base, batch) -> list:
             mean, r["loss"] = timed_window(r["step"], r["opt"], case["steps"])
             r["means"].append(mean)
             r["peak"] = max(r["peak"], torch.cuda.max_memory_allocated() - (total_rest - r["rest"]))
-    return [dict(setting=r["setting"], wrap_s=r["wrap_s"], s_per_step=sorted(r["means"])[len(r["means"]) // 2],
-                 window_s_per_step=r["means"], peak_GiB=r["peak"] / GiB, loss=r["loss"].item(), **_report(r["model"]))
-            for r in runs]
+    return [
+        dict(
+            setting=r["setting"],
+            wrap_s=r["wrap_s"],
+            s_per_step=sorted(r["means"])[len(r["means"]) // 2],
+            window_s_per_step=r["means"],
+            peak_GiB=r["peak"] / GiB,
+            loss=r["loss"].item(),
+            **_report(r["model"]),
+        )
+        for r in runs
+    ]
 
 
 def run_sweep(case: dict) -> list:
     """One process: one model, one cap, every setting in `case["settings"]` (one after the
     other, or with `interleave` all at once, windows taken in turns)."""
     import trainstream
+
     from .models import GPT
+
     cap_vram(case.get("cap_gib"))
     cfg = _config(case["model"])
     torch.manual_seed(0)
@@ -142,10 +179,20 @@ def run_sweep(case: dict) -> list:
     for setting in case["settings"]:
         gc.collect()
         torch.cuda.empty_cache()
-        print("memory before wrap: mem_get_info", torch.cuda.mem_get_info(), "fraction",
-              torch.cuda.get_per_process_memory_fraction(), "reserved", torch.cuda.memory_reserved(),
-              "allocated", torch.cuda.memory_allocated(), "profile", trainstream.profile_hardware("cuda"),
-              file=sys.stderr, flush=True)
+        print(
+            "memory before wrap: mem_get_info",
+            torch.cuda.mem_get_info(),
+            "fraction",
+            torch.cuda.get_per_process_memory_fraction(),
+            "reserved",
+            torch.cuda.memory_reserved(),
+            "allocated",
+            torch.cuda.memory_allocated(),
+            "profile",
+            trainstream.profile_hardware("cuda"),
+            file=sys.stderr,
+            flush=True,
+        )
         row = {"setting": setting}
         model = opt = None
         try:
@@ -172,6 +219,7 @@ def _sweep_in_subprocess(case: dict) -> list:
 def _profile_times() -> dict:
     """First measurement (forced) and a cached lookup, as wrap() does them."""
     from ..planner import profile_hardware
+
     t = time.perf_counter()
     profile_hardware("cuda", force=True)
     first = time.perf_counter() - t
@@ -196,8 +244,17 @@ def run(*, quick: bool = False) -> dict:
     rows = []
     # The 85M runs in one process, timed in turns (see _interleaved); a second stock copy
     # shows how far two identical runs differ in this comparison.
-    for r in _sweep_in_subprocess(dict(model="gpt-85m", cap_gib=None, settings=["stock", {}, "stock copy"], warmup=4,
-                                       steps=10 if quick else 20, windows=4 if quick else 20, interleave=True)):
+    for r in _sweep_in_subprocess(
+        dict(
+            model="gpt-85m",
+            cap_gib=None,
+            settings=["stock", {}, "stock copy"],
+            warmup=4,
+            steps=10 if quick else 20,
+            windows=4 if quick else 20,
+            interleave=True,
+        )
+    ):
         rows.append(dict(model="GPT 85M", cap_GiB=None, run=_label(r["setting"]), **r))
     for cap in (24, 8, 4):
         for setting in [{}] + SETTINGS[cap]:
@@ -219,31 +276,60 @@ def run(*, quick: bool = False) -> dict:
 
     if "stock" in small and "defaults" in small:
         value, n = paired(small["defaults"], small["stock"])
-        checks.append(dict(check=f"85M GPT: defaults (mode {small['defaults'].get('mode')}) / stock step time, "
-                                 f"median of {n} paired windows", value=value, target="<= 1.02"))
+        checks.append(
+            dict(
+                check=f"85M GPT: defaults (mode {small['defaults'].get('mode')}) / stock step time, "
+                f"median of {n} paired windows",
+                value=value,
+                target="<= 1.02",
+            )
+        )
     if "stock" in small and "stock copy" in small:
         value, n = paired(small["stock copy"], small["stock"])
-        checks.append(dict(check=f"85M GPT: a second stock copy / stock, median of {n} paired windows (how far "
-                                 "two identical runs differ)", value=value, target="-"))
+        checks.append(
+            dict(
+                check=f"85M GPT: a second stock copy / stock, median of {n} paired windows (how far "
+                "two identical runs differ)",
+                value=value,
+                target="-",
+            )
+        )
     for cap in (24, 8, 4):
         mine = next((r for r in rows if r["cap_GiB"] == cap and r["setting"] == {}), None)
         tuned = [r for r in rows if r["cap_GiB"] == cap and r["setting"] != {} and ok(r)]
         if mine is None or not ok(mine):
             checks.append(dict(check=f"1.9B GPT, {cap} GiB cap: defaults train", value="no", target="yes"))
             continue
-        checks.append(dict(check=f"1.9B GPT, {cap} GiB cap: defaults' peak GiB", value=mine["peak_GiB"],
-                           target=f"< {cap}"))
+        checks.append(
+            dict(check=f"1.9B GPT, {cap} GiB cap: defaults' peak GiB", value=mine["peak_GiB"], target=f"< {cap}")
+        )
         if tuned:
             best = min(tuned, key=lambda r: r["s_per_step"])
-            checks.append(dict(check=f"1.9B GPT, {cap} GiB cap: defaults / best hand-tuned ({best['run']})",
-                               value=mine["s_per_step"] / best["s_per_step"], target="<= 1.10"))
+            checks.append(
+                dict(
+                    check=f"1.9B GPT, {cap} GiB cap: defaults / best hand-tuned ({best['run']})",
+                    value=mine["s_per_step"] / best["s_per_step"],
+                    target="<= 1.10",
+                )
+            )
     checks.append(dict(check="profile: first measurement, s", value=profile["first_s"], target="<= 5"))
     checks.append(dict(check="profile: cached lookup, s", value=profile["cached_s"], target="<= 0.5"))
     table = markdown_table(
-        [("model", "model"), ("cap_GiB", "VRAM cap GiB"), ("run", "run"), ("s_per_step", "s/step"),
-         ("peak_GiB", "peak GiB"), ("mode", "mode"), ("paged_blocks", "weights paged"),
-         ("activation_paged_blocks", "activations paged"), ("moves", "plan moves"), ("wrap_s", "wrap s"),
-         ("oom", "out of memory")], rows)
+        [
+            ("model", "model"),
+            ("cap_GiB", "VRAM cap GiB"),
+            ("run", "run"),
+            ("s_per_step", "s/step"),
+            ("peak_GiB", "peak GiB"),
+            ("mode", "mode"),
+            ("paged_blocks", "weights paged"),
+            ("activation_paged_blocks", "activations paged"),
+            ("moves", "plan moves"),
+            ("wrap_s", "wrap s"),
+            ("oom", "out of memory"),
+        ],
+        rows,
+    )
     check_table = markdown_table([("check", "check"), ("value", "measured"), ("target", "target")], checks)
     return {"rows": rows, "checks": checks, "profile": profile, "markdown": table + "\n\n" + check_table}
 

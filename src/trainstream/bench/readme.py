@@ -4,6 +4,7 @@ The README marks each table with `<!-- results:SUITE -->` ... `<!-- /results:SUI
 everything between the markers is replaced by the markdown files of that suite, one per
 machine, newest GPU results first.
 """
+
 from __future__ import annotations
 
 import re

@@ -9,6 +9,7 @@ bit-exact. A storage is recognised again only while it is alive and unmodified (
 reference and the tensor version counter), so a recycled address is never confused with
 an earlier tensor.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,6 +28,7 @@ class PagedStorage:
 
 class PagedTensor:
     """What autograd holds instead of a saved tensor: where its bytes are and how to view them."""
+
     __slots__ = ("storage", "dtype", "size", "stride", "offset")
 
     def __init__(self, storage, t: torch.Tensor):
@@ -42,8 +44,8 @@ class ActivationPager:
     def __init__(self, engine):
         self.engine = engine
         self.backend = engine.backend
-        self._recent: dict = {}   # storage pointer -> PagedStorage, this forward pass
-        self.paged_bytes = 0      # bytes copied out since wrap (for the report)
+        self._recent: dict = {}  # storage pointer -> PagedStorage, this forward pass
+        self.paged_bytes = 0  # bytes copied out since wrap (for the report)
 
     def pack(self, t: torch.Tensor, unit):
         storage = t.untyped_storage()
@@ -58,8 +60,9 @@ class ActivationPager:
             with backend.on(backend.copy_out):
                 host.copy_(src, non_blocking=True)
                 backend.keep_until(src, backend.copy_out)
-            rec = PagedStorage(host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version,
-                               storage.nbytes())
+            rec = PagedStorage(
+                host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version, storage.nbytes()
+            )
             engine.inflight.add(rec.d2h_event, rec.nbytes)  # the device storage can go once copied
             self._recent[ptr] = rec
             unit.acts.append(rec)
@@ -70,8 +73,7 @@ class ActivationPager:
         if rec.device_copy is not None:
             return
         engine, backend = self.engine, self.backend
-        if ahead and engine.weights.ahead_bytes + rec.nbytes > engine.max_inflight_bytes \
-                and engine.weights.ahead_bytes:
+        if ahead and engine.weights.ahead_bytes + rec.nbytes > engine.max_inflight_bytes and engine.weights.ahead_bytes:
             return
         backend.wait(rec.d2h_event, backend.copy_in)
         with backend.on(backend.copy_in):
@@ -97,7 +99,8 @@ class ActivationPager:
             rec.ahead = False
             self.engine.weights.ahead_bytes -= rec.nbytes
         return torch.empty(0, dtype=packed.dtype, device=backend.device).set_(
-            rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride)
+            rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
 
     def drop(self, unit) -> None:
         """The unit's backward is over: let go of its restored storages (autograd's own

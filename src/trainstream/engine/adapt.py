@@ -37,6 +37,7 @@
 
 Every decision goes to the events log and, with its numbers, to plan["history"].
 """
+
 from __future__ import annotations
 
 import time
@@ -60,30 +61,30 @@ class Adapter:
         self.profile = profile
         self.unpageable = unpageable
         self.usable = usable_device_bytes(engine.opts, profile, on_device)
-        self.correction = 0          # measured peak minus predicted (bytes), from the last step
-        self.after_stack = 0         # bytes the head and the loss add above the stack's end (largest seen)
+        self.correction = 0  # measured peak minus predicted (bytes), from the last step
+        self.after_stack = 0  # bytes the head and the loss add above the stack's end (largest seen)
         self.after_stack_measured = False  # a step has ended on a device that counts its peak
         self.after_stack_provisional = False  # taken from a peak set before this run (see after_step)
-        self.held_after_stack = 0    # of that, still allocated when backward reaches the stack (largest seen)
-        self.after_stack_bound = 0   # the last head-peak pass's rise plus what it freed before backward
-        self._fwd_end = None         # allocated when this pass's model forward returned
-        self._bwd_start = None       # allocated when this pass's backward started
-        self.step_peak = 0           # the largest sample since the step began (every micro-batch's pass)
-        self.stack_end = None        # allocated when this pass's last block ended
+        self.held_after_stack = 0  # of that, still allocated when backward reaches the stack (largest seen)
+        self.after_stack_bound = 0  # the last head-peak pass's rise plus what it freed before backward
+        self._fwd_end = None  # allocated when this pass's model forward returned
+        self._bwd_start = None  # allocated when this pass's backward started
+        self.step_peak = 0  # the largest sample since the step began (every micro-batch's pass)
+        self.stack_end = None  # allocated when this pass's last block ended
         self._peak_at_step_start = None  # the device's peak counter when the step's first pass began
         self._peak_at_stack_end = None
-        self._head_open = False      # the stack has ended, backward has not reached it yet
+        self._head_open = False  # the stack has ended, backward has not reached it yet
         self._enter_alloc = 0
         self._enter_fetched = 0
-        self._pass_act = 0           # largest growth of a block in this pass, its weight fetches taken off
-        self._pass_growth = 1.0      # largest growth / measured activations of a block in this pass
-        self.pending = None          # (paged, act_paged) to apply at the next forward pass
-        self.block_s: dict = {}      # block -> fastest forward measured (seconds)
-        self._timing: dict = {}      # block -> (start, end) events or times of this pass
+        self._pass_act = 0  # largest growth of a block in this pass, its weight fetches taken off
+        self._pass_growth = 1.0  # largest growth / measured activations of a block in this pass
+        self.pending = None  # (paged, act_paged) to apply at the next forward pass
+        self.block_s: dict = {}  # block -> fastest forward measured (seconds)
+        self._timing: dict = {}  # block -> (start, end) events or times of this pass
         self.timed_passes = 0
-        self.passes = 0              # training forward passes seen
-        self._guarded: list = []     # blocks the guard paged in this pass (its history entry's list)
-        self.compute_dtype = None    # the autocast dtype the first pass ran under
+        self.passes = 0  # training forward passes seen
+        self._guarded: list = []  # blocks the guard paged in this pass (its history entry's list)
+        self.compute_dtype = None  # the autocast dtype the first pass ran under
         opts = engine.opts
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
@@ -236,11 +237,13 @@ class Adapter:
         # now, grown as much as this pass's blocks have grown over theirs (a longer sequence
         # than measured); a block not measured yet, as the largest seen. A block whose
         # activations are paged still holds autocast's copies of its resident weights.
-        rest_units = [u for u in engine.block_units[unit.block:] if not u.act_paged]
-        rest = sum(int(activations_as_placed(engine, u, u.paged) * self._pass_growth) or per_block
-                   for u in rest_units)
-        rest += sum(engine.activation_cast.get(u.block, 0) for u in engine.block_units[unit.block:]
-                    if u.act_paged and not u.paged)
+        rest_units = [u for u in engine.block_units[unit.block :] if not u.act_paged]
+        rest = sum(int(activations_as_placed(engine, u, u.paged) * self._pass_growth) or per_block for u in rest_units)
+        rest += sum(
+            engine.activation_cast.get(u.block, 0)
+            for u in engine.block_units[unit.block :]
+            if u.act_paged and not u.paged
+        )
         if self.after_stack_measured:
             after_stack = self.planned_after_stack()
         else:
@@ -254,26 +257,44 @@ class Adapter:
             unit.act_paged = True
             self._guarded.append(unit.block)
             if len(self._guarded) == 1:  # one entry per pass; the blocks after this one join its list
-                self.record("guard", f"block {unit.block}: activations paged during the pass (allocated "
-                            f"{now / GiB:.2f} GiB + {len(rest_units)} blocks' activations {rest / GiB:.2f} GiB + "
-                            f"{after_stack / GiB:.2f} GiB after the stack would pass {self.usable / GiB:.2f} GiB "
-                            f"usable)", allocated=now, projected=projected, blocks=self._guarded)
+                self.record(
+                    "guard",
+                    f"block {unit.block}: activations paged during the pass (allocated "
+                    f"{now / GiB:.2f} GiB + {len(rest_units)} blocks' activations {rest / GiB:.2f} GiB + "
+                    f"{after_stack / GiB:.2f} GiB after the stack would pass {self.usable / GiB:.2f} GiB "
+                    f"usable)",
+                    allocated=now,
+                    projected=projected,
+                    blocks=self._guarded,
+                )
 
     def _close_guard(self) -> None:
         """End of a pass: say how many blocks the guard paged in it, when more than one."""
         if len(self._guarded) > 1:
-            self.engine.events.add(f"the guard paged the activations of {len(self._guarded)} blocks in that pass: "
-                                   f"{_ranges(self._guarded)}")
+            self.engine.events.add(
+                f"the guard paged the activations of {len(self._guarded)} blocks in that pass: {_ranges(self._guarded)}"
+            )
         self._guarded = []
 
     # -- after each step -----------------------------------------------------------------------------
 
     def _inputs(self, correction: int):
         e = self.engine
-        return plan_inputs(e.opts, e.block_units, e.outside_units, self.unpageable, self.profile, self.usable,
-                           act_bytes=e.activation_bytes or None, act_cast=e.activation_cast,
-                           after_stack=self.planned_after_stack(), held_after_stack=self.held_after_stack,
-                           compute_s=self.compute_s(), correction=correction, compute_dtype=self.compute_dtype)
+        return plan_inputs(
+            e.opts,
+            e.block_units,
+            e.outside_units,
+            self.unpageable,
+            self.profile,
+            self.usable,
+            act_bytes=e.activation_bytes or None,
+            act_cast=e.activation_cast,
+            after_stack=self.planned_after_stack(),
+            held_after_stack=self.held_after_stack,
+            compute_s=self.compute_s(),
+            correction=correction,
+            compute_dtype=self.compute_dtype,
+        )
 
     def current(self) -> tuple:
         units = self.engine.block_units
@@ -306,6 +327,7 @@ class Adapter:
                     observed = max(observed, self.stack_end + self.after_stack)
         if engine.steps == self.SWITCH_AFTER and engine.opts.offload == "auto":
             from .switch import maybe_switch
+
             if maybe_switch(engine, observed):
                 return
         if not (self.weights_auto or self.acts_auto) or not engine.activation_bytes:
@@ -329,15 +351,26 @@ class Adapter:
             return
         why = "settling" if settling else "watchdog: the step's peak passed the usable memory"
         self.pending = (new_paged, new_acts)
-        self.record("replan", f"{why}: measured peak {_gib(observed)}, predicted {predicted / GiB:.2f} GiB for "
-                    f"the current placement; new plan: {plan.describe(self.usable)}", observed=observed,
-                    predicted=predicted, correction=self.correction, paged=new_paged, act_paged=new_acts,
-                    predicted_step_s=plan.step_s, fits=plan.fits)
+        self.record(
+            "replan",
+            f"{why}: measured peak {_gib(observed)}, predicted {predicted / GiB:.2f} GiB for "
+            f"the current placement; new plan: {plan.describe(self.usable)}",
+            observed=observed,
+            predicted=predicted,
+            correction=self.correction,
+            paged=new_paged,
+            act_paged=new_acts,
+            predicted_step_s=plan.step_s,
+            fits=plan.fits,
+        )
         if not plan.fits:
             self.record("warning", "no placement is predicted to fit; paging as much as possible")
         elif not plan.within_limit and plan.act_paged:
-            self.record("warning", f"activation paging needed to fit adds {plan.act_slowdown:.0%} to the step, more "
-                        f"than max_activation_slowdown={engine.opts.max_activation_slowdown}")
+            self.record(
+                "warning",
+                f"activation paging needed to fit adds {plan.act_slowdown:.0%} to the step, more "
+                f"than max_activation_slowdown={engine.opts.max_activation_slowdown}",
+            )
 
     def apply_pending(self) -> None:
         """At the start of a forward pass: move blocks to the placement decided last step."""
@@ -353,8 +386,12 @@ class Adapter:
         if moved:
             engine.state_hooks.remove()
             engine.state_hooks.install()
-        self.record("applied", f"weights paged for blocks {paged}, activations for blocks {act_paged}",
-                    paged=list(paged), act_paged=list(act_paged))
+        self.record(
+            "applied",
+            f"weights paged for blocks {paged}, activations for blocks {act_paged}",
+            paged=list(paged),
+            act_paged=list(act_paged),
+        )
 
     def record(self, kind: str, message: str, **numbers) -> None:
         engine = self.engine

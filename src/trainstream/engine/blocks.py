@@ -2,6 +2,7 @@
 engine streams one block at a time. Everything outside the stack (embeddings, final norm,
 head) stays resident.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,19 +12,23 @@ import torch
 
 @dataclass
 class BlockStack:
-    name: str                     # qualified name in the model, "" when no stack was found
-    blocks: list                  # the block modules, in order
-    params_in_blocks: int         # parameters inside the stack
-    params_total: int             # parameters in the whole model
+    name: str  # qualified name in the model, "" when no stack was found
+    blocks: list  # the block modules, in order
+    params_in_blocks: int  # parameters inside the stack
+    params_total: int  # parameters in the whole model
 
     def describe(self) -> str:
         if not self.blocks:
-            return ("no repeated block stack found: every parameter is treated as outside the stack "
-                    "(pass blocks=[...] to name it)")
+            return (
+                "no repeated block stack found: every parameter is treated as outside the stack "
+                "(pass blocks=[...] to name it)"
+            )
         kind = type(self.blocks[0]).__name__
         share = self.params_in_blocks / max(self.params_total, 1)
-        return (f"block stack '{self.name}': {len(self.blocks)} x {kind}, "
-                f"{self.params_in_blocks:,} of {self.params_total:,} parameters ({share:.0%})")
+        return (
+            f"block stack '{self.name}': {len(self.blocks)} x {kind}, "
+            f"{self.params_in_blocks:,} of {self.params_total:,} parameters ({share:.0%})"
+        )
 
 
 def _numel(module: torch.nn.Module) -> int:

@@ -7,6 +7,7 @@ travel on two streams of their own. On the CPU backend every stream operation is
 and a copy is finished when it returns: the engine's bookkeeping (hooks, hand-offs, paging
 decisions) then runs unchanged in CI, where there is no GPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +38,7 @@ class DeviceUpdate:
     their own kernel, and a mapped region's may end after a copied one's copy home. A host
     buffer the kernels only read (a gradient landed for clipping or accumulation) is free
     again at `event`: wait_read()."""
+
     __slots__ = ("event", "home")
 
     def __init__(self, event, home=None):
@@ -59,7 +61,7 @@ class Backend:
         self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
-            self.copy_in = torch.cuda.Stream(device)   # host -> device: weights, activations
+            self.copy_in = torch.cuda.Stream(device)  # host -> device: weights, activations
             self.copy_out = torch.cuda.Stream(device)  # device -> host: gradients, activations
             # optimizer_mode="gpu": the AdamW kernel, beside backward rather than behind it, and
             # its moments' copies in and out (moments.py), apart from the weights' and the
@@ -111,8 +113,10 @@ class Backend:
         try:
             return torch._C._cuda_memoryStats(self.device.index)["allocated_bytes"]["all"]
         except (AttributeError, KeyError, TypeError, RuntimeError):
-            return {"current": torch.cuda.memory_allocated(self.device),
-                    "peak": torch.cuda.max_memory_allocated(self.device)}
+            return {
+                "current": torch.cuda.memory_allocated(self.device),
+                "peak": torch.cuda.max_memory_allocated(self.device),
+            }
 
     def keep_until(self, tensor: torch.Tensor, stream) -> None:
         """Keep `tensor`'s device memory out of reuse until `stream` has passed its current
@@ -138,7 +142,7 @@ class TransferLedger:
     consumed; make_room() holds the host back until the total fits max_inflight_bytes."""
 
     def __init__(self):
-        self._items = deque()   # (event, bytes), oldest first
+        self._items = deque()  # (event, bytes), oldest first
         self.bytes = 0
 
     def add(self, event, nbytes: int) -> None:
@@ -170,7 +174,7 @@ class HostArena:
 
     def __init__(self, backend: Backend, nbytes: int):
         self.backend = backend
-        self.remaining = nbytes      # bytes still to be handed out
+        self.remaining = nbytes  # bytes still to be handed out
         self.pieces: list = []
         self._piece = None
         self._used = 0
@@ -200,7 +204,7 @@ class HostArena:
             raise RuntimeError("trainstream: host arena exhausted (a sizing bug)")
         if self._piece is None or self._used + n > self._piece.numel():
             self._new_piece(n)
-        region = self._piece[self._used:self._used + numel * dtype.itemsize]
+        region = self._piece[self._used : self._used + numel * dtype.itemsize]
         self._used += n
         self.remaining -= n
         return region.view(dtype).view(shape)

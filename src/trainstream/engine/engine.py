@@ -12,6 +12,7 @@ One training step, as the hooks see it:
   each update finishes (params.py). With optimizer_mode="gpu" the updates run on the
   device instead (_queue_on_device), and a resident unit's weights are updated in place.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,7 @@ import functools
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..quant.weight import QuantizedWeight
 from .activations import ActivationPager, PagedTensor
 from .device import Backend, DeviceUpdate, HostArena, TransferLedger
 from .grads import GradStreamer
@@ -26,13 +28,13 @@ from .layout import arena_bytes, host_buffers
 from .params import WeightPager
 from .placement import cast_bytes
 from .report import EventLog
-from ..quant.weight import QuantizedWeight
 
 GiB = 1 << 30
 
 
 class SavedWeight:
     """What autograd holds instead of a saved paged weight: which param, which view."""
+
     __slots__ = ("slot", "dtypes", "dtype", "size", "stride", "offset")
 
     def __init__(self, slot, t: torch.Tensor):
@@ -41,8 +43,15 @@ class SavedWeight:
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
 
 
-_VIEWS = {"TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0",
-          "ExpandBackward0", "AliasBackward0"}
+_VIEWS = {
+    "TBackward0",
+    "TransposeBackward0",
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "AliasBackward0",
+}
 
 
 def _is_weight_copy(t: torch.Tensor, unit) -> bool:
@@ -112,10 +121,10 @@ class Engine:
         self.events = EventLog(opts.verbose)
         self.history: list = []
         self.budget: dict = {}
-        self.profile = None          # the HardwareProfile the placement used
+        self.profile = None  # the HardwareProfile the placement used
         self.steps = 0
-        self.mode = "offload"        # "stock" once offload="auto" has switched (switch.py)
-        self.adapter = None          # set by wrap(): measures, replans, moves blocks (adapt.py)
+        self.mode = "offload"  # "stock" once offload="auto" has switched (switch.py)
+        self.adapter = None  # set by wrap(): measures, replans, moves blocks (adapt.py)
         self.last_grad_norm = None
         self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
         # optimizer_mode="gpu" (wrap() decides "auto"): AdamW on the device over host moments.
@@ -123,12 +132,12 @@ class Engine:
         # wrap() replaces the default with placement.default_inflight_bytes(profile).
         self.max_inflight_bytes = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else GiB
         self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
-        self.moments = None               # optimizer_mode="gpu": the MomentStager (wrap() sets it)
+        self.moments = None  # optimizer_mode="gpu": the MomentStager (wrap() sets it)
         self.weights = WeightPager(self)
         self.acts = ActivationPager(self)
         self.grads = GradStreamer(self)
         self.resident_storages: set = set()
-        self._entered: set = set()   # blocks whose backward has started this pass
+        self._entered: set = set()  # blocks whose backward has started this pass
         # Saved-activation bytes per block, measured over the first MEASURED_PASSES forward
         # passes with autograd on (the planner sizes activation paging from them), as they are
         # with the block's weights resident: under bf16 autocast they include autocast's copies
@@ -136,12 +145,12 @@ class Engine:
         self.activation_bytes: dict = {}
         self.activation_cast: dict = {}
         self._measured_passes = 0
-        self._measuring = False              # this forward pass counts activations
+        self._measuring = False  # this forward pass counts activations
         self._counting: dict | None = None  # storage pointer -> (weak ref, bytes), in the block running now
         self._counted = 0
-        self._counted_cast = 0       # of _counted: autocast's copies of the block's weights
+        self._counted_cast = 0  # of _counted: autocast's copies of the block's weights
         self._handles: list = []
-        self._forwards: dict = {}    # block module -> its own forward attribute, if it had one
+        self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
 
     @property
     def device_grads(self) -> bool:
@@ -178,7 +187,8 @@ class Engine:
                         s.spare = buf
                 if unit.paged:
                     s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(
-                        data.shape)
+                        data.shape
+                    )
                     s.param.data = s.placeholder
                 else:
                     if data.device != backend.device:
@@ -187,8 +197,10 @@ class Engine:
         # Quantized codes made on the device were written on the compute stream; the copy-in
         # stream dequantizes them.
         backend.follow_compute(backend.copy_in)
-        self.events.add(f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
-                        f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces")
+        self.events.add(
+            f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
+            f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces"
+        )
         for module in self.model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.device != backend.device:
@@ -285,8 +297,7 @@ class Engine:
                 # activations stay put leaves them be; its weights come back with the recompute.
                 foreign = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
                 if (unit.act_paged or measure or (unit.streamed and not foreign)) and torch.is_grad_enabled():
-                    with torch.autograd.graph.saved_tensors_hooks(
-                            functools.partial(engine.pack, unit), engine.unpack):
+                    with torch.autograd.graph.saved_tensors_hooks(functools.partial(engine.pack, unit), engine.unpack):
                         out = forward(*args, **kwargs)
                 else:
                     out = forward(*args, **kwargs)
@@ -295,6 +306,7 @@ class Engine:
                 engine.exit_block(unit)
             engine.watch_backward(unit, out)
             return out
+
         return paged_forward
 
     @staticmethod
@@ -308,7 +320,7 @@ class Engine:
             # A block recomputing its forward in backward (checkpointing). Backward is done with
             # the blocks above the one after it; under reentrant checkpointing no backward hook
             # of theirs released their fetched or dequantized weights.
-            for done in self.block_units[unit.block + 2:]:
+            for done in self.block_units[unit.block + 2 :]:
                 if done.streamed and done.fetched is not None:
                     self.weights.release(done)
             self.weights.guard(unit)
@@ -335,8 +347,13 @@ class Engine:
     def _start_counting(self) -> bool:
         """Count this block's saved activations? Only in the first passes, and never under
         someone else's saved-tensor hooks (a checkpoint's), which ours would override."""
-        if (not self._measuring or not torch.is_grad_enabled() or self.grads.in_backward
-                or self._in_autograd() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+        if (
+            not self._measuring
+            or not torch.is_grad_enabled()
+            or self.grads.in_backward
+            or self._in_autograd()
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        ):
             return False
         self._counting = {}
         self._counted = 0
@@ -369,15 +386,19 @@ class Engine:
                 self._counted += t.untyped_storage().nbytes()
                 if _is_weight_copy(t, unit):
                     self._counted_cast += t.untyped_storage().nbytes()
-        if (not unit.act_paged or ptr in self.resident_storages
-                or t.untyped_storage().nbytes() < self.opts.min_offload_bytes):
+        if (
+            not unit.act_paged
+            or ptr in self.resident_storages
+            or t.untyped_storage().nbytes() < self.opts.min_offload_bytes
+        ):
             return t
         return self.acts.pack(t, unit)
 
     def unpack(self, packed):
         if isinstance(packed, SavedWeight):
-            return self.weights.device_view(packed.slot, packed.dtypes, packed.dtype, packed.size, packed.stride,
-                                            packed.offset)
+            return self.weights.device_view(
+                packed.slot, packed.dtypes, packed.dtype, packed.size, packed.stride, packed.offset
+            )
         if isinstance(packed, PagedTensor):
             return self.acts.unpack(packed)
         return packed
@@ -447,8 +468,9 @@ class Engine:
         if unit.paged and unit.fetch_event is not None:
             unit.fetch_event.synchronize()  # a copy from the host weights may still be reading them
         unit.update_mark = self.backend.record()
-        for handle, ss in self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale,
-                                               unit.priority):
+        for handle, ss in self.optimizer.queue(
+            slots, [self.grads.grad_of(s) for s in slots], grad_scale, unit.priority
+        ):
             unit.updates.append(handle)
             for s in ss:
                 s.reader = handle
@@ -481,15 +503,24 @@ class Engine:
                 grads = [self.grads.grad_of(s) for s in group]
                 staged = self.moments.stage_in([s.param for s in group], stream)
                 with backend.on(stream):
-                    self.optimizer.queue_on_device(backend.device, group, grads, list(targets), list(masters),
-                                                   staged.moments, grad_scale, self.DEVICE_UPDATE_BLOCKS)
+                    self.optimizer.queue_on_device(
+                        backend.device,
+                        group,
+                        grads,
+                        list(targets),
+                        list(masters),
+                        staged.moments,
+                        grad_scale,
+                        self.DEVICE_UPDATE_BLOCKS,
+                    )
                     for g in grads:
                         if g.device == backend.device:
                             backend.keep_until(g, stream)
                 kernel_done = backend.record(stream)
                 home = self.moments.send_home(staged, kernel_done) or home
-                self.inflight.add(kernel_done, sum(g.numel() * g.element_size() for g in grads
-                                                   if g.device == backend.device))
+                self.inflight.add(
+                    kernel_done, sum(g.numel() * g.element_size() for g in grads if g.device == backend.device)
+                )
                 # Let go of the region's buffer and gradients now: the allocator frees them once
                 # their streams pass this kernel and copy, as the ledger just recorded (held to
                 # the unit's end, they would also take room the next region's copy needs).

@@ -19,6 +19,7 @@ Nothing here blocks the autograd thread on a copy: finished copies are noticed b
 their events at each hook, and whatever is still in flight when backward ends is waited
 for in the end-of-backward callback.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,12 +53,12 @@ class GradStreamer:
 
     def __init__(self, engine):
         self.engine = engine
-        self.passes = 0           # backward passes in the current accumulation window
+        self.passes = 0  # backward passes in the current accumulation window
         self.in_backward = False
-        self._ready = deque()     # units whose gradients have all been issued D2H, in order
-        self._partial = set()     # units with some gradients this pass (unused params exist)
-        self._pass_id = 0         # numbers every backward pass (a slot's seen_pass)
-        self._last_unit = None    # the unit the last gradient belonged to
+        self._ready = deque()  # units whose gradients have all been issued D2H, in order
+        self._partial = set()  # units with some gradients this pass (unused params exist)
+        self._pass_id = 0  # numbers every backward pass (a slot's seen_pass)
+        self._last_unit = None  # the unit the last gradient belonged to
         self._hooks = []
 
     def install(self) -> None:
@@ -68,8 +69,11 @@ class GradStreamer:
         streamer = weakref.ref(self)
         for unit in self.engine.units:
             for slot in unit.trainable:
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    functools.partial(_post_accumulate, streamer, weakref.ref(slot))))
+                self._hooks.append(
+                    slot.param.register_post_accumulate_grad_hook(
+                        functools.partial(_post_accumulate, streamer, weakref.ref(slot))
+                    )
+                )
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -84,7 +88,8 @@ class GradStreamer:
             raise RuntimeError(
                 f"trainstream: backward pass {self.passes + 1} since the last optimizer.step(), but "
                 f"accumulation_steps={n}: call optimizer.step() after every {n} backward pass(es) "
-                f"(or optimizer.zero_grad() to drop the gradients)")
+                f"(or optimizer.zero_grad() to drop the gradients)"
+            )
         self.passes += 1
         self._pass_id += 1
         self._last_unit = None
@@ -117,7 +122,8 @@ class GradStreamer:
                 raise RuntimeError(
                     f"trainstream: {slot.name} got a second gradient in one backward pass after the first had "
                     "left for host memory (a parameter used by several reentrant checkpoint segments); use "
-                    "checkpoint(..., use_reentrant=False), or keep the parameter inside one segment")
+                    "checkpoint(..., use_reentrant=False), or keep the parameter inside one segment"
+                )
             summed = waiting[1].add_(g)
             if engine.clip_on_device:
                 slot.norm = torch.linalg.vector_norm(summed if summed.dtype == torch.float32 else summed.float())
@@ -257,8 +263,9 @@ class GradStreamer:
                 for s in rest:
                     by_dtype.setdefault(s.stage.dtype, []).append(s)
                 for group in by_dtype.values():
-                    handle = ops.accumulate_([s.grad_sum for s in group], [s.stage for s in group],
-                                             threads=engine.opts.threads)
+                    handle = ops.accumulate_(
+                        [s.grad_sum for s in group], [s.stage for s in group], threads=engine.opts.threads
+                    )
                     for s in group:
                         s.reader = handle
         for s in landed:

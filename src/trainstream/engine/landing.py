@@ -11,6 +11,7 @@ not reached yet, the forward's guard pushes itself. It takes the pending units i
 order the host pool runs their updates (lowest priority number first), so it waits on the
 update that finishes next, not on one the pool has put off.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,7 +23,7 @@ import weakref
 # itself down: a daemon thread still inside a native wait when that happens is killed
 # mid-call (Python ends such threads by unwinding them when they retake the GIL), which
 # aborts the process.
-_running: "weakref.WeakSet[Lander]" = weakref.WeakSet()
+_running: weakref.WeakSet[Lander] = weakref.WeakSet()
 
 
 @atexit.register

@@ -1,5 +1,6 @@
 """What the engine keeps per parameter (a Slot) and per group of parameters moved and
 updated together (a Unit: one block of the stack, or one module outside it)."""
+
 from __future__ import annotations
 
 import functools
@@ -14,10 +15,10 @@ from ..quant.weight import code_layout, quantized_nbytes
 class Slot:
     param: torch.nn.Parameter
     name: str
-    dtype: torch.dtype            # the dtype the model was built with
-    trainable: bool               # updated by the engine's optimizer
-    is_linear: bool               # weight or bias of an nn.Linear: may page in the autocast dtype
-    unit: "Unit" = None
+    dtype: torch.dtype  # the dtype the model was built with
+    trainable: bool  # updated by the engine's optimizer
+    is_linear: bool  # weight or bias of an nn.Linear: may page in the autocast dtype
+    unit: Unit = None
     # Frozen weights stored quantized (wrap(quantize=...)): the format and block size, and the
     # QuantizedWeight once made (place_weights). Its codes live on the device for a resident
     # unit, in host transfer memory for a paged one; the weight itself exists only while a
@@ -30,17 +31,17 @@ class Slot:
     # Frozen paged: the original weights, plus any compute-dtype copy made from them.
     host: dict = field(default_factory=dict)
     placeholder: torch.Tensor | None = None  # a paged param's data while it is not on the device
-    spare: torch.Tensor | None = None        # reserved host room for a compute-dtype copy (paged fp32 Linear)
+    spare: torch.Tensor | None = None  # reserved host room for a compute-dtype copy (paged fp32 Linear)
     # Gradient landing (trainable only).
     stage_region: torch.Tensor | None = None  # reserved host room for the landing buffer
-    stage: torch.Tensor | None = None     # the landing buffer, a view of stage_region in the gradient's dtype
+    stage: torch.Tensor | None = None  # the landing buffer, a view of stage_region in the gradient's dtype
     grad_sum: torch.Tensor | None = None  # fp32 sum over the micro-batches (accumulation_steps > 1)
     device_grad: torch.Tensor | None = None  # optimizer_mode="gpu": the gradient, left where autograd made it
-    norm: torch.Tensor | None = None      # device-side L2 norm of this pass's gradient (clipping)
-    reader = None                         # the last host job that reads stage / grad_sum
-    fresh: bool = False                   # landed in this pass, not yet handed on
-    seen_pass: int = -1                   # the backward pass whose gradient arrived last
-    has_grad: bool = False                # a gradient landed in this accumulation window
+    norm: torch.Tensor | None = None  # device-side L2 norm of this pass's gradient (clipping)
+    reader = None  # the last host job that reads stage / grad_sum
+    fresh: bool = False  # landed in this pass, not yet handed on
+    seen_pass: int = -1  # the backward pass whose gradient arrived last
+    has_grad: bool = False  # a gradient landed in this accumulation window
 
     @property
     def master(self) -> torch.Tensor:
@@ -66,30 +67,30 @@ class Slot:
 @dataclass(eq=False)
 class Unit:
     name: str
-    block: int | None             # index in the block stack; None outside it
+    block: int | None  # index in the block stack; None outside it
     slots: list
-    paged: bool = False           # weights live in host memory and are fetched for each use
-    act_paged: bool = False       # saved activations go to host memory during forward
+    paged: bool = False  # weights live in host memory and are fetched for each use
+    act_paged: bool = False  # saved activations go to host memory during forward
     # Updates of this unit's weights that may still be running: host optimizer jobs, or
     # DeviceUpdates (optimizer_mode="gpu").
     updates: list = field(default_factory=list)
-    stale: bool = False           # resident: the host has newer weights than the device
-    update_mark = None            # compute's position when the update was queued (resident)
-    priority: int = 0             # when the next forward needs it (the host pool runs lowest first)
-    h2d_event = None              # resident: the new weights' copy to the device (or their device update)
-    landed: int = 0               # gradients landed in the current backward pass
+    stale: bool = False  # resident: the host has newer weights than the device
+    update_mark = None  # compute's position when the update was queued (resident)
+    priority: int = 0  # when the next forward needs it (the host pool runs lowest first)
+    h2d_event = None  # resident: the new weights' copy to the device (or their device update)
+    landed: int = 0  # gradients landed in the current backward pass
     # Small gradients of this pass held on the device until the unit's last one (or the end
     # of the pass) sends them out together: (slot, gradient).
     waiting: list = field(default_factory=list)
-    grad_event = None             # the last of those gradients' copies to the host
-    queued: bool = False          # this window's update was handed to the optimizer
+    grad_event = None  # the last of those gradients' copies to the host
+    queued: bool = False  # this window's update was handed to the optimizer
     # Paged weights currently on the device: slot -> device tensor, and how they came.
     fetched: dict | None = None
     fetch_event = None
     fetch_dtypes: dict = field(default_factory=dict)  # slot -> dtype used by the last forward
-    attached: bool = False        # the params' .data point at the fetched tensors
-    ahead: bool = False           # fetched ahead of use (counts against max_inflight_bytes)
-    acts: list = field(default_factory=list)          # paged activations saved this pass
+    attached: bool = False  # the params' .data point at the fetched tensors
+    ahead: bool = False  # fetched ahead of use (counts against max_inflight_bytes)
+    acts: list = field(default_factory=list)  # paged activations saved this pass
 
     @functools.cached_property
     def trainable(self) -> list:
@@ -189,8 +190,13 @@ def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
 def arena_bytes(units: list, stage: bool = True) -> int:
     """Transfer memory (pinned on a GPU machine) the engine carves its host buffers from."""
     from .device import HostArena
-    return sum(HostArena.size_of(numel, dtype) for u in units for s in u.slots
-               for _, dtype, numel in host_buffers(s, u.paged, stage))
+
+    return sum(
+        HostArena.size_of(numel, dtype)
+        for u in units
+        for s in u.slots
+        for _, dtype, numel in host_buffers(s, u.paged, stage)
+    )
 
 
 QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -209,16 +215,27 @@ def quantizable_slots(block_units: list, blocks: list, unpageable: list) -> tupl
     slots, shared = [], []
     for unit in block_units:
         for s in unit.slots:
-            if (s.trainable or s.param.requires_grad or not s.is_linear or s.param.dim() != 2
-                    or s.dtype not in QUANT_DTYPES):
+            if (
+                s.trainable
+                or s.param.requires_grad
+                or not s.is_linear
+                or s.param.dim() != 2
+                or s.dtype not in QUANT_DTYPES
+            ):
                 continue
             if unit.block in unpageable or in_blocks.get(s.param, 0) > 1:
                 shared.append(s.name)
                 continue
             slots.append(s)
-    notes = [f"quantize: {len(shared)} frozen weights in blocks that share parameters with other modules stay "
-             f"unquantized "
-             f"({', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''})"] if shared else []
+    notes = (
+        [
+            f"quantize: {len(shared)} frozen weights in blocks that share parameters with other modules stay "
+            f"unquantized "
+            f"({', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''})"
+        ]
+        if shared
+        else []
+    )
     return slots, notes
 
 

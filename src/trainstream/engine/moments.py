@@ -28,6 +28,7 @@ rounding hashes the element index).
 On the CPU backend the "device" copy is a second host buffer, so CI runs the layout, the
 offsets and the copies.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,12 +39,13 @@ from .device import HostArena
 class MomentRegion:
     """One group's moments: a contiguous host region and where each param's two moments
     sit in it (byte offsets), as `views` of any buffer laid out like it."""
+
     __slots__ = ("host", "layout", "staged", "last")
 
     def __init__(self, host: torch.Tensor, layout: list, staged: bool):
-        self.host = host        # uint8, the group's bytes in the arena
-        self.layout = layout    # [(param, exp_avg offset, exp_avg_sq offset, dtype)]
-        self.staged = staged    # small enough to be copied to VRAM for each update (else mapped)
+        self.host = host  # uint8, the group's bytes in the arena
+        self.layout = layout  # [(param, exp_avg offset, exp_avg_sq offset, dtype)]
+        self.staged = staged  # small enough to be copied to VRAM for each update (else mapped)
         # The end of the last device work on the host bytes (an event; None: none yet): the
         # copy home if the last update was staged, the kernel if it mapped them. The next
         # update, either way, waits for it on the GPU: a region can go one way in one step
@@ -62,7 +64,7 @@ class MomentRegion:
         out = {}
         for p, m_at, v_at, dtype in self.layout:
             n = p.numel() * dtype.itemsize
-            out[p] = (buf[m_at:m_at + n].view(dtype).view(p.shape), buf[v_at:v_at + n].view(dtype).view(p.shape))
+            out[p] = (buf[m_at : m_at + n].view(dtype).view(p.shape), buf[v_at : v_at + n].view(dtype).view(p.shape))
         return out
 
 
@@ -115,12 +117,13 @@ def lay_out(units, moment_dtype: torch.dtype, max_inflight_bytes: int, take) -> 
 class Staged:
     """What stage_in() hands the kernel: where to read each param of one region's moments,
     and the region's VRAM copy to send back after it (None: the kernel maps the region)."""
+
     __slots__ = ("region", "moments", "copy")
 
     def __init__(self, region, moments: dict, copy):
         self.region = region
         self.moments = moments  # param -> (exp_avg, exp_avg_sq), in VRAM or mapped host memory
-        self.copy = copy        # uint8 VRAM buffer laid out like region.host, or None
+        self.copy = copy  # uint8 VRAM buffer laid out like region.host, or None
 
 
 class MomentStager:
@@ -196,7 +199,7 @@ class MomentStager:
         with backend.on(out):
             region.host.copy_(staged.copy, non_blocking=True)
         home = region.last = backend.record(out)
-        for stream in (backend.update, out):       # the kernel's and the copy home's uses
+        for stream in (backend.update, out):  # the kernel's and the copy home's uses
             backend.keep_until(staged.copy, stream)  # (stage_in kept it for the copy in)
         engine.inflight.add(home, region.nbytes)
         return home

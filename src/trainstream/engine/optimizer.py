@@ -7,6 +7,7 @@ the host gradients and writing the host fp32 masters (plus the lower-precision c
 pages or a bf16 model holds), or with optimizer_mode="gpu" as the CUDA kernel, to which
 moments.py brings the moments.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,8 +68,10 @@ class StreamedAdamW(OffloadAdamW):
         if self._engine is not None:
             raise ValueError("trainstream: add param groups before wrap(); the wrapped optimizer's groups are fixed")
         if p.dtype not in PARAM_DTYPES:
-            raise ValueError(f"trainstream: trainable parameters must be float32 or bfloat16, got {p.dtype} "
-                             "(for float16 weights keep fp32 parameters and train under torch.autocast)")
+            raise ValueError(
+                f"trainstream: trainable parameters must be float32 or bfloat16, got {p.dtype} "
+                "(for float16 weights keep fp32 parameters and train under torch.autocast)"
+            )
 
     def set_moment_dtype(self, dtype: torch.dtype) -> None:
         """Before training: moments from a converted optimizer are cast (rounded to nearest)."""
@@ -80,8 +83,10 @@ class StreamedAdamW(OffloadAdamW):
 
     def _engine_or_raise(self):
         if self._engine is None:
-            raise RuntimeError("trainstream: this optimizer's model was unwrapped; build a new optimizer "
-                               "(for example torch.optim.AdamW) and load this one's state_dict() into it")
+            raise RuntimeError(
+                "trainstream: this optimizer's model was unwrapped; build a new optimizer "
+                "(for example torch.optim.AdamW) and load this one's state_dict() into it"
+            )
         return self._engine
 
     def _synchronize(self) -> None:
@@ -137,16 +142,32 @@ class StreamedAdamW(OffloadAdamW):
         for group, items in self._batches(slots, grads, lambda s: s.copy_dtype()):
             copies = [s.host[s.copy_dtype()] for s, *_ in items] if items[0][0].copy_dtype() is not None else None
             handle = ops.adamw_step(
-                [s.master for s, *_ in items], [g for _, g, *_ in items],
-                [st["exp_avg"] for _, _, st, _ in items], [st["exp_avg_sq"] for _, _, st, _ in items],
-                [int(st["step"].item()) for _, _, st, _ in items], param_copies=copies, grad_scale=grad_scale,
-                seeds=[self._seed_for(i) for *_, i in items], threads=self.threads, priority=priority,
-                **_hyper(group))
+                [s.master for s, *_ in items],
+                [g for _, g, *_ in items],
+                [st["exp_avg"] for _, _, st, _ in items],
+                [st["exp_avg_sq"] for _, _, st, _ in items],
+                [int(st["step"].item()) for _, _, st, _ in items],
+                param_copies=copies,
+                grad_scale=grad_scale,
+                seeds=[self._seed_for(i) for *_, i in items],
+                threads=self.threads,
+                priority=priority,
+                **_hyper(group),
+            )
             out.append((handle, [s for s, *_ in items]))
         return out
 
-    def queue_on_device(self, device: torch.device, slots: list, grads: list, targets: list, masters: list,
-                        moments: dict, grad_scale: float, max_blocks: int = 0) -> None:
+    def queue_on_device(
+        self,
+        device: torch.device,
+        slots: list,
+        grads: list,
+        targets: list,
+        masters: list,
+        moments: dict,
+        grad_scale: float,
+        max_blocks: int = 0,
+    ) -> None:
         """optimizer_mode="gpu": the CUDA AdamW on the current stream for `slots`, reading
         `grads` and writing the new weights into `targets` (each on the device or in pinned
         host memory), the host fp32 `masters` (None where the fp32 target is the master)
@@ -164,12 +185,33 @@ class StreamedAdamW(OffloadAdamW):
             gs = [g for _, g, *_ in items]
             m, v = ([moments[s.param][k] for s, *_ in items] for k in (0, 1))
             if device.type == "cuda":
-                adamw_step_mapped(device, tgts, gs, m, v, steps, masters=mstrs, grad_scale=grad_scale,
-                                  seeds=seeds, max_blocks=max_blocks, **_hyper(group))
+                adamw_step_mapped(
+                    device,
+                    tgts,
+                    gs,
+                    m,
+                    v,
+                    steps,
+                    masters=mstrs,
+                    grad_scale=grad_scale,
+                    seeds=seeds,
+                    max_blocks=max_blocks,
+                    **_hyper(group),
+                )
             else:
                 copies = None if mstrs is None or all(t is mm for t, mm in zip(tgts, mstrs)) else tgts
-                ops.adamw_step(mstrs or tgts, gs, m, v, steps, param_copies=copies, grad_scale=grad_scale,
-                               seeds=seeds, threads=self.threads, **_hyper(group)).wait()
+                ops.adamw_step(
+                    mstrs or tgts,
+                    gs,
+                    m,
+                    v,
+                    steps,
+                    param_copies=copies,
+                    grad_scale=grad_scale,
+                    seeds=seeds,
+                    threads=self.threads,
+                    **_hyper(group),
+                ).wait()
 
     def _batches(self, slots: list, grads: list, key):
         """Count a step for each slot's param and batch them by param group and `key`:
@@ -190,5 +232,11 @@ class StreamedAdamW(OffloadAdamW):
 
 def _hyper(group: dict) -> dict:
     beta1, beta2 = group["betas"]
-    return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"])
+    return dict(
+        lr=float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled=group["decoupled_weight_decay"],
+    )

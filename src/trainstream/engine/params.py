@@ -17,6 +17,7 @@ Quantized frozen weights (wrap(quantize=...)) are streamed the same way, residen
 paged: the fetch dequantizes their codes (a paged unit's cross PCIe first) on the copy-in
 stream, in the dtype the block computes in, and the release drops the dequantized tensor.
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,6 +26,7 @@ import torch
 
 from .device import DeviceUpdate
 from .landing import Lander
+
 
 def _autocast_dtype(device_type: str):
     if torch.is_autocast_enabled(device_type):
@@ -37,8 +39,8 @@ class WeightPager:
         self.engine = engine
         self.backend = engine.backend
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
-        self.ahead_bytes = 0              # fetched ahead of use, not yet attached
-        self.fetched_bytes = 0            # device bytes fetched since wrap (growth that is not activations)
+        self.ahead_bytes = 0  # fetched ahead of use, not yet attached
+        self.fetched_bytes = 0  # device bytes fetched since wrap (growth that is not activations)
         # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
         self.lock = threading.RLock()
         self.lander = Lander(self)
@@ -133,7 +135,8 @@ class WeightPager:
             self.engine.resident_storages.discard(s.param.data.untyped_storage().data_ptr())
             if s.placeholder is None:
                 s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(
-                    s.param.shape)
+                    s.param.shape
+                )
             s.param.data = s.placeholder
         unit.paged, unit.stale, unit.h2d_event = True, False, None
 
@@ -178,8 +181,10 @@ class WeightPager:
                 h.wait()
             base = slot.host[torch.float32] if torch.float32 in slot.host else slot.host[slot.dtype]
             if slot.trainable and slot.copy_dtype() not in (None, dtype):
-                raise RuntimeError(f"trainstream: {slot.name} is already paged as {slot.copy_dtype()}; "
-                                   f"mixing autocast dtypes for one model is not supported")
+                raise RuntimeError(
+                    f"trainstream: {slot.name} is already paged as {slot.copy_dtype()}; "
+                    f"mixing autocast dtypes for one model is not supported"
+                )
             if slot.spare is not None and dtype.itemsize == slot.spare.dtype.itemsize:
                 src = slot.spare.view(dtype)
                 src.copy_(base)

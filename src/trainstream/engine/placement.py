@@ -6,6 +6,7 @@ measured it holds back a share of the device memory for them. The adapter (adapt
 replans from what the first steps measure. Every choice goes to the events log with its
 numbers.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,8 @@ GiB = 1 << 30
 
 @dataclass
 class Placement:
-    paged: list                 # block indices whose weights live in host memory
-    act_paged: list             # block indices whose saved activations are paged
+    paged: list  # block indices whose weights live in host memory
+    act_paged: list  # block indices whose saved activations are paged
     notes: list = field(default_factory=list)
 
 
@@ -38,8 +39,9 @@ def _explicit(name: str, value, n: int) -> list:
         return _first(value, n)
     bad = [i for i in value if i >= n]
     if bad:
-        raise ValueError(f"wrap(): option {name!r} lists block {bad[0]}, but the stack has {n} blocks "
-                         f"(accepted: indices 0..{n - 1})")
+        raise ValueError(
+            f"wrap(): option {name!r} lists block {bad[0]}, but the stack has {n} blocks (accepted: indices 0..{n - 1})"
+        )
     return list(value)
 
 
@@ -70,8 +72,9 @@ def cast_bytes(unit) -> int:
     """The copies autocast would make of `unit`'s weights had they been resident, as this
     pass fetched them in bf16 (params.py); an upper bound of what backward keeps (a Linear
     whose input needs no gradient keeps no copy of its weight)."""
-    return weight_copy_bytes([s for s in unit.slots if unit.fetch_dtypes.get(s) == torch.bfloat16
-                              and s.quant_format is None])  # a quantized weight is always dequantized per use
+    return weight_copy_bytes(
+        [s for s in unit.slots if unit.fetch_dtypes.get(s) == torch.bfloat16 and s.quant_format is None]
+    )  # a quantized weight is always dequantized per use
 
 
 def activations_as_placed(engine, unit, paged: bool) -> int:
@@ -87,26 +90,52 @@ def dequantized_in_flight(units) -> int:
     return 2 * max([sum(s.full_nbytes for s in u.slots if s.quant_format is not None) for u in units] or [0])
 
 
-def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: int, *,
-                act_bytes: dict | None = None, act_cast: dict | None = None, after_stack: int = 0,
-                held_after_stack: int = 0, compute_s: float = 0.0, correction: int = 0,
-                compute_dtype=None) -> PlanInputs:
+def plan_inputs(
+    opts,
+    block_units,
+    outside_units,
+    unpageable,
+    profile,
+    usable: int,
+    *,
+    act_bytes: dict | None = None,
+    act_cast: dict | None = None,
+    after_stack: int = 0,
+    held_after_stack: int = 0,
+    compute_s: float = 0.0,
+    correction: int = 0,
+    compute_dtype=None,
+) -> PlanInputs:
     """The planner's view of this model on this machine. `act_bytes`: saved activations per
     block with its weights resident (None before the first pass: a share of the memory is
     held back for them instead), `act_cast`: of those, autocast's copies of the weights;
     `after_stack`: what the head and the loss add at the end of the forward, and
     `held_after_stack` what of it backward still finds held (both measured);
     `correction`: measured peak minus predicted, from the adapter."""
+
     def crossing(u):
         # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py); quantized
         # ones as codes and scales.
-        return sum(s.param.numel() * 2 if compute_dtype == torch.bfloat16 and s.is_linear
-                   and s.dtype == torch.float32 and s.quant_format is None else s.nbytes for s in u.slots)
+        return sum(
+            s.param.numel() * 2
+            if compute_dtype == torch.bfloat16 and s.is_linear and s.dtype == torch.float32 and s.quant_format is None
+            else s.nbytes
+            for s in u.slots
+        )
 
     acts, casts = act_bytes or {}, act_cast or {}
     fallback = max(acts.values(), default=0)  # a block not measured (no copies counted for it)
-    blocks = [BlockBytes(u.nbytes, crossing(u), sum(s.nbytes for s in u.trainable), acts.get(u.block, fallback),
-                         u.block not in unpageable, casts.get(u.block, 0)) for u in block_units]
+    blocks = [
+        BlockBytes(
+            u.nbytes,
+            crossing(u),
+            sum(s.nbytes for s in u.trainable),
+            acts.get(u.block, fallback),
+            u.block not in unpageable,
+            casts.get(u.block, 0),
+        )
+        for u in block_units
+    ]
     trainable = [s for u in block_units + outside_units for s in u.trainable]
     largest_block = max([u.nbytes for u in block_units] or [0])
     # Outside weights stay resident; one block's gradients are held on their way out. Memory
@@ -118,19 +147,30 @@ def plan_inputs(opts, block_units, outside_units, unpageable, profile, usable: i
 
     def fixed_list(value):
         return _explicit("param_offload", value, len(block_units)) if value != "auto" else ()
+
     return PlanInputs(
-        blocks=blocks, fixed_bytes=fixed, usable_bytes=usable, h2d_bytes_per_s=profile.h2d_bytes_per_s,
+        blocks=blocks,
+        fixed_bytes=fixed,
+        usable_bytes=usable,
+        h2d_bytes_per_s=profile.h2d_bytes_per_s,
         d2h_bytes_per_s=profile.d2h_bytes_per_s,
         adamw_s=sum(s.param.numel() for s in trainable) / profile.host_adamw_params_per_s,
         grad_bytes=sum(s.nbytes for s in trainable),
-        outside_push_bytes=sum(s.nbytes for u in outside_units for s in u.trainable), compute_s=compute_s,
-        max_activation_slowdown=opts.max_activation_slowdown, prefetch_depth=opts.prefetch_depth,
+        outside_push_bytes=sum(s.nbytes for u in outside_units for s in u.trainable),
+        compute_s=compute_s,
+        max_activation_slowdown=opts.max_activation_slowdown,
+        prefetch_depth=opts.prefetch_depth,
         weights="auto" if opts.param_offload == "auto" else "fixed",
         activations="auto" if opts.activation_offload == "auto" else "fixed",
         fixed_paged=tuple(i for i in fixed_list(opts.param_offload) if i not in unpageable),
-        fixed_act_paged=tuple(_explicit("activation_offload", opts.activation_offload, len(block_units))
-                              if opts.activation_offload != "auto" else ()),
-        after_stack_bytes=after_stack, held_after_stack_bytes=held_after_stack)
+        fixed_act_paged=tuple(
+            _explicit("activation_offload", opts.activation_offload, len(block_units))
+            if opts.activation_offload != "auto"
+            else ()
+        ),
+        after_stack_bytes=after_stack,
+        held_after_stack_bytes=held_after_stack,
+    )
 
 
 def choose(opts, block_units, outside_units, unpageable: list, profile, model_bytes_on_device: int) -> Placement:
@@ -147,11 +187,15 @@ def choose(opts, block_units, outside_units, unpageable: list, profile, model_by
         plan = make_plan(plan_inputs(opts, block_units, outside_units, unpageable, profile, usable))
         if opts.param_offload == "auto":
             paged = plan.paged
-        notes.append(f"plan at wrap() (activations not measured yet: {UNKNOWN_ACTIVATION_SHARE:.0%} of the usable "
-                     f"device memory held back for them): {plan.describe(usable)}")
+        notes.append(
+            f"plan at wrap() (activations not measured yet: {UNKNOWN_ACTIVATION_SHARE:.0%} of the usable "
+            f"device memory held back for them): {plan.describe(usable)}"
+        )
         if opts.activation_offload == "auto":
-            notes.append("activation_offload='auto': activations stay on the device until the first forward pass "
-                         "measures them; a block whose activations would not fit is paged as the pass goes")
+            notes.append(
+                "activation_offload='auto': activations stay on the device until the first forward pass "
+                "measures them; a block whose activations would not fit is paged as the pass goes"
+            )
     return Placement(sorted(paged), sorted(act), notes)
 
 
@@ -181,8 +225,9 @@ def host_bytes(opts, units, moment_bytes: int, device_grads: bool = False) -> di
         "gradient buffers": landing + acc * n_train,
         "moments": 2 * moment_bytes * n_train,
         "paged frozen weights": sum(s.nbytes for u in units if u.paged for s in u.slots if not s.trainable),
-        "lower-precision copies": sum(s.param.numel() * 2 for s in trainable
-                                      if s.dtype != torch.float32 or (s.unit.paged and s.is_linear)),
+        "lower-precision copies": sum(
+            s.param.numel() * 2 for s in trainable if s.dtype != torch.float32 or (s.unit.paged and s.is_linear)
+        ),
     }
 
 
@@ -191,12 +236,16 @@ def choose_moment_dtype(opts, units, profile) -> tuple[torch.dtype, str]:
     share = ram_share(profile)
     need32 = sum(host_bytes(opts, units, 4).values())
     if need32 <= share:
-        return torch.float32, (f"moment_dtype='auto': float32 ({need32 / GiB:.2f} GiB of host memory needed, "
-                               f"{share / GiB:.2f} GiB available to this process)")
+        return torch.float32, (
+            f"moment_dtype='auto': float32 ({need32 / GiB:.2f} GiB of host memory needed, "
+            f"{share / GiB:.2f} GiB available to this process)"
+        )
     need16 = sum(host_bytes(opts, units, 2).values())
-    return torch.bfloat16, (f"moment_dtype='auto': bfloat16 with stochastic rounding, because float32 moments would "
-                            f"need {need32 / GiB:.2f} GiB of host memory and {share / GiB:.2f} GiB is available "
-                            f"(bfloat16: {need16 / GiB:.2f} GiB)")
+    return torch.bfloat16, (
+        f"moment_dtype='auto': bfloat16 with stochastic rounding, because float32 moments would "
+        f"need {need32 / GiB:.2f} GiB of host memory and {share / GiB:.2f} GiB is available "
+        f"(bfloat16: {need16 / GiB:.2f} GiB)"
+    )
 
 
 # The AdamW kernel reaches about this share of the PCIe bound. Mapping host memory it got
@@ -243,6 +292,7 @@ def choose_optimizer_mode(opts, units, profile, moment_bytes: int, backend) -> t
     if opts.optimizer_mode == "gpu":
         if backend.is_cuda:
             from .._native import require_cuda
+
             require_cuda("wrap(optimizer_mode='gpu')")  # at wrap(), not in the first backward
             return True, None
         return True, "optimizer_mode='gpu' on the CPU backend: the host AdamW stands in for the kernel"
@@ -253,45 +303,75 @@ def choose_optimizer_mode(opts, units, profile, moment_bytes: int, backend) -> t
     h2d, d2h = device_update_bytes(opts, units, moment_bytes)
     device_s = max(h2d / profile.h2d_bytes_per_s, d2h / profile.d2h_bytes_per_s) / DEVICE_UPDATE_EFFICIENCY
     on_device = DEVICE_UPDATE_MARGIN * device_s < host_s
-    return on_device, (f"optimizer_mode='auto': {'GPU AdamW' if on_device else 'host AdamW'} (estimated "
-                       f"{device_s * 1e3:.0f} ms per step on the GPU over PCIe, {host_s * 1e3:.0f} ms on the host)")
+    return on_device, (
+        f"optimizer_mode='auto': {'GPU AdamW' if on_device else 'host AdamW'} (estimated "
+        f"{device_s * 1e3:.0f} ms per step on the GPU over PCIe, {host_s * 1e3:.0f} ms on the host)"
+    )
 
 
-def check_fits(opts, units, placement: Placement, backend, profile, model_bytes_on_device: int,
-               moment_bytes: int, pinned_bytes: int, device_grads: bool = False, quantize_hint: str = "") -> dict:
+def check_fits(
+    opts,
+    units,
+    placement: Placement,
+    backend,
+    profile,
+    model_bytes_on_device: int,
+    moment_bytes: int,
+    pinned_bytes: int,
+    device_grads: bool = False,
+    quantize_hint: str = "",
+) -> dict:
     """Host, pinned and device bytes this placement needs; MemoryError with the numbers
     when they exceed what the profile says the machine has (check_memory=True).
     `quantize_hint`: a quantize setting that would shrink the frozen weights, to suggest."""
     host = host_bytes(opts, units, moment_bytes, device_grads)
     resident = sum(u.nbytes for u in units if not u.paged)
     largest_paged = max([u.nbytes for u in units if u.paged] or [0])
-    device = {"resident weights": resident, "paged blocks in flight (2 largest)": 2 * largest_paged,
-              "dequantized weights in flight": dequantized_in_flight(units)}
+    device = {
+        "resident weights": resident,
+        "paged blocks in flight (2 largest)": 2 * largest_paged,
+        "dequantized weights in flight": dequantized_in_flight(units),
+    }
     need_host, need_dev = sum(host.values()), sum(device.values())
     have_host = ram_share(profile)
     usable = usable_device_bytes(opts, profile, model_bytes_on_device)
-    budget = {"host": host, "device": device, "host_available": have_host, "device_usable": usable,
-              "pinned": pinned_bytes if backend.is_cuda else 0, "pinned_limit": profile.pinned_limit_bytes}
+    budget = {
+        "host": host,
+        "device": device,
+        "host_available": have_host,
+        "device_usable": usable,
+        "pinned": pinned_bytes if backend.is_cuda else 0,
+        "pinned_limit": profile.pinned_limit_bytes,
+    }
     if not opts.check_memory:
         return budget
     problems = []
     if need_host > have_host:
-        problems.append(f"host RAM: needs {need_host / GiB:.2f} GiB (" +
-                        ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v) +
-                        f"), available {have_host / GiB:.2f} GiB"
-                        + (f" (this process's share of {local_processes()} on the machine)"
-                           if local_processes() > 1 else ""))
+        problems.append(
+            f"host RAM: needs {need_host / GiB:.2f} GiB ("
+            + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v)
+            + f"), available {have_host / GiB:.2f} GiB"
+            + (f" (this process's share of {local_processes()} on the machine)" if local_processes() > 1 else "")
+        )
     if backend.is_cuda and pinned_bytes > profile.pinned_limit_bytes:
-        problems.append(f"pinned memory: needs {pinned_bytes / GiB:.2f} GiB of transfer buffers, the limit is "
-                        f"{profile.pinned_limit_bytes / GiB:.2f} GiB (raise RLIMIT_MEMLOCK, ulimit -l)")
+        problems.append(
+            f"pinned memory: needs {pinned_bytes / GiB:.2f} GiB of transfer buffers, the limit is "
+            f"{profile.pinned_limit_bytes / GiB:.2f} GiB (raise RLIMIT_MEMLOCK, ulimit -l)"
+        )
     if need_dev > usable:
-        problems.append(f"VRAM: needs {need_dev / GiB:.2f} GiB before activations (" +
-                        ", ".join(f"{k} {v / GiB:.2f}" for k, v in device.items() if v) +
-                        f"), usable {usable / GiB:.2f} GiB after vram_headroom={opts.vram_headroom}"
-                        f" ({profile.source} profile)")
+        problems.append(
+            f"VRAM: needs {need_dev / GiB:.2f} GiB before activations ("
+            + ", ".join(f"{k} {v / GiB:.2f}" for k, v in device.items() if v)
+            + f"), usable {usable / GiB:.2f} GiB after vram_headroom={opts.vram_headroom}"
+            f" ({profile.source} profile)"
+        )
     if problems:
-        raise MemoryError("trainstream.wrap(): this run does not fit. " + "; ".join(problems) +
-                          ". What would help: moment_dtype='bfloat16' (halves the moments), "
-                          + (f"{quantize_hint} (frozen weights), " if quantize_hint else "") + "paging more blocks "
-                          "(param_offload=True), a smaller batch, or more RAM. check_memory=False skips this check.")
+        raise MemoryError(
+            "trainstream.wrap(): this run does not fit. "
+            + "; ".join(problems)
+            + ". What would help: moment_dtype='bfloat16' (halves the moments), "
+            + (f"{quantize_hint} (frozen weights), " if quantize_hint else "")
+            + "paging more blocks "
+            "(param_offload=True), a smaller batch, or more RAM. check_memory=False skips this check."
+        )
     return budget

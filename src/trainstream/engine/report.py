@@ -1,4 +1,5 @@
 """The events log (every decision, in plain text) and memory_report()'s dictionary."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,9 +28,13 @@ def quantization(engine) -> dict:
     """The frozen weights stored quantized: format ("none", "int8" or "nf4"), how many, and
     their bytes in the model's dtype and as stored."""
     slots = [s for u in engine.units for s in u.slots if s.quant is not None]
-    return {"format": slots[0].quant.format if slots else "none", "tensors": len(slots),
-            "block_size": slots[0].quant.block_size if slots else None,
-            "bytes_before": sum(s.full_nbytes for s in slots), "bytes_after": sum(s.quant.nbytes for s in slots)}
+    return {
+        "format": slots[0].quant.format if slots else "none",
+        "tensors": len(slots),
+        "block_size": slots[0].quant.block_size if slots else None,
+        "bytes_before": sum(s.full_nbytes for s in slots),
+        "bytes_after": sum(s.quant.nbytes for s in slots),
+    }
 
 
 def moment_copies(engine) -> dict | None:
@@ -38,8 +43,12 @@ def moment_copies(engine) -> dict | None:
     if stager is None:
         return None
     regions = set(stager.region_of.values())
-    return {"regions": len(regions), "regions_too_large_to_copy": sum(not r.staged for r in regions),
-            "copied": stager.copies, "mapped_for_want_of_room": stager.mapped}
+    return {
+        "regions": len(regions),
+        "regions_too_large_to_copy": sum(not r.staged for r in regions),
+        "copied": stager.copies,
+        "mapped_for_want_of_room": stager.mapped,
+    }
 
 
 def build_report(engine) -> dict:

@@ -8,6 +8,7 @@ model, compute-dtype paging copies, the master of a resident param) is brought l
 A quantized frozen weight is saved dequantized (the values training uses) and a loaded one
 is quantized again; unwrap() leaves it dequantized, since the original values are gone.
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,10 +74,13 @@ class StateHooks:
             self._handles += [
                 module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, ss=slots: self._expose(ss)),
                 module.register_state_dict_post_hook(
-                    lambda m, sd, prefix, meta, ss=slots: self._after_save(m, sd, prefix, ss)),
+                    lambda m, sd, prefix, meta, ss=slots: self._after_save(m, sd, prefix, ss)
+                ),
                 module.register_load_state_dict_pre_hook(
-                    lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ss=slots:
-                    self._before_load(m, sd, prefix, meta, ss)),
+                    lambda m, sd, prefix, meta, strict, missing, unexpected, errors, ss=slots: self._before_load(
+                        m, sd, prefix, meta, ss
+                    )
+                ),
                 module.register_load_state_dict_post_hook(lambda m, keys, ss=slots: self._after_load(ss)),
             ]
 
@@ -111,8 +115,10 @@ class StateHooks:
 
     def _before_load(self, module, state_dict, prefix, meta, slots) -> None:
         if meta.get("assign_to_params_buffers", False):
-            raise ValueError("trainstream: load_state_dict(assign=True) would replace the wrapped parameters; "
-                             "load without assign, or unwrap() first")
+            raise ValueError(
+                "trainstream: load_state_dict(assign=True) would replace the wrapped parameters; "
+                "load without assign, or unwrap() first"
+            )
         backend = self.engine.backend
         if backend.is_cuda:  # copies to the device may still read the host weights or codes written below
             torch.cuda.synchronize(backend.device)

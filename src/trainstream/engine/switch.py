@@ -10,6 +10,7 @@ groups (LR schedulers keep working) and starts from the migrated state: the host
 moments and step counts. Explicit paging options keep the offload mode: the user asked
 for it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,20 +55,27 @@ def maybe_switch(engine, observed_peak) -> bool:
         total = sum(need.values())
         detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in need.items())
         if total > adapter.usable:
-            reason = (f"stock training would need {total / GiB:.2f} GiB ({detail}), {adapter.usable / GiB:.2f} GiB "
-                      f"is usable")
+            reason = (
+                f"stock training would need {total / GiB:.2f} GiB ({detail}), {adapter.usable / GiB:.2f} GiB is usable"
+            )
     if reason is not None:
         adapter.record("offload", f"offload='auto': staying in offload mode: {reason}")
         return False
-    adapter.record("switch", f"offload='auto': switching to torch.optim.AdamW(fused=True) on {engine.backend.device}: "
-                   f"stock training needs {total / GiB:.2f} GiB ({detail}) of {adapter.usable / GiB:.2f} GiB usable",
-                   need=need, usable=adapter.usable, observed=observed_peak)
+    adapter.record(
+        "switch",
+        f"offload='auto': switching to torch.optim.AdamW(fused=True) on {engine.backend.device}: "
+        f"stock training needs {total / GiB:.2f} GiB ({detail}) of {adapter.usable / GiB:.2f} GiB usable",
+        need=need,
+        usable=adapter.usable,
+        observed=observed_peak,
+    )
     switch_to_stock(engine)
     return True
 
 
 def switch_to_stock(engine) -> None:
     from .state import unwrap
+
     opt = engine.optimizer
     unwrap(engine)  # waits for every update, weights back on the device, hooks removed
     for unit in engine.block_units:

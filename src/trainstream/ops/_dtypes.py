@@ -1,4 +1,5 @@
 """torch dtypes <-> the native DType codes (native/include/trainstream/dtype.h)."""
+
 import torch
 
 NONE = -1

@@ -4,11 +4,12 @@
 weight and both moments, optionally write a bf16/fp16 copy of the new weight) and returns
 a handle at once; the work runs on a persistent C++ thread pool without the GIL.
 """
+
 from __future__ import annotations
 
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -89,8 +90,9 @@ def _check_same(kind: str, tensors: Sequence[torch.Tensor], allowed: tuple, n: i
     return dtype
 
 
-def _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n: int,
-                                  op: str = "adamw_step") -> tuple[torch.dtype, torch.dtype]:
+def _check_grad_and_moment_dtypes(
+    grads, exp_avgs, exp_avg_sqs, n: int, op: str = "adamw_step"
+) -> tuple[torch.dtype, torch.dtype]:
     grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
     moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
     if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != moment_dtype:
@@ -172,8 +174,16 @@ def adamw_step(
         [p.numel() for p in params],
         [int(s) for s in steps],
         [int(s) & 0xFFFF_FFFF_FFFF_FFFF for s in seeds],
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale),
-        bool(decoupled), _dtypes.code(grad_dtype), _dtypes.code(moment_dtype), _dtypes.code(copy_dtype),
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        float(grad_scale),
+        bool(decoupled),
+        _dtypes.code(grad_dtype),
+        _dtypes.code(moment_dtype),
+        _dtypes.code(copy_dtype),
         int(priority),
     )
     return AdamWHandle(job, held)
@@ -239,14 +249,31 @@ def adamw_step_gpu(
     device = params[0].device
     if device.type != "cuda":
         raise ValueError(f"adamw_step_gpu: params must be CUDA tensors, got {device}")
-    _gpu_launch(device, _check_cuda, _check_pinned_moment, params, grads, exp_avgs, exp_avg_sqs, steps,
-                masters=masters, lr=lr,
-                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-                grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, seeds=seeds)
+    _gpu_launch(
+        device,
+        _check_cuda,
+        _check_pinned_moment,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        masters=masters,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        grad_scale=grad_scale,
+        grad_scale_tensor=grad_scale_tensor,
+        seeds=seeds,
+    )
 
 
-def adamw_step_mapped(device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters=None,
-                      max_blocks: int = 0, **hyper) -> None:
+def adamw_step_mapped(
+    device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters=None, max_blocks: int = 0, **hyper
+) -> None:
     """:func:`adamw_step_gpu` for the engine: params and grads may each be on `device` or
     in pinned host memory (a paged block's host weights, gradients landed in host memory
     for clipping or accumulation); the kernel reaches mapped host memory over PCIe.
@@ -256,27 +283,59 @@ def adamw_step_mapped(device: torch.device, params, grads, exp_avgs, exp_avg_sqs
 
     require_cuda("the GPU AdamW")
     if params:
-        _gpu_launch(device, _check_reachable, _check_reachable, params, grads, exp_avgs, exp_avg_sqs, steps,
-                    masters=masters, max_blocks=max_blocks, **hyper)
+        _gpu_launch(
+            device,
+            _check_reachable,
+            _check_reachable,
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            masters=masters,
+            max_blocks=max_blocks,
+            **hyper,
+        )
 
 
 def _check_pinned_moment(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:
     _check_pinned(kind, i, t, numel)
 
 
-def _gpu_launch(device, check_place, check_moment, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters, lr,
-                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0,
-                grad_scale_tensor=None, seeds=None, max_blocks: int = 0) -> None:
+def _gpu_launch(
+    device,
+    check_place,
+    check_moment,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    steps,
+    *,
+    masters,
+    lr,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-8,
+    weight_decay=0.0,
+    decoupled=True,
+    grad_scale=1.0,
+    grad_scale_tensor=None,
+    seeds=None,
+    max_blocks: int = 0,
+) -> None:
     n = len(params)
-    param_dtype = _check_same("params", params, (torch.float32,) if masters is None else
-                              (torch.float32, torch.bfloat16, torch.float16), n)
+    param_dtype = _check_same(
+        "params", params, (torch.float32,) if masters is None else (torch.float32, torch.bfloat16, torch.float16), n
+    )
     grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n, "adamw_step_gpu")
     if masters is not None:
         _check_same("masters", masters, (torch.float32,), n)
     if len(steps) != n or (seeds is not None and len(seeds) != n):
         raise ValueError(f"adamw_step_gpu: steps and seeds need one entry per param ({n})")
-    if grad_scale_tensor is not None and (grad_scale_tensor.device != device or grad_scale_tensor.numel() != 1
-                                          or grad_scale_tensor.dtype != torch.float32):
+    if grad_scale_tensor is not None and (
+        grad_scale_tensor.device != device or grad_scale_tensor.numel() != 1 or grad_scale_tensor.dtype != torch.float32
+    ):
         raise ValueError(f"adamw_step_gpu: grad_scale_tensor must be one float32 value on {device}")
     native = lib()
     chunk = native.GPU_ADAMW_CHUNK
@@ -292,10 +351,28 @@ def _gpu_launch(device, check_place, check_moment, params, grads, exp_avgs, exp_
         step = int(steps[i])
         if step < 1:
             raise ValueError(f"adamw_step_gpu: steps[{i}] must be >= 1, got {step}")
-        floats, key = native.adamw_scalars(float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                                           float(grad_scale), step, int(seeds[i]) & 0xFFFF_FFFF_FFFF_FFFF if seeds else 0)
-        rows.append([masters[i].data_ptr() if masters is not None else 0, grads[i].data_ptr(),
-                     exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), p.data_ptr(), numel, first_chunk, key])
+        floats, key = native.adamw_scalars(
+            float(lr),
+            float(beta1),
+            float(beta2),
+            float(eps),
+            float(weight_decay),
+            float(grad_scale),
+            step,
+            int(seeds[i]) & 0xFFFF_FFFF_FFFF_FFFF if seeds else 0,
+        )
+        rows.append(
+            [
+                masters[i].data_ptr() if masters is not None else 0,
+                grads[i].data_ptr(),
+                exp_avgs[i].data_ptr(),
+                exp_avg_sqs[i].data_ptr(),
+                p.data_ptr(),
+                numel,
+                first_chunk,
+                key,
+            ]
+        )
         scalars.append(floats + [0.0])
         first_chunk += -(-numel // chunk)
     # The launch's tables travel H2D on the same stream as the kernel (pinned, non-blocking:
@@ -303,7 +380,16 @@ def _gpu_launch(device, check_place, check_moment, params, grads, exp_avgs, exp_
     tensors_dev = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     scalars_dev = torch.tensor(scalars, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
     native.adamw_gpu_launch(
-        tensors_dev.data_ptr(), scalars_dev.data_ptr(),
+        tensors_dev.data_ptr(),
+        scalars_dev.data_ptr(),
         grad_scale_tensor.data_ptr() if grad_scale_tensor is not None else 0,
-        n, first_chunk, bool(decoupled), _dtypes.code(grad_dtype), _dtypes.code(moment_dtype),
-        _dtypes.code(param_dtype), device.index, torch.cuda.current_stream(device).cuda_stream, int(max_blocks))
+        n,
+        first_chunk,
+        bool(decoupled),
+        _dtypes.code(grad_dtype),
+        _dtypes.code(moment_dtype),
+        _dtypes.code(param_dtype),
+        device.index,
+        torch.cuda.current_stream(device).cuda_stream,
+        int(max_blocks),
+    )

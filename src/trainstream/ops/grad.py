@@ -1,8 +1,9 @@
 """Gradient helpers: host accumulation of micro-batch gradients, and per-tensor squared
 norms on the GPU for global-norm clipping."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -11,8 +12,9 @@ from . import _dtypes, reference
 from .adamw import AdamWHandle, get_pool
 
 
-def accumulate_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
-                threads: int | None = None) -> AdamWHandle:
+def accumulate_(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, threads: int | None = None
+) -> AdamWHandle:
     """Queue ``dst += src`` on the host thread pool for each pair (dst float32, src float32
     or bfloat16, both contiguous host tensors of equal size) and return a handle at once.
     The same result as ``dst.add_(src)``; ordered after earlier queued work on these buffers."""
@@ -20,7 +22,9 @@ def accumulate_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
         raise ValueError(f"accumulate_: {len(dsts)} destinations but {len(srcs)} sources")
     src_dtypes = {s.dtype for s in srcs}
     if len(src_dtypes) > 1 or not src_dtypes <= {torch.float32, torch.bfloat16}:
-        raise ValueError(f"accumulate_: sources must all be float32 or all bfloat16, got {sorted(map(str, src_dtypes))}")
+        raise ValueError(
+            f"accumulate_: sources must all be float32 or all bfloat16, got {sorted(map(str, src_dtypes))}"
+        )
     for i, (d, s) in enumerate(zip(dsts, srcs)):
         if d.dtype != torch.float32:
             raise ValueError(f"accumulate_: dsts[{i}] must be float32, got {d.dtype}")
@@ -29,8 +33,13 @@ def accumulate_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
                 raise ValueError(f"accumulate_: {kind}[{i}] must be a contiguous host tensor")
         if d.numel() != s.numel():
             raise ValueError(f"accumulate_: dsts[{i}] has {d.numel()} elements, srcs[{i}] has {s.numel()}")
-    job = lib().accumulate_queue(get_pool(threads), [d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs],
-                                 [d.numel() for d in dsts], _dtypes.code(src_dtypes.pop() if srcs else torch.float32))
+    job = lib().accumulate_queue(
+        get_pool(threads),
+        [d.data_ptr() for d in dsts],
+        [s.data_ptr() for s in srcs],
+        [d.numel() for d in dsts],
+        _dtypes.code(src_dtypes.pop() if srcs else torch.float32),
+    )
     return AdamWHandle(job, [*dsts, *srcs])
 
 
@@ -44,13 +53,16 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
-        raise ValueError(f"grad_sq_norms: tensors must share one of float32, bfloat16, float16; got {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"grad_sq_norms: tensors must share one of float32, bfloat16, float16; got {sorted(map(str, dtypes))}"
+        )
     for i, t in enumerate(tensors):
         if t.device != device or not t.is_contiguous():
             raise ValueError(f"grad_sq_norms: tensors[{i}] must be contiguous and on {device}")
     if device.type != "cuda":
         return reference.grad_sq_norms(tensors)
     from .._native import require_cuda
+
     require_cuda("grad_sq_norms on the GPU")
     native = lib()
     chunk = native.SQ_NORM_CHUNK
@@ -61,7 +73,14 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     partials = torch.empty(max(first, 1), dtype=torch.float32, device=device)
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
-    native.grad_sq_norms_launch(table.data_ptr(), len(tensors), first, _dtypes.code(dtypes.pop()),
-                                partials.data_ptr(), out.data_ptr(), device.index,
-                                torch.cuda.current_stream(device).cuda_stream)
+    native.grad_sq_norms_launch(
+        table.data_ptr(),
+        len(tensors),
+        first,
+        _dtypes.code(dtypes.pop()),
+        partials.data_ptr(),
+        out.data_ptr(),
+        device.index,
+        torch.cuda.current_stream(device).cuda_stream,
+    )
     return out

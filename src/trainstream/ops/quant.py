@@ -22,10 +22,11 @@ Each op is a ``torch.library`` custom op with a fake implementation, so ``torch.
 can trace it; eager calls on plain tensors run the same implementation without the
 dispatcher's layers (see ``_direct``).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -49,15 +50,25 @@ def code_numel(fmt: int, n: int) -> int:
     return -(-n // 2) if fmt == NF4 else n
 
 
-def _run(dequantize: bool, fmt: int, values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
-         block_size: int) -> None:
+def _run(
+    dequantize: bool, fmt: int, values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block_size: int
+) -> None:
     native = lib()
-    args = (dequantize, fmt, values.numel(), block_size, _dtypes.code(values.dtype),
-            values.data_ptr(), codes.data_ptr(), absmax.data_ptr())
+    args = (
+        dequantize,
+        fmt,
+        values.numel(),
+        block_size,
+        _dtypes.code(values.dtype),
+        values.data_ptr(),
+        codes.data_ptr(),
+        absmax.data_ptr(),
+    )
     if values.device.type == "cuda":
         global _cuda_ready
         if not _cuda_ready:  # checked once: a LoRA step dequantizes every frozen weight twice
             from .._native import require_cuda
+
             require_cuda("GPU quantization")
             _cuda_ready = True
         native.quant_cuda(*args, values.device.index, torch.cuda.current_stream(values.device).cuda_stream)
@@ -105,12 +116,15 @@ def _make_ops(fmt: int):
     @quantize_op.register_fake
     def _(x, block_size):
         n = x.numel()
-        return (x.new_empty(code_numel(fmt, n), dtype=code_dtype),
-                x.new_empty((n + block_size - 1) // block_size, dtype=torch.float32))
+        return (
+            x.new_empty(code_numel(fmt, n), dtype=code_dtype),
+            x.new_empty((n + block_size - 1) // block_size, dtype=torch.float32),
+        )
 
     @torch.library.custom_op(f"trainstream::dequantize_{name}", mutates_args=())
-    def dequantize_op(codes: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
-                      block_size: int) -> torch.Tensor:
+    def dequantize_op(
+        codes: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, block_size: int
+    ) -> torch.Tensor:
         return _dequantize_impl(fmt, codes, absmax, shape, dtype, block_size)
 
     @dequantize_op.register_fake
@@ -154,12 +168,16 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
     n = math.prod(shape)
     code_dtype = _code_dtype(fmt)
     if codes.dtype != code_dtype or codes.numel() != code_numel(fmt, n) or not codes.is_contiguous():
-        raise ValueError(f"dequantize_{name}: codes must be a contiguous {code_dtype} tensor of "
-                         f"{code_numel(fmt, n)} elements for shape {shape}, got {codes.dtype} with {codes.numel()}")
+        raise ValueError(
+            f"dequantize_{name}: codes must be a contiguous {code_dtype} tensor of "
+            f"{code_numel(fmt, n)} elements for shape {shape}, got {codes.dtype} with {codes.numel()}"
+        )
     blocks = -(-n // block_size)
     if absmax.dtype != torch.float32 or absmax.numel() != blocks or not absmax.is_contiguous():
-        raise ValueError(f"dequantize_{name}: absmax must be a contiguous float32 tensor of {blocks} elements "
-                         f"(one per block of {block_size}), got {absmax.dtype} with {absmax.numel()}")
+        raise ValueError(
+            f"dequantize_{name}: absmax must be a contiguous float32 tensor of {blocks} elements "
+            f"(one per block of {block_size}), got {absmax.dtype} with {absmax.numel()}"
+        )
     if codes.device.type not in ("cpu", "cuda"):
         raise ValueError(f"dequantize_{name}: codes must be a CPU or CUDA tensor, got {codes.device}")
     if absmax.device != codes.device:
@@ -172,8 +190,10 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
             return _dequantize_impl(fmt, codes, absmax, shape, dtype, block_size)
         return ops[1](codes, absmax, list(shape), dtype, block_size)
     if out.shape != torch.Size(shape) or out.dtype != dtype or out.device != codes.device or not out.is_contiguous():
-        raise ValueError(f"dequantize_{name}: out must be a contiguous {dtype} tensor of shape {shape} on "
-                         f"{codes.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        raise ValueError(
+            f"dequantize_{name}: out must be a contiguous {dtype} tensor of shape {shape} on "
+            f"{codes.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     if _direct(codes, absmax, out):
         _run(True, fmt, out, codes, absmax, block_size)
     else:
@@ -181,8 +201,9 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
     return out
 
 
-def dequantize_trusted(format: str, codes: torch.Tensor, absmax: torch.Tensor, block_size: int,
-                       out: torch.Tensor) -> None:
+def dequantize_trusted(
+    format: str, codes: torch.Tensor, absmax: torch.Tensor, block_size: int, out: torch.Tensor
+) -> None:
     """Dequantize into `out` without checking the arguments, for a caller that made them
     consistent (QuantizedWeight, whose codes come from quantize, and an `out` of its shape
     on its device): the checks cost about 20 microseconds a call, and a LoRA step over a
@@ -200,8 +221,14 @@ def quantize_nf4(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, t
     return _quantize(NF4, x, block_size)
 
 
-def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, block_size: int = 64,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_nf4(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    shape,
+    dtype: torch.dtype,
+    block_size: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The values of :func:`quantize_nf4`'s output, as `dtype` in `shape` (into `out` if given)."""
     return _dequantize(NF4, packed, absmax, shape, dtype, block_size, out)
 
@@ -211,7 +238,13 @@ def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, 
     return _quantize(INT8, x, block_size)
 
 
-def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, block_size: int = 64,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_int8(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    shape,
+    dtype: torch.dtype,
+    block_size: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The values of :func:`quantize_int8`'s output, as `dtype` in `shape` (into `out` if given)."""
     return _dequantize(INT8, codes, absmax, shape, dtype, block_size, out)

@@ -3,10 +3,11 @@
 Each twin performs the same fp32 operations, in the same order, as the native kernel
 (which is compiled with -ffp-contract=off), so results match bit for bit.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -146,18 +147,49 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # code 0), the thresholds being the fp32 constants bitsandbytes' CUDA kernel compiles.
 # Like that kernel, denormal fp32/bf16 inputs count as zero (its arithmetic flushes them).
 
-NF4_LEVELS = torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], dtype=torch.float32)
+NF4_LEVELS = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=torch.float32,
+)
 
 # fp32 bit patterns: four of them differ by one ulp from the exact midpoints of the levels.
-NF4_THRESHOLD_BITS = [0xBF591CD9, 0xBF1C5270, 0xBEEB8480, 0xBEADEA76, 0xBE703CEC, 0xBE0D38BC,
-                      0xBD3A7871, 0x3D22FAFF, 0x3DF64863, 0x3E5067E0, 0x3E9582D4, 0x3EC753F9,
-                      0x3F006D03, 0x3F248DAF, 0x3F5C89D9]
-NF4_THRESHOLDS = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in NF4_THRESHOLD_BITS],
-                              dtype=torch.int32).view(torch.float32)
+NF4_THRESHOLD_BITS = [
+    0xBF591CD9,
+    0xBF1C5270,
+    0xBEEB8480,
+    0xBEADEA76,
+    0xBE703CEC,
+    0xBE0D38BC,
+    0xBD3A7871,
+    0x3D22FAFF,
+    0x3DF64863,
+    0x3E5067E0,
+    0x3E9582D4,
+    0x3EC753F9,
+    0x3F006D03,
+    0x3F248DAF,
+    0x3F5C89D9,
+]
+NF4_THRESHOLDS = torch.tensor(
+    [b - (1 << 32) if b >= 1 << 31 else b for b in NF4_THRESHOLD_BITS], dtype=torch.int32
+).view(torch.float32)
 
 _FLT_MIN = 1.1754943508222875e-38
 _FLT_MAX = 3.4028234663852886e38
@@ -197,8 +229,9 @@ def _ftz(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.abs() < _FLT_MIN, x * 0.0, x)
 
 
-def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype,
-                   block_size: int = 64) -> torch.Tensor:
+def dequantize_nf4(
+    packed: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, block_size: int = 64
+) -> torch.Tensor:
     """Twin of :func:`trainstream.ops.dequantize_nf4`: LUT[code] * absmax in fp32 (flushed
     to zero below FLT_MIN, as bitsandbytes' kernel does), then rounded to `dtype`."""
     n = math.prod(shape)
@@ -217,8 +250,9 @@ def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, 
     return q.to(torch.int8).reshape(-1)[:n].contiguous(), absmax
 
 
-def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype,
-                    block_size: int = 64) -> torch.Tensor:
+def dequantize_int8(
+    codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, block_size: int = 64
+) -> torch.Tensor:
     """Twin of :func:`trainstream.ops.dequantize_int8`: q * (absmax / 127) in fp32."""
     n = math.prod(shape)
     scale = (absmax.float() / torch.tensor(127.0)).repeat_interleave(block_size)[:n]

@@ -1,5 +1,6 @@
 """Turning the optimizer a user hands to wrap() into an OffloadAdamW, keeping its
 hyper-parameters, param groups and any state it has built up."""
+
 from __future__ import annotations
 
 import torch
@@ -9,9 +10,18 @@ from .offload_adamw import OffloadAdamW
 ACCEPTED = "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW, None"
 
 
-def convert_optimizer(optimizer, params, *, lr: float = 1e-3, mode: str = "cpu", moment_dtype="float32",
-                      threads=None, max_grad_norm=None, accumulation_steps: int = 1,
-                      optimizer_class=OffloadAdamW) -> OffloadAdamW:
+def convert_optimizer(
+    optimizer,
+    params,
+    *,
+    lr: float = 1e-3,
+    mode: str = "cpu",
+    moment_dtype="float32",
+    threads=None,
+    max_grad_norm=None,
+    accumulation_steps: int = 1,
+    optimizer_class=OffloadAdamW,
+) -> OffloadAdamW:
     """An OffloadAdamW that continues exactly where `optimizer` left off.
 
     `optimizer` None builds one over `params` with `lr` (and torch AdamW's other defaults).
@@ -20,8 +30,13 @@ def convert_optimizer(optimizer, params, *, lr: float = 1e-3, mode: str = "cpu",
     create LR schedulers on the returned one. `optimizer_class` (OffloadAdamW or a subclass)
     is what gets built.
     """
-    common = dict(mode=mode, moment_dtype=moment_dtype, threads=threads, max_grad_norm=max_grad_norm,
-                  accumulation_steps=accumulation_steps)
+    common = dict(
+        mode=mode,
+        moment_dtype=moment_dtype,
+        threads=threads,
+        max_grad_norm=max_grad_norm,
+        accumulation_steps=accumulation_steps,
+    )
     if optimizer is None:
         return optimizer_class(params, lr=lr, **common)
     if isinstance(optimizer, torch.optim.AdamW):
@@ -31,15 +46,31 @@ def convert_optimizer(optimizer, params, *, lr: float = 1e-3, mode: str = "cpu",
     elif isinstance(optimizer, OffloadAdamW):
         decoupled = bool(optimizer.defaults["decoupled_weight_decay"])
     else:
-        raise ValueError(f"optimizer must be one of {ACCEPTED}; got {type(optimizer).__module__}."
-                         f"{type(optimizer).__qualname__}")
+        raise ValueError(
+            f"optimizer must be one of {ACCEPTED}; got {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        )
     if isinstance(optimizer, OffloadAdamW):
         optimizer._synchronize()  # its gpu-mode kernels may still be writing the state
-    groups = [{"params": list(g["params"]), "lr": g["lr"], "betas": g["betas"], "eps": g["eps"],
-               "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+    groups = [
+        {
+            "params": list(g["params"]),
+            "lr": g["lr"],
+            "betas": g["betas"],
+            "eps": g["eps"],
+            "weight_decay": g["weight_decay"],
+        }
+        for g in optimizer.param_groups
+    ]
     defaults = optimizer.defaults
-    converted = optimizer_class(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
-                             weight_decay=defaults["weight_decay"], decoupled_weight_decay=decoupled, **common)
+    converted = optimizer_class(
+        groups,
+        lr=defaults["lr"],
+        betas=defaults["betas"],
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        decoupled_weight_decay=decoupled,
+        **common,
+    )
     # Through the state dict: unsupported options (amsgrad, ...) are refused there, and the
     # moments move into host memory one tensor at a time.
     converted.load_state_dict(optimizer.state_dict())

@@ -4,6 +4,7 @@ On CPU-resident float32 parameters it is a drop-in replacement for
 ``torch.optim.AdamW(foreach=False)``: the same param groups, LR schedulers, ``zero_grad``
 and a ``state_dict`` in torch AdamW's format, loadable by ``torch.optim.AdamW`` and back.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,15 +13,25 @@ from .. import ops
 
 MODES = ("cpu", "gpu")
 MOMENT_DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, torch.float32: torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    torch.float32: torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    torch.bfloat16: torch.bfloat16,
 }
 # torch.optim.Adam/AdamW options this optimizer does not implement, with the only value
 # it accepts for each.
 UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 # Group keys torch.optim.AdamW writes into a state_dict; kept so the dict loads there.
-_TORCH_GROUP_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None,
-                         "capturable": False, "differentiable": False, "fused": None}
+_TORCH_GROUP_DEFAULTS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
 
 
 def moment_dtype_from(value) -> torch.dtype:
@@ -28,8 +39,7 @@ def moment_dtype_from(value) -> torch.dtype:
         return MOMENT_DTYPE_NAMES[value]
     except (KeyError, TypeError):
         raise ValueError(
-            f"moment_dtype must be 'float32' or 'bfloat16' (also 'bf16', torch.float32, "
-            f"torch.bfloat16), got {value!r}"
+            f"moment_dtype must be 'float32' or 'bfloat16' (also 'bf16', torch.float32, torch.bfloat16), got {value!r}"
         ) from None
 
 
@@ -41,13 +51,17 @@ def _check_number(name: str, value, ok: bool, accepted: str) -> None:
 def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
     lr_value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
     _check_number("lr", lr, isinstance(lr_value, (int, float)) and lr_value >= 0, "a float >= 0")
-    ok_betas = (isinstance(betas, (tuple, list)) and len(betas) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas))
+    ok_betas = (
+        isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)
+    )
     if not ok_betas:
         raise ValueError(f"betas must be a pair of floats in [0, 1), got {betas!r}")
     _check_number("eps", eps, isinstance(eps, (int, float)) and eps >= 0, "a float >= 0")
-    _check_number("weight_decay", weight_decay, isinstance(weight_decay, (int, float)) and weight_decay >= 0,
-                  "a float >= 0")
+    _check_number(
+        "weight_decay", weight_decay, isinstance(weight_decay, (int, float)) and weight_decay >= 0, "a float >= 0"
+    )
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -78,23 +92,51 @@ class OffloadAdamW(torch.optim.Optimizer):
     their defaults; ``foreach`` and ``fused`` are ignored (the native pass is always fused).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 mode="cpu", max_grad_norm=None, accumulation_steps=1, moment_dtype="float32",
-                 threads=None, decoupled_weight_decay=True, seed=None, amsgrad=False,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
-        _reject_unsupported({"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
-                             "differentiable": differentiable})
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        *,
+        mode="cpu",
+        max_grad_norm=None,
+        accumulation_steps=1,
+        moment_dtype="float32",
+        threads=None,
+        decoupled_weight_decay=True,
+        seed=None,
+        amsgrad=False,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+    ):
+        _reject_unsupported(
+            {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable, "differentiable": differentiable}
+        )
         check_hyperparameters(lr, betas, eps, weight_decay)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "gpu":
             from .._native import require_cuda
+
             require_cuda("OffloadAdamW(mode='gpu')")
         if max_grad_norm is not None:
-            _check_number("max_grad_norm", max_grad_norm,
-                          isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0, "None or a float > 0")
-        _check_number("accumulation_steps", accumulation_steps,
-                      isinstance(accumulation_steps, int) and accumulation_steps >= 1, "an integer >= 1")
+            _check_number(
+                "max_grad_norm",
+                max_grad_norm,
+                isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0,
+                "None or a float > 0",
+            )
+        _check_number(
+            "accumulation_steps",
+            accumulation_steps,
+            isinstance(accumulation_steps, int) and accumulation_steps >= 1,
+            "an integer >= 1",
+        )
         if threads is not None:
             _check_number("threads", threads, isinstance(threads, int) and threads >= 1, "None or an integer >= 1")
         self.mode = mode
@@ -107,8 +149,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}  # host fp32 sums (accumulation)
         self._grad_seen: set[torch.Tensor] = set()  # parameters with a gradient this window
         self._inflight: list = []  # gpu mode: events after step kernels not yet known to be done
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        **_TORCH_GROUP_DEFAULTS, decoupled_weight_decay=bool(decoupled_weight_decay))
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            **_TORCH_GROUP_DEFAULTS,
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+        )
         super().__init__(params, defaults)
 
     # -- groups and state ------------------------------------------------------------------
@@ -131,11 +179,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         # torch would cast every moment to its parameter's device and dtype first (all of
         # them in VRAM at once in gpu mode): load the rest through torch, the moments here,
         # as copies, so the caller's dict is never updated by later steps.
-        moments = {pid: {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
-                   for pid, st in state_dict["state"].items()}
+        moments = {
+            pid: {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
+            for pid, st in state_dict["state"].items()
+        }
         slim = dict(state_dict)
-        slim["state"] = {pid: {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
-                         for pid, st in state_dict["state"].items()}
+        slim["state"] = {
+            pid: {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
+            for pid, st in state_dict["state"].items()
+        }
         super().load_state_dict(slim)
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -158,8 +210,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self.mode == "gpu":
             # The live pinned moments are written by the next step's kernel while the caller
             # may still be saving them: hand out copies, as consistent as torch's checkpoints.
-            sd["state"] = {pid: {k: (v.clone() if k in ("exp_avg", "exp_avg_sq") else v) for k, v in st.items()}
-                           for pid, st in sd["state"].items()}
+            sd["state"] = {
+                pid: {k: (v.clone() if k in ("exp_avg", "exp_avg_sq") else v) for k, v in st.items()}
+                for pid, st in sd["state"].items()
+            }
         return sd
 
     def _synchronize(self) -> None:
@@ -227,15 +281,21 @@ class OffloadAdamW(torch.optim.Optimizer):
                     seeds.append(self._seed_for(index - 1))
                 if not params:
                     continue
-                hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                             grad_scale=grad_scale, seeds=seeds)
+                hyper = dict(
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    decoupled=group["decoupled_weight_decay"],
+                    grad_scale=grad_scale,
+                    seeds=seeds,
+                )
                 if self.mode == "gpu":
                     ops.adamw_step_gpu(params, g_list, m_list, v_list, steps, grad_scale_tensor=clip, **hyper)
                     self._record_inflight(params[0].device)
                 else:
-                    handles.append(ops.adamw_step(params, g_list, m_list, v_list, steps, threads=self.threads,
-                                                  **hyper))
+                    handles.append(ops.adamw_step(params, g_list, m_list, v_list, steps, threads=self.threads, **hyper))
         finally:
             # Never return (or raise) while host work still writes the weights.
             for handle in handles:

@@ -34,6 +34,7 @@ the fastest placement that fits is taken and the plan says so (the alternative i
 out of memory). Blocks are paged from the front of the stack: the first blocks' saved
 activations are held the longest (from their forward to the end of backward).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,28 +44,28 @@ GiB = 1 << 30
 
 @dataclass
 class BlockBytes:
-    weight_bytes: int        # on the device while resident
-    crossing_bytes: int      # one fetch of the paged weights (the compute dtype's size)
-    push_bytes: int          # the trainable weights' copy after each update, when resident
-    act_bytes: int = 0       # saved activations of one forward pass, weights resident (measured; 0 when unknown)
-    pageable: bool = True    # False: shares a parameter with the outside (tied weights)
-    cast_bytes: int = 0      # of act_bytes: autocast's copies of the weights, held while they are resident
+    weight_bytes: int  # on the device while resident
+    crossing_bytes: int  # one fetch of the paged weights (the compute dtype's size)
+    push_bytes: int  # the trainable weights' copy after each update, when resident
+    act_bytes: int = 0  # saved activations of one forward pass, weights resident (measured; 0 when unknown)
+    pageable: bool = True  # False: shares a parameter with the outside (tied weights)
+    cast_bytes: int = 0  # of act_bytes: autocast's copies of the weights, held while they are resident
 
 
 @dataclass
 class PlanInputs:
-    blocks: list             # BlockBytes, in stack order
-    fixed_bytes: int         # outside weights + transients + correction from measured peaks
-    usable_bytes: int        # device memory the run may use (after vram_headroom)
+    blocks: list  # BlockBytes, in stack order
+    fixed_bytes: int  # outside weights + transients + correction from measured peaks
+    usable_bytes: int  # device memory the run may use (after vram_headroom)
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
-    adamw_s: float           # host AdamW time of one step
-    grad_bytes: int          # gradients copied to the host per step
+    adamw_s: float  # host AdamW time of one step
+    grad_bytes: int  # gradients copied to the host per step
     outside_push_bytes: int  # the outside modules' updated weights, per step
-    compute_s: float = 0.0   # forward + backward (0 when not measured yet)
+    compute_s: float = 0.0  # forward + backward (0 when not measured yet)
     max_activation_slowdown: float = 0.15
     prefetch_depth: int = 1
-    weights: str = "auto"    # "auto", or "fixed": keep `fixed_paged` as given
+    weights: str = "auto"  # "auto", or "fixed": keep `fixed_paged` as given
     activations: str = "auto"  # "auto", or "fixed": keep `fixed_act_paged`
     fixed_paged: tuple = ()
     fixed_act_paged: tuple = ()
@@ -79,16 +80,18 @@ class Plan:
     fits: bool
     device_bytes: int
     step_s: float
-    act_slowdown: float       # predicted, of the activation paging chosen
-    within_limit: bool        # act_slowdown <= max_activation_slowdown
+    act_slowdown: float  # predicted, of the activation paging chosen
+    within_limit: bool  # act_slowdown <= max_activation_slowdown
     terms: dict = field(default_factory=dict)  # the four times of the chosen placement
 
     def describe(self, usable: int) -> str:
         t = self.terms
-        text = (f"{len(self.paged)} blocks' weights paged, {len(self.act_paged)} blocks' activations paged; "
-                f"device {self.device_bytes / GiB:.2f} of {usable / GiB:.2f} GiB usable; predicted step "
-                f"{self.step_s * 1e3:.1f} ms (compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
-                f"out {t['d2h'] * 1e3:.1f}, host AdamW {t['adamw'] * 1e3:.1f})")
+        text = (
+            f"{len(self.paged)} blocks' weights paged, {len(self.act_paged)} blocks' activations paged; "
+            f"device {self.device_bytes / GiB:.2f} of {usable / GiB:.2f} GiB usable; predicted step "
+            f"{self.step_s * 1e3:.1f} ms (compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
+            f"out {t['d2h'] * 1e3:.1f}, host AdamW {t['adamw'] * 1e3:.1f})"
+        )
         if self.act_paged:
             text += f", activation paging adds {self.act_slowdown:.0%}"
         return text
@@ -141,8 +144,15 @@ def make_plan(inp: PlanInputs) -> Plan:
     b = inp.blocks
     pageable = [i for i, x in enumerate(b) if x.pageable]
     # A paged block's weights cross twice instead of being pushed once after the update.
-    weight_opts = _options(b, inp.fixed_paged, inp.weights, pageable, lambda x: 2 * x.crossing_bytes - x.push_bytes,
-                           size=lambda x: x.weight_bytes + x.cast_bytes, crossing=lambda x: x.crossing_bytes)
+    weight_opts = _options(
+        b,
+        inp.fixed_paged,
+        inp.weights,
+        pageable,
+        lambda x: 2 * x.crossing_bytes - x.push_bytes,
+        size=lambda x: x.weight_bytes + x.cast_bytes,
+        crossing=lambda x: x.crossing_bytes,
+    )
     act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))), lambda x: x.act_bytes)
     all_weights = sum(x.weight_bytes + x.cast_bytes for x in b)
     for a in act_opts:
@@ -152,11 +162,19 @@ def make_plan(inp: PlanInputs) -> Plan:
     for w in weight_opts:
         for a in act_opts:
             need = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight + a.peak
-            terms = {"compute": inp.compute_s, "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
-                     "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s, "adamw": inp.adamw_s}
+            terms = {
+                "compute": inp.compute_s,
+                "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
+                "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s,
+                "adamw": inp.adamw_s,
+            }
             step = max(terms.values())
-            base = max(terms["compute"], (h2d_resident + w.moved) / inp.h2d_bytes_per_s,
-                       inp.grad_bytes / inp.d2h_bytes_per_s, inp.adamw_s)
+            base = max(
+                terms["compute"],
+                (h2d_resident + w.moved) / inp.h2d_bytes_per_s,
+                inp.grad_bytes / inp.d2h_bytes_per_s,
+                inp.adamw_s,
+            )
             slowdown = step / base - 1.0 if base > 0 else 0.0
             fits = need <= inp.usable_bytes
             within = slowdown <= inp.max_activation_slowdown + 1e-9

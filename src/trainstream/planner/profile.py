@@ -5,6 +5,7 @@ what determines them (GPU, driver, torch, CPU, RAM size); free memory is read fr
 every call, since it changes. A HardwareProfile built by hand is used as given: that is
 how tests simulate a 4 GB card or a 16 GB-RAM laptop on the CPU path.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,16 +35,18 @@ class HardwareProfile:
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     host_adamw_params_per_s: float = CONSERVATIVE_RATES["host_adamw_params_per_s"]
-    matmul_flops: float = 0.0         # bf16 matmul rate of the device; 0 when not measured
+    matmul_flops: float = 0.0  # bf16 matmul rate of the device; 0 when not measured
     device: str = "cuda"
-    source: str = "given"             # "given", "measured", "cached" or "conservative"
+    source: str = "given"  # "given", "measured", "cached" or "conservative"
 
     def describe(self) -> str:
-        return (f"{self.source} hardware profile: VRAM {self.vram_free_bytes / GiB:.1f} of "
-                f"{self.vram_total_bytes / GiB:.1f} GiB free, RAM {self.ram_available_bytes / GiB:.1f} GiB available, "
-                f"pinnable {self.pinned_limit_bytes / GiB:.1f} GiB, PCIe {self.h2d_bytes_per_s / 1e9:.1f} GB/s in / "
-                f"{self.d2h_bytes_per_s / 1e9:.1f} GB/s out, host AdamW {self.host_adamw_params_per_s / 1e9:.2f} "
-                f"G params/s")
+        return (
+            f"{self.source} hardware profile: VRAM {self.vram_free_bytes / GiB:.1f} of "
+            f"{self.vram_total_bytes / GiB:.1f} GiB free, RAM {self.ram_available_bytes / GiB:.1f} GiB available, "
+            f"pinnable {self.pinned_limit_bytes / GiB:.1f} GiB, PCIe {self.h2d_bytes_per_s / 1e9:.1f} GB/s in / "
+            f"{self.d2h_bytes_per_s / 1e9:.1f} GB/s out, host AdamW {self.host_adamw_params_per_s / 1e9:.2f} "
+            f"G params/s"
+        )
 
 
 def ram_total_and_available() -> tuple[int, int]:
@@ -95,11 +98,15 @@ def _device_memory(device: torch.device) -> tuple[int, int]:
 
 
 def _cache_key(device: torch.device) -> str:
-    parts = [torch.__version__, platform.processor() or platform.machine(), str(os.cpu_count()),
-             str(round(ram_total_and_available()[0] / GiB))]
+    parts = [
+        torch.__version__,
+        platform.processor() or platform.machine(),
+        str(os.cpu_count()),
+        str(round(ram_total_and_available()[0] / GiB)),
+    ]
     try:
         with open("/proc/cpuinfo") as f:
-            parts.append(next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), ""))
+            parts.append(next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""))
     except OSError:
         pass
     if device.type == "cuda":
@@ -129,6 +136,7 @@ def _median_s(fn, iters: int, sync) -> float:
 
 def _measure_rates(device: torch.device, quick: bool) -> dict:
     from ..ops import adamw_step
+
     # 64 MiB copies already run at the link's full rate, and keep the device memory the
     # profile borrows (its buffers show in the caller's max_memory_allocated) small.
     n_bytes = (64 if quick else 256) << 20
@@ -138,7 +146,7 @@ def _measure_rates(device: torch.device, quick: bool) -> dict:
     dev = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     h2d = n_bytes / _median_s(lambda: dev.copy_(host, non_blocking=True), iters, sync)
     d2h = n_bytes / _median_s(lambda: host.copy_(dev, non_blocking=True), iters, sync)
-    del host, dev
+    host = dev = None  # the profile borrows no memory past here
     n = 1 << 24  # 64 MiB per tensor, 256 MiB in all: larger than any cache, as a model's state is
     p, g, m, v = (torch.zeros(n) for _ in range(4))
     step = [0]
@@ -146,11 +154,12 @@ def _measure_rates(device: torch.device, quick: bool) -> dict:
     def adamw():
         step[0] += 1
         adamw_step([p], [g], [m], [v], [step[0]], lr=1e-3).wait()
+
     adamw_rate = n / _median_s(adamw, iters, lambda: None)
     flops = 0.0
     if device.type == "cuda":
         a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
-        flops = 2 * 4096 ** 3 / _median_s(lambda: a @ a, iters, sync)
+        flops = 2 * 4096**3 / _median_s(lambda: a @ a, iters, sync)
     return dict(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_adamw_params_per_s=adamw_rate, matmul_flops=flops)
 
 
@@ -166,9 +175,15 @@ def _resolve(device) -> torch.device:
 def _now(device: torch.device, rates: dict, source: str) -> HardwareProfile:
     vram_total, vram_free = _device_memory(device)
     ram_total, ram_available = ram_total_and_available()
-    return HardwareProfile(vram_total_bytes=vram_total, vram_free_bytes=vram_free, ram_available_bytes=ram_available,
-                           pinned_limit_bytes=pinned_limit(ram_total, device), device=str(device), source=source,
-                           **rates)
+    return HardwareProfile(
+        vram_total_bytes=vram_total,
+        vram_free_bytes=vram_free,
+        ram_available_bytes=ram_available,
+        pinned_limit_bytes=pinned_limit(ram_total, device),
+        device=str(device),
+        source=source,
+        **rates,
+    )
 
 
 def conservative_profile(device=None) -> HardwareProfile:

@@ -1,4 +1,5 @@
 """Quantized storage of frozen weights."""
+
 from .weight import QuantizedWeight
 
 __all__ = ["QuantizedWeight"]

@@ -1,4 +1,5 @@
 """QuantizedWeight: one frozen weight held as NF4 or int8 codes plus per-block absmax."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,9 @@ class QuantizedWeight:
 
     __slots__ = ("codes", "absmax", "shape", "dtype", "format", "block_size")
 
-    def __init__(self, codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, format: str,
-                 block_size: int = 64):
+    def __init__(
+        self, codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, format: str, block_size: int = 64
+    ):
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         self.codes = codes
@@ -39,7 +41,7 @@ class QuantizedWeight:
         self.block_size = qops.check_block_size(block_size)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, format: str = "nf4", block_size: int = 64) -> "QuantizedWeight":
+    def quantize(cls, weight: torch.Tensor, format: str = "nf4", block_size: int = 64) -> QuantizedWeight:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         quantize = qops.quantize_nf4 if format == "nf4" else qops.quantize_int8
@@ -68,14 +70,15 @@ class QuantizedWeight:
         """Bytes held: codes plus absmax."""
         return self.codes.numel() * self.codes.element_size() + self.absmax.numel() * 4
 
-    def _with(self, codes: torch.Tensor, absmax: torch.Tensor) -> "QuantizedWeight":
+    def _with(self, codes: torch.Tensor, absmax: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight(codes, absmax, self.shape, self.dtype, self.format, self.block_size)
 
-    def to(self, device, non_blocking: bool = False) -> "QuantizedWeight":
-        return self._with(self.codes.to(device, non_blocking=non_blocking),
-                          self.absmax.to(device, non_blocking=non_blocking))
+    def to(self, device, non_blocking: bool = False) -> QuantizedWeight:
+        return self._with(
+            self.codes.to(device, non_blocking=non_blocking), self.absmax.to(device, non_blocking=non_blocking)
+        )
 
-    def pin_memory(self) -> "QuantizedWeight":
+    def pin_memory(self) -> QuantizedWeight:
         return self._with(self.codes.pin_memory(), self.absmax.pin_memory())
 
     def is_pinned(self) -> bool:
@@ -83,5 +86,7 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         full = math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-        return (f"QuantizedWeight({self.format}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"block_size={self.block_size}, {self.nbytes} bytes vs {full} unquantized, device={self.device})")
+        return (
+            f"QuantizedWeight({self.format}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"block_size={self.block_size}, {self.nbytes} bytes vs {full} unquantized, device={self.device})"
+        )
