@@ -124,8 +124,8 @@ def _weight_bytes_per_crossing(model_name: str) -> int:
 def _host_adamw_params_per_s(quick: bool) -> float:
     """The host AdamW's rate, measured now at the MLP's size (24 tensors of 4096x4096 fp32:
     6.4 GB of state, far beyond any cache), median of 5 steps. The hardware profile's quick
-    64 MiB measurement is a planning estimate: on the H200 host it read well below the
-    optimizer suite's rate, and a bound from it was too lenient."""
+    64 MiB measurement is a planning estimate, not the rate at this size, so a bound is not
+    taken from it."""
     from ..ops import adamw_step
 
     count, numel = (4, 1 << 22) if quick else (24, 4096 * 4096)

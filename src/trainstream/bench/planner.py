@@ -108,7 +108,7 @@ def _report(model) -> dict:
 
 def _interleaved(case: dict, base, batch) -> list:
     """Every setting alive at once, their timed windows taken in turns: a step of the 85M
-    model is 20 ms, and the GPU's and host's speed drift between processes and over a run
+    model is short, and the GPU's and host's speed drift between processes and over a run
     by more than the 2% compared. Each setting's peak is its own: what the others hold at
     rest is taken off."""
     runs = []
@@ -138,9 +138,8 @@ def _interleaved(case: dict, base, batch) -> list:
     total_rest = sum(r["rest"] for r in runs)
     for _ in range(case.get("windows", 1)):
         # One fixed cycle (A B C A B C ...): every window follows another setting's, the
-        # same for each. Turning the order every round (A B C, C B A) let A and C follow
-        # themselves once every two rounds and never B, which then always ran just after
-        # a switch of model.
+        # same one each round. A reversed order every other round (A B C, C B A) would let A
+        # and C follow themselves and B always follow a switch of model.
         for r in runs:
             torch.cuda.reset_peak_memory_stats()
             mean, r["loss"] = timed_window(r["step"], r["opt"], case["steps"])

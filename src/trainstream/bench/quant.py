@@ -3,8 +3,8 @@
 GPU rows (when a GPU is visible): dequantize to bf16 and quantize from bf16 for three weight
 shapes of 7B-70B models, bitsandbytes' NF4 kernels and a bf16 copy of the output size (the
 memory ceiling) in the same run. Bytes = bf16 values + codes + fp32 absmax (block 64).
-CPU rows: quantize throughput in GB/s of bf16 input, one thread and all threads (what
-load_model needs while it reads a checkpoint).
+CPU rows: quantize throughput in GB/s of bf16 input, one thread and all threads (the rate
+at which a checkpoint can be quantized while it is read).
 """
 
 from __future__ import annotations
