@@ -1,4 +1,4 @@
-"""python -m trainstream.bench [suite ...] [--quick] [--out DIR] [--readme [README.md]]"""
+"""python -m trainstream.bench [suite ...] [--quick] [--out DIR] [--readme [FILE ...]]"""
 
 from __future__ import annotations
 
@@ -39,17 +39,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where results go")
     parser.add_argument(
         "--readme",
-        nargs="?",
-        const=Path("README.md"),
+        nargs="*",
         type=Path,
         default=None,
-        help="only regenerate the README's tables from the results in --out",
+        metavar="FILE",
+        help="only rewrite the generated tables of README.md and docs/benchmarks.md (or of the FILEs "
+        "given) from the results in --out",
     )
     args = parser.parse_args(argv)
 
     if args.readme is not None:
-        readme.update(args.readme, args.out)
-        print(f"updated {args.readme} from {args.out}")
+        for path in args.readme or readme.FILES:
+            changed = readme.update(path, args.out)
+            print(f"{'updated' if changed else 'unchanged'}: {path} from {args.out}")
         return 0
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:

@@ -1,24 +1,115 @@
-"""Regenerate the README's result tables from benchmarks/results/*.md.
+"""Write the generated parts of README.md and docs/benchmarks.md from benchmarks/results/*.json.
 
-The README marks each table with `<!-- results:SUITE -->` ... `<!-- /results:SUITE -->`;
-everything between the markers is replaced by the markdown files of that suite, one per
-machine, newest GPU results first.
+A generated part sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``, and
+everything between the two markers is replaced; the text around them is left as written.
+
+- NAME a suite (``engine``, ``lora``, ...): that suite's results, one section per machine
+  (GPU machines first), each headed by the GPU, CPU, torch and commit it was measured with.
+- NAME ``summary``: the README's short table, a few headline rows of the engine and lora
+  suites, each with its GPU and commit.
+
+``python -m trainstream.bench --readme`` rewrites both files; tests/test_docs.py fails when the
+committed files differ from what this module writes from the committed results.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+from .common import env_line, markdown_table
 
-def update(readme_path: Path, results_dir: Path) -> None:
-    text = readme_path.read_text()
+COMMAND = "python -m trainstream.bench --readme"
+FILES = (Path("README.md"), Path("docs/benchmarks.md"))
+SUMMARY = "summary"
+
+_MARKED = re.compile(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", flags=re.S)
+
+# The summary's rows: the engine suite's peers and TrainStream's runs (not the compute bound,
+# which is no way to train; of torchao's two settings the one that, as TrainStream does, keeps
+# the gradients out of VRAM), and every run of the lora suite.
+_SUMMARY_RUNNERS = {"engine": ("stock", "torchao_grads", "trainstream")}
+# What the suites' models are (their definitions: bench/models.py and bench/lora.py).
+_MODELS = {("engine", "mlp"): "402M MLP", ("engine", "gpt"): "1.9B GPT", ("lora", None): "3B Llama, LoRA r=16"}
+
+
+def load(results_dir: Path) -> dict[str, list[dict]]:
+    """suite -> its committed results, one per machine: GPU machines first, then by file name."""
+    payloads = [(json.loads(f.read_text()), f.name) for f in Path(results_dir).glob("*.json")]
+    results: dict[str, list[dict]] = {}
+    for payload, _ in sorted(payloads, key=lambda pair: (not pair[0]["env"].get("gpu"), pair[1])):
+        results.setdefault(payload["suite"], []).append(payload)
+    return results
+
+
+def suite_section(result: dict) -> str:
+    """One machine's results of one suite, as benchmarks/results/SUITE-MACHINE.md holds them."""
+    return f"### {result['suite']} ({env_line(result['env'])})\n\n{result['markdown'].strip()}"
+
+
+def summary(results: dict[str, list[dict]]) -> str:
+    rows = []
+    for suite in ("engine", "lora"):
+        for result in results.get(suite, []):
+            env = result["env"]
+            if not env.get("gpu"):
+                continue
+            for row in result["rows"]:
+                if suite in _SUMMARY_RUNNERS and row.get("runner") not in _SUMMARY_RUNNERS[suite]:
+                    continue
+                model = row.get("model")
+                rows.append(
+                    {
+                        "model": _MODELS.get((suite, model), model),
+                        "run": row["run"],
+                        "cap": row.get("cap_GiB"),
+                        "s": "out of memory" if row.get("oom") else row.get("s_per_step"),
+                        "x": row.get("vs_stock"),
+                        "peak": row.get("peak_GiB"),
+                        "gpu": env["gpu"],
+                        "commit": str(env["commit"])[:7],
+                    }
+                )
+    if not rows:
+        return "_No results committed yet._"
+    columns = [
+        ("model", "model"),
+        ("run", "run"),
+        ("cap", "VRAM cap GiB"),
+        ("s", "s/step"),
+        ("x", "x stock"),
+        ("peak", "peak GiB"),
+        ("gpu", "GPU"),
+        ("commit", "commit"),
+    ]
+    return markdown_table(columns, rows)
+
+
+def render(text: str, results: dict[str, list[dict]]) -> str:
+    """`text` with every generated part written again from `results`."""
 
     def fill(match: re.Match) -> str:
-        suite = match.group(1)
-        files = sorted(results_dir.glob(f"{suite}-*.md"), key=lambda p: ("cpu-" in p.name, p.name))
-        body = "\n\n".join(f.read_text().strip() for f in files) or "_No results committed yet._"
-        return f"<!-- results:{suite} -->\n{body}\n<!-- /results:{suite} -->"
+        name = match.group(1)
+        if name == SUMMARY:
+            body = summary(results)
+        else:
+            body = "\n\n".join(suite_section(r) for r in results.get(name, [])) or "_No results committed yet._"
+        return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
 
-    new = re.sub(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", fill, text, flags=re.S)
-    readme_path.write_text(new)
+    return _MARKED.sub(fill, text)
+
+
+def markers(text: str) -> list[str]:
+    """The names of the generated parts in `text`, in order."""
+    return [m.group(1) for m in _MARKED.finditer(text)]
+
+
+def update(path: Path, results_dir: Path) -> bool:
+    """Rewrite the generated parts of the file at `path`; whether anything changed."""
+    path = Path(path)
+    text = path.read_text()
+    new = render(text, load(results_dir))
+    if new != text:
+        path.write_text(new)
+    return new != text
