@@ -1,13 +1,14 @@
 """TrainStream: train and fine-tune PyTorch models larger than GPU memory.
 
 Public API of this release: :func:`wrap`, :func:`unwrap`, :func:`memory_report`,
-:func:`profile_hardware`, :class:`HardwareProfile`,
+:func:`profile_hardware`, :class:`HardwareProfile`, :class:`DoesNotFit`,
 :class:`OffloadAdamW`, :class:`QuantizedWeight` and the low-level :mod:`trainstream.ops`.
 """
 
 from . import ops
 from ._version import __version__
 from .api import memory_report, unwrap, wrap
+from .errors import DoesNotFit
 from .optim import OffloadAdamW
 from .planner import HardwareProfile, profile_hardware
 from .quant import QuantizedWeight
@@ -19,6 +20,7 @@ __all__ = [
     "memory_report",
     "profile_hardware",
     "HardwareProfile",
+    "DoesNotFit",
     "OffloadAdamW",
     "QuantizedWeight",
     "ops",

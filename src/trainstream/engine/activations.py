@@ -41,9 +41,11 @@ def _bytes_of(storage, device) -> torch.Tensor:
 
 
 class ActivationPager:
-    def __init__(self, engine):
-        self.engine = engine
-        self.backend = engine.backend
+    """Owns the paged copies of saved activations, from pack in forward to drop in backward."""
+
+    def __init__(self, backend, ledger):
+        self.backend = backend
+        self.ledger = ledger
         self._recent: dict = {}  # storage pointer -> PagedStorage, this forward pass
         self.paged_bytes = 0  # bytes copied out since wrap (for the report)
 
@@ -52,9 +54,9 @@ class ActivationPager:
         ptr = storage.data_ptr()
         rec = self._recent.get(ptr)
         if rec is None or rec.ref.expired() or rec.version != t._version:
-            backend, engine = self.backend, self.engine
+            backend = self.backend
             src = _bytes_of(storage, t.device)
-            engine.inflight.make_room(src.numel(), engine.max_inflight_bytes)
+            self.ledger.make_room(src.numel())
             host = backend.host_empty(src.shape, torch.uint8)
             backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
             with backend.on(backend.copy_out):
@@ -63,7 +65,7 @@ class ActivationPager:
             rec = PagedStorage(
                 host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version, storage.nbytes()
             )
-            engine.inflight.add(rec.d2h_event, rec.nbytes)  # the device storage can go once copied
+            self.ledger.add(rec.d2h_event, rec.nbytes)  # the device storage can go once copied
             self._recent[ptr] = rec
             unit.acts.append(rec)
             self.paged_bytes += rec.nbytes
@@ -72,8 +74,8 @@ class ActivationPager:
     def fetch(self, rec: PagedStorage, *, ahead: bool = False) -> None:
         if rec.device_copy is not None:
             return
-        engine, backend = self.engine, self.backend
-        if ahead and engine.weights.ahead_bytes + rec.nbytes > engine.max_inflight_bytes and engine.weights.ahead_bytes:
+        backend = self.backend
+        if ahead and not self.ledger.may_fetch_ahead(rec.nbytes):
             return
         backend.wait(rec.d2h_event, backend.copy_in)
         with backend.on(backend.copy_in):
@@ -83,7 +85,7 @@ class ActivationPager:
         rec.h2d_event = backend.record(backend.copy_in)
         if ahead:
             rec.ahead = True
-            engine.weights.ahead_bytes += rec.nbytes
+            self.ledger.fetched_ahead(rec.nbytes)
 
     def prefetch(self, unit) -> None:
         for rec in unit.acts:
@@ -97,7 +99,7 @@ class ActivationPager:
         backend.keep_until(rec.device_copy, backend.compute_stream())
         if rec.ahead:
             rec.ahead = False
-            self.engine.weights.ahead_bytes -= rec.nbytes
+            self.ledger.used(rec.nbytes)
         return torch.empty(0, dtype=packed.dtype, device=backend.device).set_(
             rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride
         )
@@ -108,7 +110,7 @@ class ActivationPager:
         for rec in unit.acts:
             if rec.ahead:
                 rec.ahead = False
-                self.engine.weights.ahead_bytes -= rec.nbytes
+                self.ledger.used(rec.nbytes)
             rec.device_copy = None
         unit.acts = []
 

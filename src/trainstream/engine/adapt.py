@@ -14,11 +14,10 @@
   (autocast frees its copies of resident weights whose activations are paged when it
   exits); under the forward's peak it goes unseen, and a placement that frees nothing
   gets it whole. So the plan counts the rise plus what was freed (`after_stack_bound`, from
-  the last pass whose head set a new peak) when that is more. On the H200 under an 8 GiB
-  cap, the 1.9B GPT's first step read 1.08 GiB and the later ones 1.60 GiB. A loss computed
+  the last pass whose head set a new peak) when that is more. A loss computed
   outside the model's forward, or an autocast entered inside it, hides what it allocates or
   frees from the readings, so less (or nothing) is seen freed.
-- The first forward passes count each block's saved activations (engine.py), and the
+- The first forward passes count each block's saved activations (measure.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
   with those figures; a new placement is applied at the start of the next forward pass.
@@ -41,13 +40,30 @@ Every decision goes to the events log and, with its numbers, to plan["history"].
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..planner.plan import device_bytes, make_plan
-from .placement import activations_as_placed, plan_inputs, usable_device_bytes, weight_copy_bytes
+from ..sizes import GiB
+from .measure import activations_as_placed, weight_copy_bytes
+from .placement import plan_inputs, usable_device_bytes
+from .switch import stock_bytes, why_not_stock
 
-GiB = 1 << 30
+
+@dataclass(frozen=True)
+class Replan:
+    """Move blocks: these weights paged and these activations paged, the others not."""
+
+    paged: list
+    act_paged: list
+
+
+@dataclass(frozen=True)
+class SwitchToStock:
+    """Train on with torch's fused AdamW on the device: everything fits there."""
+
+    need: dict  # device bytes of stock training, by class
 
 
 class Adapter:
@@ -56,11 +72,18 @@ class Adapter:
     TIMED_PASSES = 2
     AFTER_STACK_SHARE = 0.4  # of the usable memory, kept by the first pass's guard for what runs after the stack
 
-    def __init__(self, engine, profile, unpageable: list, on_device: int):
-        self.engine = engine
+    def __init__(self, backend, opts, block_units, outside_units, meter, profile, unpageable, on_device, events):
+        self.backend = backend
+        self.opts = opts
+        self.block_units = block_units  # read: the placement as the engine applied it
+        self.outside_units = outside_units
+        self.meter = meter  # the saved-activation counts (measure.py)
+        self.events = events
+        self.history: list = []  # every decision with its numbers (memory_report's plan["history"])
+        self.steps = 0  # optimizer steps seen
         self.profile = profile
         self.unpageable = unpageable
-        self.usable = usable_device_bytes(engine.opts, profile, on_device)
+        self.usable = usable_device_bytes(opts, profile, on_device)
         self.correction = 0  # measured peak minus predicted (bytes), from the last step
         self.after_stack = 0  # bytes the head and the loss add above the stack's end (largest seen)
         self.after_stack_measured = False  # a step has ended on a device that counts its peak
@@ -78,14 +101,12 @@ class Adapter:
         self._enter_fetched = 0
         self._pass_act = 0  # largest growth of a block in this pass, its weight fetches taken off
         self._pass_growth = 1.0  # largest growth / measured activations of a block in this pass
-        self.pending = None  # (paged, act_paged) to apply at the next forward pass
         self.block_s: dict = {}  # block -> fastest forward measured (seconds)
         self._timing: dict = {}  # block -> (start, end) events or times of this pass
         self.timed_passes = 0
         self.passes = 0  # training forward passes seen
         self._guarded: list = []  # blocks the guard paged in this pass (its history entry's list)
         self.compute_dtype = None  # the autocast dtype the first pass ran under
-        opts = engine.opts
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
 
@@ -93,11 +114,11 @@ class Adapter:
 
     def allocated(self):
         """Device bytes allocated now; None where it cannot be measured (the CPU backend)."""
-        backend = self.engine.backend
+        backend = self.backend
         return backend.allocated()["current"] if backend.is_cuda else None
 
     def device_peak(self):
-        backend = self.engine.backend
+        backend = self.backend
         return backend.allocated()["peak"] if backend.is_cuda else None
 
     def sample(self, now=None) -> None:
@@ -120,39 +141,39 @@ class Adapter:
             self._peak_at_step_start = self.device_peak()
         self.sample()
         self._timing = {} if timed else None
-        if self.compute_dtype is None and torch.is_autocast_enabled(self.engine.backend.device.type):
-            self.compute_dtype = torch.get_autocast_dtype(self.engine.backend.device.type)
+        if self.compute_dtype is None and torch.is_autocast_enabled(self.backend.device.type):
+            self.compute_dtype = torch.get_autocast_dtype(self.backend.device.type)
 
-    def block_starts(self, unit) -> None:
-        """Forward (grad enabled, not a recompute) of `unit` is about to run."""
+    def block_starts(self, unit, fetched_bytes: int) -> bool:
+        """Forward (grad enabled, not a recompute) of `unit` is about to run; `fetched_bytes`:
+        the weights fetched since wrap(). True: page this block's activations (the guard)."""
         now = self.allocated()
         self.sample(now)
         self._enter_alloc = now
-        self._enter_fetched = self.engine.weights.fetched_bytes
+        self._enter_fetched = fetched_bytes
         if self._timing is not None:
             self._timing[unit.block] = [self._mark(), None]
-        if now is not None and self.acts_auto and not unit.act_paged:
-            self._guard(unit, now)
+        return now is not None and self.acts_auto and not unit.act_paged and self._guard(unit, now)
 
-    def block_ends(self, unit) -> None:
+    def block_ends(self, unit, fetched_bytes: int) -> None:
         now = self.allocated()
         self.sample(now)
         if now is not None and self._enter_alloc is not None and not unit.act_paged:
             # Weights fetched during the block (its own, the next block's ahead) are not activations.
-            fetched = self.engine.weights.fetched_bytes - self._enter_fetched
+            fetched = fetched_bytes - self._enter_fetched
             grown = now - self._enter_alloc - fetched
             self._pass_act = max(self._pass_act, grown)
-            measured = activations_as_placed(self.engine, unit, unit.paged)
+            measured = activations_as_placed(self.meter, unit, unit.paged)
             if measured:
                 # Autocast also holds copies of resident trainable weights that backward does not
                 # keep (a Linear whose input needs no gradient): growth, but not activations.
                 unsaved = 0
-                if not unit.paged and torch.is_autocast_enabled(self.engine.backend.device.type):
-                    unsaved = max(weight_copy_bytes(unit.trainable) - self.engine.activation_cast.get(unit.block, 0), 0)
+                if not unit.paged and torch.is_autocast_enabled(self.backend.device.type):
+                    unsaved = max(weight_copy_bytes(unit.trainable) - self.meter.activation_cast.get(unit.block, 0), 0)
                 self._pass_growth = max(self._pass_growth, (grown - unsaved) / measured)
         if self._timing is not None and unit.block in self._timing:
             self._timing[unit.block][1] = self._mark()
-        if now is not None and unit is self.engine.block_units[-1]:
+        if now is not None and unit is self.block_units[-1]:
             self.stack_end, self._peak_at_stack_end, self._head_open = now, self.device_peak(), True
 
     def forward_returns(self) -> None:
@@ -196,7 +217,7 @@ class Adapter:
             self.after_stack_bound = rise + freed
 
     def _mark(self):
-        backend = self.engine.backend
+        backend = self.backend
         if backend.is_cuda:
             event = torch.cuda.Event(enable_timing=True)  # the engine's own events are untimed (cheaper)
             event.record(backend.compute_stream())
@@ -223,55 +244,55 @@ class Adapter:
         if not self.block_s:
             return 0.0
         times = sorted(self.block_s.values())
-        return 3.0 * times[len(times) // 2] * len(self.engine.block_units)
+        return 3.0 * times[len(times) // 2] * len(self.block_units)
 
     # -- the online guard --------------------------------------------------------------------------
 
-    def _guard(self, unit, now: int) -> None:
-        engine = self.engine
-        measured = engine.activation_bytes
+    def _guard(self, unit, now: int) -> bool:
+        """Page `unit`'s activations? When what is allocated `now`, the activations the rest
+        of the pass will save and what runs after the stack would pass the usable memory."""
+        meter = self.meter
+        measured = meter.activation_bytes
         per_block = max(self._pass_act, max(measured.values(), default=0))
         if per_block == 0:
-            return
+            return False
         # The activations the rest of the pass will save: each block's measured bytes as placed
         # now, grown as much as this pass's blocks have grown over theirs (a longer sequence
         # than measured); a block not measured yet, as the largest seen. A block whose
         # activations are paged still holds autocast's copies of its resident weights.
-        rest_units = [u for u in engine.block_units[unit.block :] if not u.act_paged]
-        rest = sum(int(activations_as_placed(engine, u, u.paged) * self._pass_growth) or per_block for u in rest_units)
+        rest_units = [u for u in self.block_units[unit.block :] if not u.act_paged]
+        rest = sum(int(activations_as_placed(meter, u, u.paged) * self._pass_growth) or per_block for u in rest_units)
         rest += sum(
-            engine.activation_cast.get(u.block, 0)
-            for u in engine.block_units[unit.block :]
-            if u.act_paged and not u.paged
+            meter.activation_cast.get(u.block, 0) for u in self.block_units[unit.block :] if u.act_paged and not u.paged
         )
         if self.after_stack_measured:
             after_stack = self.planned_after_stack()
         else:
             # Before a step has shown what runs after the stack (the head's logits, the loss and
-            # their gradients: 1.5 GiB for the 1.9B GPT at 8 x 512 tokens), a share of the usable
-            # memory is kept for it, and a block's gradients; the H200's 4 GiB run ran out of
-            # memory there without it.
-            after_stack = int(self.AFTER_STACK_SHARE * self.usable) + max(u.nbytes for u in engine.block_units)
+            # their gradients, which can be a large part of the step's peak), a share of the
+            # usable memory is kept for it, and a block's gradients.
+            after_stack = int(self.AFTER_STACK_SHARE * self.usable) + max(u.nbytes for u in self.block_units)
         projected = now + rest + after_stack
-        if projected > self.usable:
-            unit.act_paged = True
-            self._guarded.append(unit.block)
-            if len(self._guarded) == 1:  # one entry per pass; the blocks after this one join its list
-                self.record(
-                    "guard",
-                    f"block {unit.block}: activations paged during the pass (allocated "
-                    f"{now / GiB:.2f} GiB + {len(rest_units)} blocks' activations {rest / GiB:.2f} GiB + "
-                    f"{after_stack / GiB:.2f} GiB after the stack would pass {self.usable / GiB:.2f} GiB "
-                    f"usable)",
-                    allocated=now,
-                    projected=projected,
-                    blocks=self._guarded,
-                )
+        if projected <= self.usable:
+            return False
+        self._guarded.append(unit.block)
+        if len(self._guarded) == 1:  # one entry per pass; the blocks after this one join its list
+            self.record(
+                "guard",
+                f"block {unit.block}: activations paged during the pass (allocated "
+                f"{now / GiB:.2f} GiB + {len(rest_units)} blocks' activations {rest / GiB:.2f} GiB + "
+                f"{after_stack / GiB:.2f} GiB after the stack would pass {self.usable / GiB:.2f} GiB "
+                f"usable)",
+                allocated=now,
+                projected=projected,
+                blocks=self._guarded,
+            )
+        return True
 
     def _close_guard(self) -> None:
         """End of a pass: say how many blocks the guard paged in it, when more than one."""
         if len(self._guarded) > 1:
-            self.engine.events.add(
+            self.events.add(
                 f"the guard paged the activations of {len(self._guarded)} blocks in that pass: {_ranges(self._guarded)}"
             )
         self._guarded = []
@@ -279,16 +300,15 @@ class Adapter:
     # -- after each step -----------------------------------------------------------------------------
 
     def _inputs(self, correction: int):
-        e = self.engine
         return plan_inputs(
-            e.opts,
-            e.block_units,
-            e.outside_units,
+            self.opts,
+            self.block_units,
+            self.outside_units,
             self.unpageable,
             self.profile,
             self.usable,
-            act_bytes=e.activation_bytes or None,
-            act_cast=e.activation_cast,
+            act_bytes=self.meter.activation_bytes or None,
+            act_cast=self.meter.activation_cast,
             after_stack=self.planned_after_stack(),
             held_after_stack=self.held_after_stack,
             compute_s=self.compute_s(),
@@ -297,11 +317,13 @@ class Adapter:
         )
 
     def current(self) -> tuple:
-        units = self.engine.block_units
+        units = self.block_units
         return [u.block for u in units if u.paged], [u.block for u in units if u.act_paged]
 
-    def after_step(self) -> None:
-        engine = self.engine
+    def after_step(self, stock_allowed: str | None):
+        """A step was taken: measure, and decide. Returns a Replan, a SwitchToStock or None.
+        `stock_allowed`: None if the run may switch to stock training, else why not."""
+        self.steps += 1
         self._close_guard()
         self._collect_times()
         self.sample()
@@ -325,22 +347,21 @@ class Adapter:
                 observed = self.step_peak
                 if self.stack_end is not None and not self.after_stack_provisional:
                     observed = max(observed, self.stack_end + self.after_stack)
-        if engine.steps == self.SWITCH_AFTER and engine.opts.offload == "auto":
-            from .switch import maybe_switch
-
-            if maybe_switch(engine, observed):
-                return
-        if not (self.weights_auto or self.acts_auto) or not engine.activation_bytes:
-            return
+        if self.steps == self.SWITCH_AFTER and self.opts.offload == "auto":
+            switch = self._stock_decision(stock_allowed, observed)
+            if switch is not None:
+                return switch
+        if not (self.weights_auto or self.acts_auto) or not self.meter.activation_bytes:
+            return None
         paged, act_paged = self.current()
         predicted = device_bytes(self._inputs(0), set(paged), set(act_paged))
         if observed is not None:
-            # Only ever added: a plan that predicts more than was measured stays as it is (the
-            # 8 GiB-cap run on the H200 ran out of memory after blocks were moved in).
+            # Only ever added: a plan that predicts more than was measured stays as it is
+            # (moving blocks in on a smaller correction can run out of memory).
             self.correction = max(observed - predicted, 0)
-        settling = engine.steps <= self.SETTLE_STEPS
+        settling = self.steps <= self.SETTLE_STEPS
         if not settling and (observed is None or observed <= self.usable):
-            return
+            return None
         plan = make_plan(self._inputs(self.correction))
         new_paged = plan.paged if self.weights_auto else paged
         new_acts = plan.act_paged if self.acts_auto else act_paged
@@ -348,9 +369,8 @@ class Adapter:
             new_paged = sorted(set(new_paged) | set(paged))
             new_acts = sorted(set(new_acts) | set(act_paged))
         if (new_paged, new_acts) == (paged, act_paged):
-            return
+            return None
         why = "settling" if settling else "watchdog: the step's peak passed the usable memory"
-        self.pending = (new_paged, new_acts)
         self.record(
             "replan",
             f"{why}: measured peak {_gib(observed)}, predicted {predicted / GiB:.2f} GiB for "
@@ -369,34 +389,46 @@ class Adapter:
             self.record(
                 "warning",
                 f"activation paging needed to fit adds {plan.act_slowdown:.0%} to the step, more "
-                f"than max_activation_slowdown={engine.opts.max_activation_slowdown}",
+                f"than max_activation_slowdown={self.opts.max_activation_slowdown}",
             )
+        return Replan(new_paged, new_acts)
 
-    def apply_pending(self) -> None:
-        """At the start of a forward pass: move blocks to the placement decided last step."""
-        if self.pending is None:
-            return
-        paged, act_paged = self.pending
-        self.pending = None
-        engine = self.engine
-        engine.synchronize()
-        moved = engine.weights.repage({u for u in engine.block_units if (u.block in paged) != u.paged})
-        for u in engine.block_units:
-            u.act_paged = u.block in act_paged
-        if moved:
-            engine.state_hooks.remove()
-            engine.state_hooks.install()
+    def _stock_decision(self, reason: str | None, observed) -> SwitchToStock | None:
+        """offload='auto': switch to stock training if it fits; say why not otherwise."""
+        if reason is None:
+            reason = why_not_stock(self.meter)
+        if reason is None:
+            need = stock_bytes(self.block_units + self.outside_units, self.meter, self.planned_after_stack())
+            total = sum(need.values())
+            detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in need.items())
+            if total > self.usable:
+                reason = (
+                    f"stock training would need {total / GiB:.2f} GiB ({detail}), {self.usable / GiB:.2f} GiB is usable"
+                )
+        if reason is not None:
+            self.record("offload", f"offload='auto': staying in offload mode: {reason}")
+            return None
+        self.record(
+            "switch",
+            f"offload='auto': switching to torch.optim.AdamW(fused=True) on {self.backend.device}: "
+            f"stock training needs {total / GiB:.2f} GiB ({detail}) of {self.usable / GiB:.2f} GiB usable",
+            need=need,
+            usable=self.usable,
+            observed=observed,
+        )
+        return SwitchToStock(need)
+
+    def applied(self, replan: Replan) -> None:
         self.record(
             "applied",
-            f"weights paged for blocks {paged}, activations for blocks {act_paged}",
-            paged=list(paged),
-            act_paged=list(act_paged),
+            f"weights paged for blocks {replan.paged}, activations for blocks {replan.act_paged}",
+            paged=list(replan.paged),
+            act_paged=list(replan.act_paged),
         )
 
     def record(self, kind: str, message: str, **numbers) -> None:
-        engine = self.engine
-        engine.events.add(message)
-        engine.history.append(dict(step=engine.steps, kind=kind, message=message, **numbers))
+        self.events.add(message)
+        self.history.append(dict(step=self.steps, kind=kind, message=message, **numbers))
 
 
 def _gib(n) -> str:

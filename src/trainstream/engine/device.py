@@ -136,14 +136,21 @@ class Backend:
 
 
 class TransferLedger:
-    """Device memory held by transfers: blocks already released by the engine that the
-    caching allocator keeps until a copy or compute passes an event. The CPU runs ahead of
-    the GPU, so without a bound it would release (and fetch) far more than the GPU has
-    consumed; make_room() holds the host back until the total fits max_inflight_bytes."""
+    """Device memory that transfers hold, against one cap (max_inflight_bytes), for every
+    manager that moves bytes (weights, gradients, activations, moments).
 
-    def __init__(self):
+    Two kinds of bytes count. Released ones: memory the engine let go of that the caching
+    allocator keeps until a copy or compute passes an event (the CPU runs ahead of the GPU,
+    so without a bound it would release and fetch far more than the GPU has consumed);
+    make_room() holds the host back until they fit. Ahead ones: weights and activations
+    fetched before their use; a prefetch that would take them past the cap is skipped (the
+    use fetches on demand), except the first, so that something is always on its way."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
         self._items = deque()  # (event, bytes), oldest first
-        self.bytes = 0
+        self.bytes = 0  # released, still held by queued work
+        self.ahead = 0  # fetched ahead of use, not yet used
 
     def add(self, event, nbytes: int) -> None:
         if event is not DONE:
@@ -154,13 +161,25 @@ class TransferLedger:
         while self._items and self._items[0][0].query():
             self.bytes -= self._items.popleft()[1]
 
-    def make_room(self, nbytes: int, cap: int, also_held: int = 0) -> None:
-        """Wait (host side, oldest first) until `nbytes` more fit under `cap`."""
+    def make_room(self, nbytes: int, *, with_ahead: bool = False) -> None:
+        """Wait (host side, oldest first) until `nbytes` more fit under the cap, beside the
+        bytes fetched ahead when `with_ahead`."""
         self.settle()
-        while self._items and self.bytes + also_held + nbytes > cap:
+        also_held = self.ahead if with_ahead else 0
+        while self._items and self.bytes + also_held + nbytes > self.cap:
             event, n = self._items.popleft()
             event.synchronize()
             self.bytes -= n
+
+    def may_fetch_ahead(self, nbytes: int) -> bool:
+        return not self.ahead or self.ahead + nbytes <= self.cap
+
+    def fetched_ahead(self, nbytes: int) -> None:
+        self.ahead += nbytes
+
+    def used(self, nbytes: int) -> None:
+        """Bytes fetched ahead were attached to compute (or dropped)."""
+        self.ahead -= nbytes
 
 
 class HostArena:

@@ -1,5 +1,13 @@
 """The engine wrap() installs: who holds which bytes, and the hooks that move them.
 
+The engine is built whole from (model, optimizer, Plan, backend): it owns the hooks, and
+each manager owns one kind of state and is handed only what it uses (weights: params.py,
+gradients: grads.py, activations: activations.py, moments: moments.py, measurements:
+measure.py and adapt.py, state dicts: state.py). Calls go one way, from the engine to the
+managers; a manager answers with return values: the gradient streamer with the units
+ready for their update, the adapter with a decision, which the engine applies at the end
+of step().
+
 One training step, as the hooks see it:
 - the model's forward pre-hook waits for the outside modules' updates; each block's
   forward (wrapped) waits for exactly its own update or fetches its paged weights, and
@@ -7,29 +15,31 @@ One training step, as the hooks see it:
 - backward: each block's output gradient hook marks the block's backward start: the block
   before it is prefetched (weights and activations) and the one after it is released; each
   gradient goes to host memory as it is produced, and a unit's update is queued as soon as
-  all of its gradients have landed (grads.py);
+  all of its gradients have landed;
 - optimizer.step() queues what is left and returns; new weights travel to the device as
-  each update finishes (params.py). With optimizer_mode="gpu" the updates run on the
-  device instead (_queue_on_device), and a resident unit's weights are updated in place.
+  each update finishes. With optimizer_mode="gpu" the updates run on the device instead
+  (_queue_on_device), and a resident unit's weights are updated in place.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..quant.weight import QuantizedWeight
+from ..sizes import MiB
 from .activations import ActivationPager, PagedTensor
-from .device import Backend, DeviceUpdate, HostArena, TransferLedger
-from .grads import GradStreamer
-from .layout import arena_bytes, host_buffers
+from .adapt import Adapter, Replan, SwitchToStock
+from .device import DeviceUpdate, HostArena, TransferLedger
+from .grads import GradSettings, GradStreamer
+from .layout import set_quantization
+from .measure import ActivationMeter
+from .moments import MomentStager, copy_limit, lay_out, region_limit
 from .params import WeightPager
-from .placement import cast_bytes
 from .report import EventLog
-
-GiB = 1 << 30
+from .state import StateHooks
+from .switch import explicit_paging, quantized
 
 
 class SavedWeight:
@@ -41,43 +51,6 @@ class SavedWeight:
         self.slot = slot
         self.dtypes = slot.unit.fetch_dtypes  # how the unit was fetched for this forward
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
-
-
-_VIEWS = {
-    "TBackward0",
-    "TransposeBackward0",
-    "ViewBackward0",
-    "UnsafeViewBackward0",
-    "PermuteBackward0",
-    "ExpandBackward0",
-    "AliasBackward0",
-}
-
-
-def _is_weight_copy(t: torch.Tensor, unit) -> bool:
-    """Is `t` (a view of) autocast's copy of one of `unit`'s trainable weights? Its autograd
-    history is then views, one ToCopyBackward0, and the weight's AccumulateGrad."""
-    fn = t.grad_fn
-    for _ in range(4):
-        if fn is None:
-            return False
-        name = type(fn).__name__
-        if name not in _VIEWS and name != "ToCopyBackward0":
-            return False
-        nxt = [f for f, _ in fn.next_functions if f is not None]
-        if len(nxt) != 1:
-            return False
-        if name == "ToCopyBackward0":
-            leaf = nxt[0]
-            return type(leaf).__name__ == "AccumulateGrad" and any(leaf.variable is s.param for s in unit.slots)
-        fn = nxt[0]
-    return False
-
-
-def grads_stay_on_device(update_on_device: bool, opts) -> bool:
-    """Gradients stay on the device for their update (optimizer_mode="gpu"), unless clipping
-    (which needs every gradient first) or accumulation keeps them in host memory."""
-    return update_on_device and opts.accumulation_steps == 1 and opts.max_grad_norm is None
 
 
 def _device_update_roles(s, paged: bool) -> tuple:
@@ -100,139 +73,197 @@ def _tensors_in(out):
             yield from _tensors_in(o)
 
 
+def _post_accumulate(engine_ref, slot_ref, param) -> None:
+    engine, slot = engine_ref(), slot_ref()
+    if engine is not None and slot is not None:
+        engine.on_grad(slot)
+
+
 class Engine:
-    MEASURED_PASSES = 2
-    # optimizer_mode="gpu": the kernel's grid beside backward. On the H200 (402M MLP) 16
-    # blocks gave the shortest step: with fewer, PCIe was not kept busy; with more, the
-    # kernel took SMs the backward GEMMs needed (uncapped, the step was a third longer).
-    # The 1.9B GPT, whose updates outlast backward, was also slower with 64 blocks or
-    # uncapped (about 450 and 470 ms a step against 410).
+    # optimizer_mode="gpu": the kernel's grid beside backward. Enough blocks keep PCIe busy;
+    # more take SMs the backward GEMMs need (the engine suite's optimizer_gpu rows measure it).
     DEVICE_UPDATE_BLOCKS = 16
 
-    def __init__(self, model, optimizer, opts, backend: Backend, stack, block_units, outside_units):
+    def __init__(self, model, optimizer, plan, backend, stack, layout, profile, opts):
         self.model = model
         self.optimizer = optimizer
-        self.opts = opts
+        self.plan = plan
         self.backend = backend
         self.stack = stack
-        self.block_units = block_units
-        self.outside_units = outside_units
-        self.units = block_units + outside_units
+        self.profile = profile  # the HardwareProfile the plan used
+        self.opts = opts
+        self.block_units = layout.block_units
+        self.outside_units = layout.outside_units
+        self.units = self.block_units + self.outside_units
+        self._apply_plan(layout.quantizable)
         self.events = EventLog(opts.verbose)
-        self.history: list = []
-        self.budget: dict = {}
-        self.profile = None  # the HardwareProfile the placement used
         self.steps = 0
-        self.mode = "offload"  # "stock" once offload="auto" has switched (switch.py)
-        self.adapter = None  # set by wrap(): measures, replans, moves blocks (adapt.py)
-        self.last_grad_norm = None
-        self.clip_on_device = opts.max_grad_norm is not None and opts.accumulation_steps == 1
-        # optimizer_mode="gpu" (wrap() decides "auto"): AdamW on the device over host moments.
-        self.update_on_device = False
-        # wrap() replaces the default with placement.default_inflight_bytes(profile).
-        self.max_inflight_bytes = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else GiB
-        self.inflight = TransferLedger()  # device memory transfers still hold (see max_inflight_bytes)
-        self.moments = None  # optimizer_mode="gpu": the MomentStager (wrap() sets it)
-        self.weights = WeightPager(self)
-        self.acts = ActivationPager(self)
-        self.grads = GradStreamer(self)
-        self.resident_storages: set = set()
+        self.mode = "offload"  # "stock" once offload="auto" has switched
+        self._last_grad_norm = None
+        self.ledger = TransferLedger(plan.max_inflight_bytes)  # device memory transfers hold
+        self.weights = WeightPager(backend, self.units, self.ledger, plan.update_on_device)
+        self.acts = ActivationPager(backend, self.ledger)
+        self.grads = GradStreamer(
+            backend,
+            self.units,
+            self.update_order(),
+            self.ledger,
+            GradSettings(
+                accumulation_steps=opts.accumulation_steps,
+                clip=opts.max_grad_norm is not None,
+                on_device=plan.device_grads,
+                threads=opts.threads,
+            ),
+            self.events,
+        )
+        self.meter = ActivationMeter(self.weights.resident_storages)
+        self.adapter = Adapter(
+            backend,
+            opts,
+            self.block_units,
+            self.outside_units,
+            self.meter,
+            profile,
+            layout.unpageable,
+            layout.on_device,
+            self.events,
+        )
+        self.state_hooks = StateHooks(model, self.units, backend, self.weights)
+        self.moments = self._lay_out_moments() if plan.mapped_bytes else None
         self._entered: set = set()  # blocks whose backward has started this pass
-        # Saved-activation bytes per block, measured over the first MEASURED_PASSES forward
-        # passes with autograd on (the planner sizes activation paging from them), as they are
-        # with the block's weights resident: under bf16 autocast they include autocast's copies
-        # of its trainable weights (activation_cast), which a paged block does not make.
-        self.activation_bytes: dict = {}
-        self.activation_cast: dict = {}
-        self._measured_passes = 0
-        self._measuring = False  # this forward pass counts activations
-        self._counting: dict | None = None  # storage pointer -> (weak ref, bytes), in the block running now
-        self._counted = 0
-        self._counted_cast = 0  # of _counted: autocast's copies of the block's weights
         self._handles: list = []
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
+        self._log_plan(layout)
+
+    def _apply_plan(self, quantizable) -> None:
+        """The units as the plan placed them: paged blocks, paged activations, quantized weights."""
+        plan = self.plan
+        set_quantization([s for s in quantizable if s.name in plan.quantized], plan.quantize, plan.quant_block_size)
+        for u in self.block_units:
+            u.paged = u.block in plan.paged
+            u.act_paged = u.block in plan.act_paged
+
+    def _lay_out_moments(self) -> MomentStager:
+        """optimizer_mode="gpu": the moments (and gradient sums, with accumulation) in one
+        host arena, pinned on a GPU, laid out in regions (moments.py)."""
+        arena = HostArena(self.backend, self.plan.mapped_bytes)
+        regions = lay_out(self.units, self.optimizer.moment_dtype, self.plan.max_inflight_bytes, arena.take)
+        moments = {}
+        for region in regions:
+            moments.update(region.views(region.host))
+        self.optimizer.pin_state(moments)
+        if self.opts.accumulation_steps > 1:
+            for s in (s for u in self.units for s in u.trainable):
+                s.grad_sum = arena.take(s.param.shape, torch.float32)
+        return MomentStager(self.backend, self.ledger, regions)
+
+    def _log_plan(self, layout) -> None:
+        plan, events, backend, opts = self.plan, self.events, self.backend, self.opts
+        events.add(f"device {backend.device}; {self.stack.describe()}")
+        events.add(self.profile.describe())
+        for note in plan.notes:
+            events.add(note)
+        events.add(
+            f"weights: {len(plan.paged)} blocks paged {list(plan.paged)}, "
+            f"{len(self.block_units) - len(plan.paged)} resident; activations paged for blocks {list(plan.act_paged)}"
+        )
+        moments = str(plan.moment_dtype).replace("torch.", "")
+        n_trainable = sum(len(u.trainable) for u in self.units)
+        if plan.update_on_device:
+            cap = plan.max_inflight_bytes
+            events.add(
+                f"optimizer: GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments ({moments}), "
+                f"copied through VRAM around one kernel each, in regions of up to "
+                f"{region_limit(cap) / MiB:.1f} MiB (one tensor alone: {copy_limit(cap) / MiB:.1f} MiB), "
+                f"{n_trainable} trainable tensors; gradients "
+                + (
+                    "stay on the device until their update"
+                    if plan.device_grads
+                    else "land in host memory (clipping or accumulation needs them there)"
+                )
+            )
+        else:
+            events.add(f"optimizer: host AdamW, moments {moments}, {n_trainable} trainable tensors")
+        if opts.offload == "auto":
+            events.add(
+                f"offload='auto': after {Adapter.SWITCH_AFTER} measured steps, switches to "
+                "torch.optim.AdamW(fused=True) on the device if stock training fits"
+            )
+        if not opts.guard_params:
+            events.add("guard_params=False: step() waits for every update to reach the device before returning")
+
+    # -- what the report and the tests read ------------------------------------------------------
+
+    @property
+    def update_on_device(self) -> bool:
+        return self.plan.update_on_device
 
     @property
     def device_grads(self) -> bool:
-        return grads_stay_on_device(self.update_on_device, self.opts)
+        return self.plan.device_grads
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        return self.plan.max_inflight_bytes
+
+    @property
+    def budget(self) -> dict:
+        return self.plan.budget
+
+    @property
+    def history(self) -> list:
+        return self.adapter.history
+
+    @property
+    def activation_bytes(self) -> dict:
+        return self.meter.activation_bytes
+
+    @property
+    def activation_cast(self) -> dict:
+        return self.meter.activation_cast
+
+    @property
+    def last_grad_norm(self):
+        return self.optimizer.last_grad_norm if self.mode == "stock" else self._last_grad_norm
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps since wrap(), in either mode."""
+        return self.steps + self.optimizer.stock_steps
 
     # -- installing ----------------------------------------------------------------------------
 
-    def place_weights(self) -> None:
-        """Host buffers for every slot; resident weights on the device, paged ones replaced
-        by placeholders. One parameter at a time, so a model built in host memory never
-        needs to fit on the device."""
-        backend = self.backend
-        stage = not self.device_grads
-        layout = {s: host_buffers(s, u.paged, stage) for u in self.units for s in u.slots}
-        total = arena_bytes(self.units, stage)
-        self.arena = HostArena(backend, total)
-        for unit in self.units:
-            for s in unit.slots:
-                data = s.param.data
-                if s.quant_format is not None:
-                    self._place_quantized(s, unit.paged, layout[s])
-                    continue
-                for kind, dtype, _ in layout[s]:
-                    buf = self.arena.take(data.shape, dtype)
-                    if kind == "master":
-                        buf.copy_(data)
-                        s.host[torch.float32] = buf
-                    elif kind == "copy":
-                        buf.copy_(data)
-                        s.host[s.dtype] = buf
-                    elif kind == "stage":
-                        s.stage_region = buf
-                    else:
-                        s.spare = buf
-                if unit.paged:
-                    s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(
-                        data.shape
-                    )
-                    s.param.data = s.placeholder
-                else:
-                    if data.device != backend.device:
-                        s.param.data = data.to(backend.device)
-                    self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
-        # Quantized codes made on the device were written on the compute stream; the copy-in
-        # stream dequantizes them.
-        backend.follow_compute(backend.copy_in)
-        self.events.add(
-            f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
-            f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces"
-        )
+    def install(self) -> None:
+        """Put the plan into effect on the model: weights where the plan placed them, hooks
+        on the model, its blocks and its parameters, the optimizer attached."""
+        self.events.add(self.weights.place(stage=not self.plan.device_grads))
         for module in self.model.modules():
             for name, buf in module.named_buffers(recurse=False):
-                if buf is not None and buf.device != backend.device:
-                    module._buffers[name] = buf.to(backend.device)
-
-    def _place_quantized(self, s, paged: bool, buffers) -> None:
-        """Quantize a frozen weight where it is (host or device); keep the codes in host
-        transfer memory (paged unit) or on the device (resident), and give the param a
-        placeholder: the weight is dequantized for each use (params.py)."""
-        backend = self.backend
-        q = QuantizedWeight.quantize(s.param.data, s.quant_format, s.quant_block)
-        if paged:
-            held = {kind: self.arena.take((numel,), dtype) for kind, dtype, numel in buffers}
-            held["codes"].copy_(q.codes)
-            held["absmax"].copy_(q.absmax)
-            q = q._with(held["codes"], held["absmax"])
-        else:
-            q = q.to(backend.device)
-        s.quant = q
-        s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(s.param.shape)
-        s.param.data = s.placeholder
-
-    def install(self) -> None:
+                if buf is not None and buf.device != self.backend.device:
+                    module._buffers[name] = buf.to(self.backend.device)
         self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self.before_forward()))
         self._handles.append(self.model.register_forward_hook(lambda m, a, out: self.after_forward(out)))
         for unit, block in zip(self.block_units, self.stack.blocks):
             self._forwards[block] = block.__dict__.get("forward")
             block.forward = self._block_forward(unit, block.forward)
-        self.grads.install()
+        # The hook dict is owned by the parameter's C++ autograd metadata, which Python's
+        # cyclic GC cannot see: a hook holding the engine (-> model -> param) or the slot
+        # (-> param) strongly would make param, engine and model immortal. So the hook
+        # holds both weakly; they are alive whenever backward can run.
+        me = weakref.ref(self)
+        for unit in self.units:
+            for slot in unit.trainable:
+                self._handles.append(
+                    slot.param.register_post_accumulate_grad_hook(
+                        functools.partial(_post_accumulate, me, weakref.ref(slot))
+                    )
+                )
+        self.state_hooks.install()
+        self.optimizer.attach(self)
 
     def remove(self) -> None:
-        self.weights.lander.stop()
+        """Every hook off the model; the lander thread stopped."""
+        self.weights.stop()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -242,25 +273,32 @@ class Engine:
             else:
                 block.forward = own
         self._forwards = {}
-        self.grads.remove()
+        self.state_hooks.remove()
+
+    def unwrap(self) -> None:
+        """Every update finished, every weight back on the device in the model's dtype, every
+        hook removed; the optimizer keeps its state but no longer steps."""
+        self.synchronize()
+        self.remove()
+        self.weights.restore()
+        self.optimizer.detach()
+        self.moments = None  # the regions (the optimizer's state still holds the moments)
 
     # -- forward -------------------------------------------------------------------------------
 
+    def _in_backward(self) -> bool:
+        return self.grads.in_backward or self._in_autograd()
+
     def before_forward(self) -> None:
-        self.grads.recover()
-        if self.grads.in_backward or self._in_autograd():
+        self.recover()
+        if self._in_backward():
             return  # a forward recomputed inside backward (checkpointing): nothing to move
-        self.adapter.apply_pending()
-        self.grads.poll()
+        self._queue(self.grads.poll())
         for unit in self.block_units:
             if unit.streamed and unit.fetched is not None:
                 self.weights.release(unit)  # left over from a forward without backward
         self.acts.new_pass()
-        if torch.is_grad_enabled() and self._measured_passes < self.MEASURED_PASSES:
-            self._measured_passes += 1
-            self._measuring = True
-        else:
-            self._measuring = False
+        self.meter.new_pass()
         if torch.is_grad_enabled():
             self.adapter.new_pass()
         for unit in self.outside_units:
@@ -270,7 +308,7 @@ class Engine:
         """The model's forward returned (an autocast around the call not yet left): the adapter
         reads what is allocated now and again when backward starts, at the first gradient of
         an output (see Adapter.forward_returns)."""
-        if not torch.is_grad_enabled() or self.grads.in_backward or self._in_autograd():
+        if not torch.is_grad_enabled() or self._in_backward():
             return
         # Not on a leaf (a parameter or an input handed through): its hooks outlive the pass.
         outputs = [t for t in _tensors_in(out) if t.requires_grad and not t.is_leaf]
@@ -281,7 +319,11 @@ class Engine:
             t.register_hook(self._output_grad)
 
     def _output_grad(self, grad) -> None:
-        self.grads.begin_pass()
+        """Backward reached the model's output: the pass starts in the outer backward, so its
+        end callback runs when all of backward is done (a first gradient inside a reentrant
+        checkpoint's own backward would tie it to that inner one)."""
+        if not self.grads.in_backward:
+            self._begin_pass()
         self.adapter.backward_starts(grad.untyped_storage().nbytes())
 
     def _block_forward(self, unit, forward):
@@ -316,7 +358,7 @@ class Engine:
         return torch._C._current_graph_task_id() != -1
 
     def enter_block(self, unit) -> None:
-        if self.grads.in_backward or self._in_autograd():
+        if self._in_backward():
             # A block recomputing its forward in backward (checkpointing). Backward is done with
             # the blocks above the one after it; under reentrant checkpointing no backward hook
             # of theirs released their fetched or dequantized weights.
@@ -325,8 +367,8 @@ class Engine:
                     self.weights.release(done)
             self.weights.guard(unit)
             return
-        if torch.is_grad_enabled():
-            self.adapter.block_starts(unit)  # may page this block's activations (the online guard)
+        if torch.is_grad_enabled() and self.adapter.block_starts(unit, self.weights.fetched_bytes):
+            unit.act_paged = True  # the online guard: this block's activations would not fit
         self.acts.drop(unit)
         self.weights.guard(unit)
         nxt = unit.block + 1
@@ -334,10 +376,10 @@ class Engine:
             self.weights.fetch(self.block_units[nxt], ahead=True)
 
     def exit_block(self, unit) -> None:
-        if self.grads.in_backward or self._in_autograd():
+        if self._in_backward():
             return
         if torch.is_grad_enabled():
-            self.adapter.block_ends(unit)
+            self.adapter.block_ends(unit, self.weights.fetched_bytes)
         if not unit.streamed:
             return
         last = unit.block == len(self.block_units) - 1
@@ -345,32 +387,10 @@ class Engine:
             self.weights.release(unit)
 
     def _start_counting(self) -> bool:
-        """Count this block's saved activations? Only in the first passes, and never under
-        someone else's saved-tensor hooks (a checkpoint's), which ours would override."""
-        if (
-            not self._measuring
-            or not torch.is_grad_enabled()
-            or self.grads.in_backward
-            or self._in_autograd()
-            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-        ):
-            return False
-        self._counting = {}
-        self._counted = 0
-        self._counted_cast = 0
-        return True
+        return not self._in_backward() and self.meter.start()
 
-    def _stop_counting(self, unit, measured: bool) -> None:
-        if measured:
-            total, cast = self._counted, self._counted_cast
-            if unit.paged:
-                # Its weights came in bf16: autocast made no copies, which resident it would.
-                cast = cast_bytes(unit)
-                total += cast
-            if total >= self.activation_bytes.get(unit.block, 0):
-                self.activation_bytes[unit.block] = total
-                self.activation_cast[unit.block] = cast
-            self._counting = None
+    def _stop_counting(self, unit, counted: bool) -> None:
+        self.meter.stop(unit, counted)
 
     def pack(self, unit, t: torch.Tensor):
         if t.device != self.backend.device or t.numel() == 0:
@@ -379,16 +399,10 @@ class Engine:
         slot = self.weights.fetched_storages.get(ptr)
         if slot is not None:
             return SavedWeight(slot, t)
-        if self._counting is not None and ptr not in self.resident_storages:
-            seen = self._counting.get(ptr)
-            if seen is None or seen[0].expired():  # a paged storage's address may be reused in the block
-                self._counting[ptr] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
-                self._counted += t.untyped_storage().nbytes()
-                if _is_weight_copy(t, unit):
-                    self._counted_cast += t.untyped_storage().nbytes()
+        self.meter.count(t, unit)
         if (
             not unit.act_paged
-            or ptr in self.resident_storages
+            or ptr in self.weights.resident_storages
             or t.untyped_storage().nbytes() < self.opts.min_offload_bytes
         ):
             return t
@@ -406,7 +420,7 @@ class Engine:
     # -- backward ------------------------------------------------------------------------------
 
     def watch_backward(self, unit, out) -> None:
-        if not torch.is_grad_enabled() or self.grads.in_backward or self._in_autograd():
+        if not torch.is_grad_enabled() or self._in_backward():
             return
         if not any(u.streamed or u.act_paged for u in self.block_units):
             return
@@ -450,7 +464,44 @@ class Engine:
         self._entered.clear()
         self.acts.new_pass()
 
+    def _begin_pass(self) -> None:
+        self.grads.begin_pass()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def on_grad(self, slot) -> None:
+        """autograd finished `slot`'s gradient (the post-accumulate-grad hook)."""
+        if not self.grads.in_backward:
+            self._begin_pass()
+        self._queue(self.grads.on_grad(slot))
+
+    def _end_pass(self) -> None:
+        """autograd's final callback of a backward pass: the units not handed on yet go now."""
+        try:
+            for unit in self.grads.end_pass():
+                self.queue_update(unit)
+            self.weights.land_updates()
+        except BaseException:
+            self.grads.drop_pass()  # no half-landed state for the next pass to count
+            self.events.add("the end of a backward pass raised: its gradients were dropped")
+            raise
+        finally:
+            self.grads.close_pass()
+            self.after_backward()
+
+    def recover(self) -> None:
+        """A backward pass that raised left its pass open: close it (its gradients dropped)."""
+        if self.grads.raised_pass():
+            self.after_backward()
+
     # -- the optimizer's side --------------------------------------------------------------------
+
+    def _queue(self, units: list) -> None:
+        """Queue the updates of `units`, which the gradient streamer handed on; then let
+        finished updates travel to the device."""
+        if units:
+            for unit in units:
+                self.queue_update(unit)
+            self.weights.land_updates()
 
     def queue_update(self, unit, grad_scale: float = 1.0) -> None:
         slots = [s for s in unit.trainable if s.has_grad]
@@ -458,11 +509,10 @@ class Engine:
             # Numbered by when the next forward needs the unit: blocks update in backward
             # order, but block 0 (and the embeddings before it) are needed first.
             unit.priority = self.update_order().index(unit)
-            if self.update_on_device:
+            if self.plan.update_on_device:
                 self._queue_on_device(unit, slots, grad_scale)
             else:
                 self._queue_on_host(unit, slots, grad_scale)
-        unit.queued = True
 
     def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
         if unit.paged and unit.fetch_event is not None:
@@ -518,7 +568,7 @@ class Engine:
                             backend.keep_until(g, stream)
                 kernel_done = backend.record(stream)
                 home = self.moments.send_home(staged, kernel_done) or home
-                self.inflight.add(
+                self.ledger.add(
                     kernel_done, sum(g.numel() * g.element_size() for g in grads if g.device == backend.device)
                 )
                 # Let go of the region's buffer and gradients now: the allocator frees them once
@@ -548,11 +598,12 @@ class Engine:
         return self.outside_units + self.block_units
 
     def step(self) -> None:
-        self.grads.recover()
+        self.recover()
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.step() called during backward")
-        self.grads.flush()
-        pending = [u for u in self.update_order() if not u.queued and any(s.has_grad for s in u.trainable)]
+        for unit in self.grads.flush():
+            self.queue_update(unit)
+        pending = self.grads.take_pending()
         if pending:
             scale = 1.0
             if self.opts.max_grad_norm is not None:
@@ -560,7 +611,7 @@ class Engine:
                 total = self.grads.global_norm(slots)
                 clip = torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0)
                 scale = float(clip)
-                self.last_grad_norm = float(total)
+                self._last_grad_norm = float(total)
             for unit in pending:
                 self.queue_update(unit, scale)
         self.grads.reset_window()
@@ -568,18 +619,40 @@ class Engine:
         self.weights.land_updates()
         if not self.opts.guard_params:
             self.synchronize()
-        self.adapter.after_step()
+        self.apply(self.adapter.after_step(explicit_paging(self.opts) or quantized(self.units)))
+
+    def apply(self, decision) -> None:
+        """Carry out the adapter's decision (None: nothing to do), between steps."""
+        if decision is None:
+            return
+        if isinstance(decision, SwitchToStock):
+            self.unwrap()
+            for unit in self.block_units:
+                unit.act_paged = False
+            self.optimizer.switch_to_stock(self.opts.max_grad_norm)
+            self.mode = "stock"
+            return
+        if not isinstance(decision, Replan):
+            raise TypeError(f"trainstream internal: unknown decision {decision!r}")
+        self.synchronize()
+        moved = self.weights.repage({u for u in self.block_units if (u.block in decision.paged) != u.paged})
+        for u in self.block_units:
+            u.act_paged = u.block in decision.act_paged
+        if moved:
+            self.state_hooks.remove()
+            self.state_hooks.install()
+        self.adapter.applied(decision)
 
     def zero_grad(self) -> None:
         """Drop the gradients of the current window (torch's zero_grad); updates already
         queued by a finished window are not undone."""
-        self.grads.recover()
+        self.recover()
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.zero_grad() called during backward")
-        self.grads.flush()
+        for _ in self.grads.flush():
+            pass  # landed, not queued: the window is dropped below
         self.grads.reset_window()
 
     def synchronize(self) -> None:
         """Every queued update written on the host and, for resident units, on the device."""
-        for unit in self.units:
-            self.weights.synchronize(unit)
+        self.weights.synchronize_all()

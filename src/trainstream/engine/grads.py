@@ -22,13 +22,13 @@ for in the end-of-backward callback.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from .. import ops
+from ..sizes import MiB
 from .device import DONE, DeviceUpdate
 
 
@@ -42,48 +42,41 @@ def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return flat[:n].view(g.dtype).view(g.shape)
 
 
-def _post_accumulate(streamer_ref, slot_ref, param) -> None:
-    streamer, slot = streamer_ref(), slot_ref()
-    if streamer is not None and slot is not None:
-        streamer._on_grad(slot)
+@dataclass(frozen=True)
+class GradSettings:
+    """What the streamer reads of the run's options."""
+
+    accumulation_steps: int
+    clip: bool  # max_grad_norm is set: every update waits for step() and the global norm
+    on_device: bool  # gradients stay where autograd made them, for the device update
+    threads: int | None  # host threads for the accumulation sums
 
 
 class GradStreamer:
-    SMALL_GRAD_BYTES = 1 << 20
+    """Owns each gradient's way from autograd to the update. Its methods answer with the
+    units whose update may be queued now; queuing them is the caller's."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    SMALL_GRAD_BYTES = MiB
+
+    def __init__(self, backend, units: list, update_order: list, ledger, settings: GradSettings, events):
+        self.backend = backend
+        self.units = units
+        self.update_order = update_order  # the order the next forward needs the units in
+        self.ledger = ledger
+        self.settings = settings
+        self.events = events
+        self.clip_on_device = settings.clip and settings.accumulation_steps == 1
         self.passes = 0  # backward passes in the current accumulation window
         self.in_backward = False
         self._ready = deque()  # units whose gradients have all been issued D2H, in order
         self._partial = set()  # units with some gradients this pass (unused params exist)
         self._pass_id = 0  # numbers every backward pass (a slot's seen_pass)
         self._last_unit = None  # the unit the last gradient belonged to
-        self._hooks = []
-
-    def install(self) -> None:
-        # The hook dict is owned by the parameter's C++ autograd metadata, which Python's
-        # cyclic GC cannot see: a hook holding the streamer (-> engine -> model -> param) or
-        # the slot (-> param) strongly would make param, engine and model immortal. So the
-        # hook holds both weakly; they are alive whenever backward can run.
-        streamer = weakref.ref(self)
-        for unit in self.engine.units:
-            for slot in unit.trainable:
-                self._hooks.append(
-                    slot.param.register_post_accumulate_grad_hook(
-                        functools.partial(_post_accumulate, streamer, weakref.ref(slot))
-                    )
-                )
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     # -- during backward -------------------------------------------------------------------
 
-    def _begin_pass(self) -> None:
-        n = self.engine.opts.accumulation_steps
+    def begin_pass(self) -> None:
+        n = self.settings.accumulation_steps
         if self.passes >= n:
             raise RuntimeError(
                 f"trainstream: backward pass {self.passes + 1} since the last optimizer.step(), but "
@@ -94,25 +87,15 @@ class GradStreamer:
         self._pass_id += 1
         self._last_unit = None
         self.in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
-    def begin_pass(self) -> None:
-        """Backward reached the model's output: the pass starts in the outer backward, so its
-        end callback runs when all of backward is done (a first gradient inside a reentrant
-        checkpoint's own backward would tie it to that inner one)."""
-        if not self.in_backward:
-            self._begin_pass()
-
-    def _on_grad(self, slot) -> None:
-        if not self.in_backward:
-            self._begin_pass()
+    def on_grad(self, slot) -> list:
+        """autograd finished `slot`'s gradient (in p.grad); a pass has begun."""
         p = slot.param
         g = p.grad
         if g is None:
-            return
+            return []
         if g.is_sparse:
             raise ValueError(f"trainstream: sparse gradients are not supported ({slot.name})")
-        engine, backend = self.engine, self.engine.backend
         unit = slot.unit
         if slot.seen_pass == self._pass_id:
             # A second gradient in one pass: the parameter is used by several reentrant
@@ -125,38 +108,40 @@ class GradStreamer:
                     "checkpoint(..., use_reentrant=False), or keep the parameter inside one segment"
                 )
             summed = waiting[1].add_(g)
-            if engine.clip_on_device:
+            if self.clip_on_device:
                 slot.norm = torch.linalg.vector_norm(summed if summed.dtype == torch.float32 else summed.float())
             p.grad = None
-            return
+            return []
         slot.seen_pass = self._pass_id
         nbytes = g.numel() * g.element_size()
-        if engine.device_grads:
-            # optimizer_mode="gpu": the update reads the gradient where it is, as soon as the
-            # unit is complete; the cap holds back a backward that outruns the updates.
-            engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
+        if self.settings.on_device:
+            # The update reads the gradient where it is, as soon as the unit is complete; the
+            # cap holds back a backward that outruns the updates.
+            self.ledger.make_room(nbytes)
             slot.device_grad = g
             p.grad = None
             self._landed(slot, DONE)
-            return
-        if engine.clip_on_device:
+            return self.poll()
+        if self.clip_on_device:
             # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
             # autocast) gives the same bits as the fp32 gradient of the unpaged run.
             slot.norm = torch.linalg.vector_norm(g if g.dtype == torch.float32 else g.float())
         p.grad = None
+        ready = []
         previous, self._last_unit = self._last_unit, unit
         if previous is not None and previous is not unit and previous.waiting:
-            self._send(previous)  # backward has moved on: what it left waiting goes now
-        unit.waiting.append((slot, g, backend.compute_stream()))
+            ready += self._send(previous)  # backward has moved on: what it left waiting goes now
+        unit.waiting.append((slot, g, self.backend.compute_stream()))
         if unit.landed + len(unit.waiting) == len(unit.trainable) or nbytes >= self.SMALL_GRAD_BYTES:
-            self._send(unit)
+            ready += self._send(unit)
         elif self._ready and self._ready[0].grad_event.query():
-            self.poll()
+            ready += self.poll()
+        return ready
 
-    def _send(self, unit) -> None:
+    def _send(self, unit) -> list:
         """Copy the unit's waiting gradients to their landing buffers, one batch on the D2H
         stream, and count them landed."""
-        engine, backend = self.engine, self.engine.backend
+        backend = self.backend
         batch, unit.waiting = unit.waiting, []
         nbytes = sum(g.numel() * g.element_size() for _, g, _ in batch)
         for slot, g, _ in batch:
@@ -165,19 +150,19 @@ class GradStreamer:
                 slot.reader = None
             if slot.stage is None or slot.stage.dtype != g.dtype:
                 slot.stage = _view_as(slot.stage_region, g)
-        engine.inflight.make_room(nbytes, engine.max_inflight_bytes)
+        self.ledger.make_room(nbytes)
         backend.follow(backend.copy_out, [stream for *_, stream in batch])  # each gradient's producer
         with backend.on(backend.copy_out):
             for slot, g, _ in batch:
                 slot.stage.copy_(g, non_blocking=True)
                 backend.keep_until(g, backend.copy_out)
         event = backend.record(backend.copy_out)
-        engine.inflight.add(event, nbytes)  # the device gradients are freed once copied
+        self.ledger.add(event, nbytes)  # the device gradients are freed once copied
         for slot, *_ in batch:
-            self._landed(slot, event, poll=False)
-        self.poll()
+            self._landed(slot, event)
+        return self.poll()
 
-    def _landed(self, slot, event, poll: bool = True) -> None:
+    def _landed(self, slot, event) -> None:
         """`slot`'s gradient is on its way (`event`: its copy); the unit is ready for its
         update once all of its gradients are."""
         unit = slot.unit
@@ -189,25 +174,24 @@ class GradStreamer:
             self._ready.append(unit)
         else:
             self._partial.add(unit)
-        if poll:
-            self.poll()
 
-    def recover(self) -> None:
-        """A backward pass that raised never reached its end callback: close it here, when
-        no backward is running, dropping the window's gradients (its updates, if any were
-        queued already, stand)."""
+    def raised_pass(self) -> bool:
+        """A backward pass that raised never reached its end: True (and the window's
+        gradients dropped) when one is found open while no backward runs. Updates already
+        queued stand."""
         if self.in_backward and torch._C._current_graph_task_id() == -1:
-            self._drop_pass()
-            self.engine.after_backward()
-            self.engine.events.add("a backward pass raised: its gradients were dropped")
+            self.drop_pass()
+            self.events.add("a backward pass raised: its gradients were dropped")
+            return True
+        return False
 
-    def _drop_pass(self) -> None:
+    def drop_pass(self) -> None:
         """Forget the window's gradients, landed, waiting or in flight."""
         self._ready.clear()
         self._partial.clear()
         self.in_backward = False
         self._last_unit = None
-        for unit in self.engine.units:
+        for unit in self.units:
             unit.landed = 0
             unit.waiting = []
             for s in unit.trainable:
@@ -215,43 +199,47 @@ class GradStreamer:
                 s.device_grad = None
         self.reset_window()
 
-    def poll(self) -> None:
+    def poll(self) -> list:
         """Hand on every unit whose gradient copies have finished (D2H is in order, so the
-        queue's head finishes first); then let finished updates travel to the device."""
+        queue's head finishes first)."""
+        ready = []
         while self._ready and self._ready[0].grad_event.query():
-            self._hand_on(self._ready.popleft())
-        self.engine.weights.land_updates()
+            ready += self._hand_on(self._ready.popleft())
+        return ready
 
-    def _end_pass(self) -> None:
+    def end_pass(self):
         """End of a backward pass (autograd's final callback): wait for the copies still in
-        flight and hand on every unit that got gradients, complete or not."""
-        try:
-            for unit in self.engine.units:
-                if unit.waiting:  # a unit with a parameter this pass did not reach
-                    self._send(unit)
-            for unit in [*self._ready, *self._partial]:
-                unit.grad_event.synchronize()
-                self._hand_on(unit)
-            engine = self.engine
-            if self.passes == engine.opts.accumulation_steps and not engine.opts.max_grad_norm:
-                for unit in engine.update_order():  # got gradients only in earlier micro-batches
-                    if not unit.queued and any(s.has_grad for s in unit.trainable):
-                        engine.queue_update(unit)
-        except BaseException:
-            self._drop_pass()  # no half-landed state for the next pass to count
-            self.engine.events.add("the end of a backward pass raised: its gradients were dropped")
-            raise
-        finally:
-            self._ready.clear()
-            self._partial.clear()
-            self.in_backward = False
-            self.engine.after_backward()
+        flight and hand on every unit that got gradients, complete or not. Yields each unit
+        as it is handed on, so that its update is queued before the next copy is waited for."""
+        for unit in self.units:
+            if unit.waiting:  # a unit with a parameter this pass did not reach
+                yield from self._send(unit)
+        for unit in [*self._ready, *self._partial]:
+            unit.grad_event.synchronize()
+            yield from self._hand_on(unit)
+        if self._window_complete():
+            yield from self.take_pending()  # got gradients only in earlier micro-batches
 
-    def _hand_on(self, unit) -> None:
-        engine = self.engine
+    def take_pending(self) -> list:
+        """Units with gradients in this window whose update has not been handed on yet."""
+        pending = [u for u in self.update_order if not u.queued and any(s.has_grad for s in u.trainable)]
+        for unit in pending:
+            unit.queued = True
+        return pending
+
+    def close_pass(self) -> None:
+        self._ready.clear()
+        self._partial.clear()
+        self.in_backward = False
+
+    def _window_complete(self) -> bool:
+        """The window's last pass, and nothing holds the updates for step() (clipping)."""
+        return self.passes == self.settings.accumulation_steps and not self.settings.clip
+
+    def _hand_on(self, unit) -> list:
         landed = [s for s in unit.trainable if s.fresh]
         unit.landed = 0
-        if engine.opts.accumulation_steps > 1:
+        if self.settings.accumulation_steps > 1:
             firsts = [s for s in landed if not s.has_grad]
             for s in firsts:
                 if s.grad_sum is None:  # optimizer_mode="gpu" on a GPU: pinned at wrap(), the kernel maps it
@@ -264,36 +252,41 @@ class GradStreamer:
                     by_dtype.setdefault(s.stage.dtype, []).append(s)
                 for group in by_dtype.values():
                     handle = ops.accumulate_(
-                        [s.grad_sum for s in group], [s.stage for s in group], threads=engine.opts.threads
+                        [s.grad_sum for s in group], [s.stage for s in group], threads=self.settings.threads
                     )
                     for s in group:
                         s.reader = handle
         for s in landed:
             s.fresh = False
             s.has_grad = True
-        if self.passes == engine.opts.accumulation_steps and not engine.opts.max_grad_norm:
-            engine.queue_update(unit)
+        if not self._window_complete():
+            return []
+        unit.queued = True
+        return [unit]
 
     # -- window bookkeeping ------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Hand on everything still waiting (called by step(); backward is over by then)."""
-        for unit in [*self._ready, *self._partial]:
-            unit.grad_event.synchronize()
-            self._hand_on(unit)
-        self._ready.clear()
-        self._partial.clear()
+    def flush(self):
+        """Hand on everything still waiting (called by step(); backward is over by then).
+        Yields each unit as it is handed on."""
+        try:
+            for unit in [*self._ready, *self._partial]:
+                unit.grad_event.synchronize()
+                yield from self._hand_on(unit)
+        finally:
+            self._ready.clear()
+            self._partial.clear()
 
     def grad_of(self, slot) -> torch.Tensor:
         """The gradient the update reads: on the device (optimizer_mode="gpu" without
         clipping or accumulation), the landing buffer, or the window's sum."""
         if slot.device_grad is not None:
             return slot.device_grad
-        return slot.grad_sum if self.engine.opts.accumulation_steps > 1 else slot.stage
+        return slot.grad_sum if self.settings.accumulation_steps > 1 else slot.stage
 
     def reset_window(self) -> None:
         self.passes = 0
-        for unit in self.engine.units:
+        for unit in self.units:
             unit.queued = False
             for s in unit.trainable:
                 s.has_grad = False
@@ -302,7 +295,7 @@ class GradStreamer:
     def global_norm(self, slots) -> torch.Tensor:
         """The L2 norm clip_grad_norm_ would compute over this window's gradients: from the
         per-gradient device norms (one pass), or from the host sums (accumulation)."""
-        if self.engine.opts.accumulation_steps > 1:
+        if self.settings.accumulation_steps > 1:
             for s in slots:  # the host sums may still be being added to on the pool
                 if s.reader is not None:
                     _wait_read(s.reader)

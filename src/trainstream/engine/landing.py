@@ -26,6 +26,13 @@ import weakref
 _running: weakref.WeakSet[Lander] = weakref.WeakSet()
 
 
+def _stop_thread(q: queue.SimpleQueue, box: list) -> None:
+    q.put(None)
+    for thread in box:
+        if thread is not threading.current_thread():  # collected by the thread itself: it is ending
+            thread.join()
+
+
 @atexit.register
 def _stop_all() -> None:
     for lander in list(_running):
@@ -38,25 +45,29 @@ class Lander:
     def __init__(self, pager):
         self._pager = weakref.ref(pager)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        # Wake an idle thread as soon as the pager (the engine) is collected, so it exits
-        # at once instead of at its next poll; the finalizer holds only the queue.
-        weakref.finalize(pager, self._queue.put, None)
         self._thread = None
+        # When the pager (the engine) is collected, the thread is told to stop and joined, so
+        # that once the collection returns nothing of the engine is left: the thread holds
+        # units only weakly while they wait, and strongly only while it pushes one.
+        self._thread_box: list = []  # the running thread, once started, shared with the finalizer
+        weakref.finalize(pager, _stop_thread, self._queue, self._thread_box)
         self.error: BaseException | None = None
 
     def expect(self, unit) -> None:
         """`unit`'s update was just queued: push its weights when the update is done."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="trainstream-lander", daemon=True)
+            self._thread_box.append(self._thread)
             self._thread.start()
             _running.add(self)
-        self._queue.put(unit)
+        self._queue.put(weakref.ref(unit))
 
     def stop(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+            self._thread_box.clear()
         _running.discard(self)
 
     def raise_error(self) -> None:
@@ -65,7 +76,8 @@ class Lander:
             raise RuntimeError("trainstream: copying updated weights to the device failed") from error
 
     def _next(self, pending: list):
-        """The pending unit whose update the pool runs first; None to stop; waits idle."""
+        """The pending unit whose update the pool runs first; None to stop; waits idle.
+        `pending` holds weak references: a unit whose engine is gone drops out."""
         while True:
             try:
                 while True:
@@ -74,13 +86,14 @@ class Lander:
                         return None
                     pending.append(item)
             except queue.Empty:
+                pending[:] = [ref for ref in pending if ref() is not None]
                 if pending:
                     break
                 if self._pager() is None:
                     return None
-        unit = min(pending, key=lambda u: u.priority)
-        pending.remove(unit)
-        return unit
+        ref = min(pending, key=lambda r: r().priority if r() is not None else -1)
+        pending.remove(ref)
+        return ref() or self._next(pending)
 
     def _run(self) -> None:
         pending: list = []

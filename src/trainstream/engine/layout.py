@@ -242,3 +242,32 @@ def quantizable_slots(block_units: list, blocks: list, unpageable: list) -> tupl
 def set_quantization(slots: list, fmt: str | None, block_size: int) -> None:
     for s in slots:
         s.quant_format, s.quant_block = fmt, block_size
+
+
+@dataclass(eq=False)
+class ModelLayout:
+    """The model as the planner and the engine see it: its units, which blocks may not be
+    paged, which frozen weights may be quantized, and what of it is on the device now."""
+
+    block_units: list
+    outside_units: list
+    unpageable: list  # blocks sharing a parameter with the outside (tied weights)
+    quantizable: list  # slots of frozen block weights that may be stored quantized
+    notes: list  # events: what could not be quantized and why
+    on_device: int  # bytes of its weights already on the target GPU
+
+    @property
+    def units(self) -> list:
+        return self.block_units + self.outside_units
+
+
+def lay_out_model(model: torch.nn.Module, blocks: list, trainable: set, device: torch.device) -> ModelLayout:
+    block_units, outside_units, unpageable = build_units(model, blocks, trainable)
+    quantizable, notes = quantizable_slots(block_units, blocks, unpageable)
+    on_device = sum(
+        s.nbytes
+        for u in block_units + outside_units
+        for s in u.slots
+        if s.param.device == device and device.type == "cuda"
+    )
+    return ModelLayout(block_units, outside_units, unpageable, quantizable, notes, on_device)

@@ -7,17 +7,14 @@ to VRAM in one copy on the moments-in stream, the kernel updates it, and it is c
 on the moments-out stream, while the next region's copy in runs. The copy engines move both
 directions at once at the PCIe rate.
 
-The kernel could also read and write mapped host memory itself, without copies. In a
-diagnostic run on the H200 (the same kernel both ways, same bits), mapping reached 40 GB/s
-each way and the staged copies 44.6 to 47.6 GB/s; 48.2 is the two-way copy rate. Beside a
-busy GPU, 402M params took 100.6 ms staged against 104.1 ms mapped, and 1.9B params 325 ms
-against 377 ms.
+The kernel can also read and write mapped host memory itself, without copies, with the
+same bits; the copy engines reach more of the link than the kernel's own reads and writes
+do, so mapping is the fallback.
 
 A region is copied only where, when its update is queued, its VRAM copy fits under the
 process's peak so far (the caching allocator's counter): staging is not to raise the peak
 the planner and the user see. At the start of backward, before activations are freed, the
-kernel maps the first units' moments instead (staged regardless, the 402M MLP's peak rose
-by 32 MB, 1.3%, on the H200). Under max_inflight_bytes the host waits for older transfers
+kernel maps the first units' moments instead. Under max_inflight_bytes the host waits for older transfers
 to come home before it queues the copy. A param whose moments alone exceed region_limit
 gets a region of its own, still copied up to copy_limit with less overlap; beyond that it
 always stays mapped: the kernel reads and writes its moments over PCIe. Copying such a
@@ -127,8 +124,11 @@ class Staged:
 
 
 class MomentStager:
-    def __init__(self, engine, regions: list):
-        self.engine = engine
+    """Owns the moment regions and each update's copies of them (optimizer_mode="gpu")."""
+
+    def __init__(self, backend, ledger, regions: list):
+        self.backend = backend
+        self.ledger = ledger
         self.region_of = {p: r for r in regions for p, *_ in r.layout}
         self.copies = self.mapped = 0  # regions staged, and left mapped for want of room, so far
 
@@ -143,7 +143,7 @@ class MomentStager:
     def room(self) -> int | None:
         """VRAM this process may take without passing its peak so far (None: no limit, the
         CPU backend)."""
-        backend = self.engine.backend
+        backend = self.backend
         if not backend.is_cuda:
             return None
         counters = backend.allocated()
@@ -156,7 +156,7 @@ class MomentStager:
         room = self.room()
         if room is not None and region.nbytes > room:
             return False  # checked first: waiting for the ledger frees no allocated bytes
-        self.engine.inflight.make_room(region.nbytes, self.engine.max_inflight_bytes)
+        self.ledger.make_room(region.nbytes)
         return True
 
     def stage_in(self, params, stream) -> Staged:
@@ -165,7 +165,7 @@ class MomentStager:
         ordered after the region's last device work. The buffer comes from compute's pool
         (the allocator reuses memory per stream: there, the activations backward frees back
         it, and the peak check means what it says), so the copy first follows compute."""
-        backend = self.engine.backend
+        backend = self.backend
         regions = {self.region_of[p] for p in params}
         if len(regions) != 1:
             raise ValueError("trainstream internal: stage_in takes one region's params (by_region)")
@@ -193,7 +193,7 @@ class MomentStager:
         if staged.copy is None:
             region.last = kernel_done
             return None
-        engine, backend = self.engine, self.engine.backend
+        backend = self.backend
         out = backend.moments_out
         backend.wait(kernel_done, out)
         with backend.on(out):
@@ -201,5 +201,5 @@ class MomentStager:
         home = region.last = backend.record(out)
         for stream in (backend.update, out):  # the kernel's and the copy home's uses
             backend.keep_until(staged.copy, stream)  # (stage_in kept it for the copy in)
-        engine.inflight.add(home, region.nbytes)
+        self.ledger.add(home, region.nbytes)
         return home

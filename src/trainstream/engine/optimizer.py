@@ -38,6 +38,9 @@ class StreamedAdamW(OffloadAdamW):
 
     _engine = None
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
+    _stock_clip = None  # the max_grad_norm stock steps clip at, as torch does it
+    stock_steps = 0  # steps taken by the stock optimizer
+    last_grad_norm = None  # the global norm the last stock step clipped (the engine keeps its own)
     # optimizer_mode="gpu": param -> its moments in the host arena (pinned on a GPU), which
     # the update copies to VRAM or maps. Their state exists from wrap() on, and a loaded
     # state_dict is copied into them. Moments made later (mode "cpu") are those of no kernel.
@@ -81,6 +84,38 @@ class StreamedAdamW(OffloadAdamW):
                 if key in state and state[key].dtype != dtype:
                     state[key] = state[key].to(dtype)
 
+    def attach(self, engine) -> None:
+        """The engine that queues this optimizer's updates (wrap())."""
+        self._engine = engine
+
+    def detach(self) -> None:
+        """The model was unwrapped: state_dict() still works, step() no longer does."""
+        self._engine = None
+
+    def switch_to_stock(self, max_grad_norm: float | None) -> None:
+        """offload='auto': from now on every call goes to a torch.optim.AdamW(fused=True)
+        that shares this optimizer's param groups and starts from its state (moments and
+        step counts, moved to each parameter's device and dtype). The engine has unwrapped
+        the model already."""
+        groups = self.param_groups
+        stock = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=groups[0]["lr"], fused=True)
+        for group in groups:  # the user's group dicts, completed with what torch AdamW reads
+            for key, value in stock.defaults.items():
+                group.setdefault(key, value)
+            group["fused"], group["foreach"] = True, None
+        stock.param_groups = groups
+        for p, st in self.state.items():
+            if "exp_avg" not in st:
+                continue
+            stock.state[p] = {
+                "step": torch.tensor(float(st["step"]), dtype=torch.float32, device=p.device),
+                "exp_avg": st["exp_avg"].to(device=p.device, dtype=p.dtype),
+                "exp_avg_sq": st["exp_avg_sq"].to(device=p.device, dtype=p.dtype),
+            }
+        self.state = stock.state
+        self._mapped = {}  # the pinned moments the kernel read: freed with the old state
+        self._stock, self._stock_clip, self._engine = stock, max_grad_norm, None
+
     def _engine_or_raise(self):
         if self._engine is None:
             raise RuntimeError(
@@ -106,12 +141,11 @@ class StreamedAdamW(OffloadAdamW):
         return loss
 
     def _stock_step(self) -> None:
-        engine = self._stock_engine
-        if engine.opts.max_grad_norm is not None:  # the clipping wrap() was asked for, as torch does it
+        if self._stock_clip is not None:  # the clipping wrap() was asked for, as torch does it
             params = [p for g in self.param_groups for p in g["params"]]
-            engine.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, engine.opts.max_grad_norm))
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._stock_clip))
         self._stock.step()
-        engine.steps += 1
+        self.stock_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._stock is not None:

@@ -24,8 +24,11 @@ import threading
 
 import torch
 
-from .device import DeviceUpdate
+from ..quant.weight import QuantizedWeight
+from ..sizes import GiB
+from .device import DeviceUpdate, HostArena
 from .landing import Lander
+from .layout import arena_bytes, host_buffers
 
 
 def _autocast_dtype(device_type: str):
@@ -35,15 +38,94 @@ def _autocast_dtype(device_type: str):
 
 
 class WeightPager:
-    def __init__(self, engine):
-        self.engine = engine
-        self.backend = engine.backend
+    """Owns where every weight is: host buffers, resident device tensors, paged fetches."""
+
+    def __init__(self, backend, units: list, ledger, update_on_device: bool):
+        self.backend = backend
+        self.units = units
+        self.ledger = ledger
+        self.update_on_device = update_on_device  # a resident param's device data is newer than its host master
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
-        self.ahead_bytes = 0  # fetched ahead of use, not yet attached
+        self.resident_storages: set = set()  # device storage pointers of resident weights
         self.fetched_bytes = 0  # device bytes fetched since wrap (growth that is not activations)
+        self.arena = None  # the host transfer memory, once place() has carved it
         # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
         self.lock = threading.RLock()
         self.lander = Lander(self)
+
+    def stop(self) -> None:
+        """No more updates will land: the lander thread ends (unwrap, the switch to stock)."""
+        self.lander.stop()
+
+    # -- placing, at wrap() ------------------------------------------------------------------------
+
+    def place(self, stage: bool) -> str:
+        """Host buffers for every slot; resident weights on the device, paged ones replaced
+        by placeholders. One parameter at a time, so a model built in host memory never
+        needs to fit on the device. `stage`: landing buffers for the gradients. Returns the
+        event line for the host memory it took."""
+        backend = self.backend
+        layout = {s: host_buffers(s, u.paged, stage) for u in self.units for s in u.slots}
+        total = arena_bytes(self.units, stage)
+        self.arena = HostArena(backend, total)
+        for unit in self.units:
+            for s in unit.slots:
+                data = s.param.data
+                if s.quant_format is not None:
+                    self._place_quantized(s, unit.paged, layout[s])
+                    continue
+                for kind, dtype, _ in layout[s]:
+                    buf = self.arena.take(data.shape, dtype)
+                    if kind == "master":
+                        buf.copy_(data)
+                        s.host[torch.float32] = buf
+                    elif kind == "copy":
+                        buf.copy_(data)
+                        s.host[s.dtype] = buf
+                    elif kind == "stage":
+                        s.stage_region = buf
+                    else:
+                        s.spare = buf
+                if unit.paged:
+                    s.placeholder = _placeholder(s, backend.device)
+                    s.param.data = s.placeholder
+                else:
+                    if data.device != backend.device:
+                        s.param.data = data.to(backend.device)
+                    self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+        # Quantized codes made on the device were written on the compute stream; the copy-in
+        # stream dequantizes them.
+        backend.follow_compute(backend.copy_in)
+        return (
+            f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
+            f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces"
+        )
+
+    def _place_quantized(self, s, paged: bool, buffers) -> None:
+        """Quantize a frozen weight where it is (host or device); keep the codes in host
+        transfer memory (paged unit) or on the device (resident), and give the param a
+        placeholder: the weight is dequantized for each use."""
+        q = QuantizedWeight.quantize(s.param.data, s.quant_format, s.quant_block)
+        if paged:
+            held = {kind: self.arena.take((numel,), dtype) for kind, dtype, numel in buffers}
+            held["codes"].copy_(q.codes)
+            held["absmax"].copy_(q.absmax)
+            q = q._with(held["codes"], held["absmax"])
+        else:
+            q = q.to(self.backend.device)
+        s.quant = q
+        s.placeholder = _placeholder(s, self.backend.device)
+        s.param.data = s.placeholder
+
+    def restore(self) -> None:
+        """unwrap(): every weight back on the device in the model's dtype (a quantized one
+        dequantized: its original values are gone). Updates must be synchronized first."""
+        for unit in self.units:
+            self.release(unit)
+            for s in unit.slots:
+                if unit.paged or s.quant is not None:
+                    weights = s.quant.dequantize() if s.quant is not None else s.host[s.dtype]
+                    s.param.data = weights.to(self.backend.device)
 
     # -- resident units ----------------------------------------------------------------------
 
@@ -57,7 +139,7 @@ class WeightPager:
         """Send every finished update of a resident unit to the device (no waiting)."""
         self.lander.raise_error()
         with self.lock:
-            for unit in self.engine.units:
+            for unit in self.units:
                 if unit.stale and all(h.done() for h in unit.updates):
                     self.push(unit)
 
@@ -93,6 +175,11 @@ class WeightPager:
         if unit.streamed:
             self.attach(unit)
 
+    def synchronize_all(self) -> None:
+        """Every queued update written on the host and, for resident units, on the device."""
+        for unit in self.units:
+            self.synchronize(unit)
+
     def synchronize(self, unit) -> None:
         """Host side: `unit`'s updates written and, if resident, on the device."""
         for h in list(unit.updates):
@@ -111,7 +198,7 @@ class WeightPager:
 
     def repage(self, units) -> bool:
         """Page the resident units among `units` and bring the paged ones in for good. Every
-        update must be synchronized first (engine.synchronize()). True if any moved."""
+        update must be synchronized first (synchronize_all()). True if any moved."""
         for unit in units:
             if unit.paged:
                 self._to_resident(unit)
@@ -128,15 +215,13 @@ class WeightPager:
                     backend.keep_until(t, backend.copy_in)
                 s.quant = s.quant._with(backend.to_host(s.quant.codes), backend.to_host(s.quant.absmax))
                 continue
-            if s.trainable and self.engine.update_on_device:
+            if s.trainable and self.update_on_device:
                 refresh_host(s)
             if s.dtype not in s.host:  # a frozen resident param has no host copy yet
                 s.host[s.dtype] = backend.to_host(s.param.data)
-            self.engine.resident_storages.discard(s.param.data.untyped_storage().data_ptr())
+            self.resident_storages.discard(s.param.data.untyped_storage().data_ptr())
             if s.placeholder is None:
-                s.placeholder = torch.full((1,), float("nan"), dtype=s.dtype, device=backend.device).expand(
-                    s.param.shape
-                )
+                s.placeholder = _placeholder(s, backend.device)
             s.param.data = s.placeholder
         unit.paged, unit.stale, unit.h2d_event = True, False, None
 
@@ -147,7 +232,7 @@ class WeightPager:
                 s.quant = s.quant.to(self.backend.device)
                 continue
             s.param.data = s.host[s.dtype].to(self.backend.device)  # the master, or the model-dtype copy
-            self.engine.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+            self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
         unit.paged, unit.fetch_dtypes = False, {}
 
     # -- paged units ---------------------------------------------------------------------------
@@ -198,11 +283,11 @@ class WeightPager:
         the dtypes follow the autocast state; in backward they repeat the forward's."""
         if unit.fetched is not None:
             return
-        cap, nbytes = self.engine.max_inflight_bytes, unit.fetch_nbytes
+        nbytes = unit.fetch_nbytes
         if ahead:
-            if self.ahead_bytes + nbytes > cap and self.ahead_bytes:
+            if not self.ledger.may_fetch_ahead(nbytes):
                 return  # over the in-flight cap: fetched on demand when its turn comes
-            self.engine.inflight.make_room(nbytes, cap, self.ahead_bytes)
+            self.ledger.make_room(nbytes, with_ahead=True)
         if unit.paged:  # the optimizer may still be writing these weights (quantized ones are frozen)
             self._after_updates(unit, self.backend.copy_in)
         slots = unit.streamed_slots
@@ -229,7 +314,7 @@ class WeightPager:
         unit.fetch_event = backend.record(backend.copy_in)
         unit.ahead = ahead
         if ahead:
-            self.ahead_bytes += nbytes
+            self.ledger.fetched_ahead(nbytes)
 
     def attach(self, unit, *, dtypes: dict | None = None) -> None:
         """Point the unit's params at their fetched device tensors (fetching now if no
@@ -247,7 +332,7 @@ class WeightPager:
             self.fetched_storages[dev.untyped_storage().data_ptr()] = s
         unit.attached = True
         if unit.ahead:
-            self.ahead_bytes -= unit.fetch_nbytes
+            self.ledger.used(unit.fetch_nbytes)
             unit.ahead = False
 
     def release(self, unit) -> None:
@@ -259,9 +344,9 @@ class WeightPager:
             self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
             s.param.data = s.placeholder
         # The memory returns to the allocator once compute passes this point.
-        self.engine.inflight.add(self.backend.record(), _nbytes(unit.fetched.values()))
+        self.ledger.add(self.backend.record(), _nbytes(unit.fetched.values()))
         if unit.ahead:
-            self.ahead_bytes -= unit.fetch_nbytes
+            self.ledger.used(unit.fetch_nbytes)
         unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None
 
     def device_view(self, slot, dtypes: dict, dtype, size, stride, offset) -> torch.Tensor:
@@ -283,6 +368,12 @@ def refresh_host(s) -> None:
     for dtype, t in s.host.items():
         if dtype != torch.float32:
             t.copy_(s.master)
+
+
+def _placeholder(s, device) -> torch.Tensor:
+    """A paged param's data between uses: its shape, dtype and device, one NaN behind it
+    (an accidental read gives NaN, not stale numbers)."""
+    return torch.full((1,), float("nan"), dtype=s.dtype, device=device).expand(s.param.shape)
 
 
 def _nbytes(tensors) -> int:

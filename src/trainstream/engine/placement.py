@@ -10,13 +10,15 @@ numbers.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import DoesNotFit
 from ..planner.plan import BlockBytes, PlanInputs, make_plan
-
-GiB = 1 << 30
+from ..sizes import GiB
+from .layout import set_quantization
 
 
 @dataclass
@@ -60,28 +62,6 @@ def default_inflight_bytes(profile) -> int:
     """max_inflight_bytes=None: 1 GiB or a tenth of the device memory (a capped process's
     share), the smaller."""
     return int(min(GiB, profile.vram_total_bytes // 10))
-
-
-def weight_copy_bytes(slots) -> int:
-    """Bytes of bf16 copies of the fp32 weight matrices among `slots` (what autocast makes
-    of resident weights; biases and norms are not kept by backward, so not counted)."""
-    return sum(s.param.numel() * 2 for s in slots if s.dtype == torch.float32 and s.param.dim() >= 2)
-
-
-def cast_bytes(unit) -> int:
-    """The copies autocast would make of `unit`'s weights had they been resident, as this
-    pass fetched them in bf16 (params.py); an upper bound of what backward keeps (a Linear
-    whose input needs no gradient keeps no copy of its weight)."""
-    return weight_copy_bytes(
-        [s for s in unit.slots if unit.fetch_dtypes.get(s) == torch.bfloat16 and s.quant_format is None]
-    )  # a quantized weight is always dequantized per use
-
-
-def activations_as_placed(engine, unit, paged: bool) -> int:
-    """`unit`'s measured saved-activation bytes (0 if not measured) with its weights paged
-    or resident: paged, without autocast's copies of them."""
-    measured = engine.activation_bytes.get(unit.block, 0)
-    return measured - engine.activation_cast.get(unit.block, 0) if paged else measured
 
 
 def dequantized_in_flight(units) -> int:
@@ -248,21 +228,14 @@ def choose_moment_dtype(opts, units, profile) -> tuple[torch.dtype, str]:
     )
 
 
-# The AdamW kernel reaches about this share of the PCIe bound. Mapping host memory it got
-# 0.85 alone (the optimizer_gpu bench); with its moments copied through VRAM (moments.py),
-# 0.93 beside a busy GPU (a diagnostic run). Kept low: units whose copy would raise the
-# VRAM peak are still mapped.
+# The share of the PCIe bound the AdamW kernel is costed at (the optimizer_gpu bench measures
+# it). Below what it reaches when its moments are copied, since a unit whose copy would
+# raise the VRAM peak is mapped instead.
 DEVICE_UPDATE_EFFICIENCY = 0.8
 # Beside backward the kernel holds SMs the GEMMs would use, so "auto" picks the device only
-# where the host AdamW is estimated at this many times the kernel's PCIe time. On the H200
-# (16-core host) both benched models estimate the host at 1.5x: the 402M MLP then stepped
-# equally fast either way (127 and 130 ms), the 1.9B GPT 20% faster on the device (410
-# against 510 ms). Sharing the units out between the two was slower than the device alone
-# (455 ms): the kernel's PCIe traffic and the host AdamW contend for the same host memory.
-# Those runs had the kernel map the moments. With them copied through VRAM, one kernel per
-# region, the engine suite (at 4bec486) gave the MLP 107 ms on the device against 115 ms on
-# the host, and the GPT under a 24 GiB cap 361 ms against 466 ms. The device wins for both,
-# and the margin picks it for both.
+# where the host AdamW is estimated at this many times the kernel's PCIe time. The whole
+# model goes one way: split between the two, the kernel's PCIe traffic and the host AdamW
+# contend for the same host memory bandwidth.
 DEVICE_UPDATE_MARGIN = 1.25
 
 
@@ -353,7 +326,8 @@ def check_fits(
             + f"), available {have_host / GiB:.2f} GiB"
             + (f" (this process's share of {local_processes()} on the machine)" if local_processes() > 1 else "")
         )
-    if backend.is_cuda and pinned_bytes > profile.pinned_limit_bytes:
+    pinned = pinned_bytes if backend.is_cuda else 0
+    if pinned > profile.pinned_limit_bytes:
         problems.append(
             f"pinned memory: needs {pinned_bytes / GiB:.2f} GiB of transfer buffers, the limit is "
             f"{profile.pinned_limit_bytes / GiB:.2f} GiB (raise RLIMIT_MEMLOCK, ulimit -l)"
@@ -366,12 +340,230 @@ def check_fits(
             f" ({profile.source} profile)"
         )
     if problems:
-        raise MemoryError(
-            "trainstream.wrap(): this run does not fit. "
-            + "; ".join(problems)
-            + ". What would help: moment_dtype='bfloat16' (halves the moments), "
-            + (f"{quantize_hint} (frozen weights), " if quantize_hint else "")
-            + "paging more blocks "
-            "(param_offload=True), a smaller batch, or more RAM. check_memory=False skips this check."
+        raise DoesNotFit(
+            needs={"vram": need_dev, "ram": need_host, "pinned": pinned},
+            has={"vram": usable, "ram": have_host, "pinned": profile.pinned_limit_bytes},
+            problems=problems,
+            suggestions=[
+                "moment_dtype='bfloat16' (halves the moments)",
+                *([f"{quantize_hint} (frozen weights)"] if quantize_hint else []),
+                "paging more blocks (param_offload=True)",
+                "a smaller batch",
+                "more RAM",
+            ],
         )
     return budget
+
+
+def grads_stay_on_device(update_on_device: bool, opts) -> bool:
+    """Gradients stay on the device for their update (optimizer_mode="gpu"), unless clipping
+    (which needs every gradient first) or accumulation keeps them in host memory."""
+    return update_on_device and opts.accumulation_steps == 1 and opts.max_grad_norm is None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision wrap() makes before it moves a byte; the engine is built from it."""
+
+    paged: tuple  # block indices whose weights live in host memory
+    act_paged: tuple  # block indices whose saved activations are paged
+    quantize: str | None  # the format of the frozen weights stored quantized ("int8", "nf4"), or None
+    quantized: frozenset  # the names of those weights
+    quant_block_size: int
+    moment_dtype: torch.dtype
+    update_on_device: bool  # optimizer_mode="gpu": the CUDA AdamW updates, over host moments
+    device_grads: bool  # gradients stay on the device until their update reads them
+    max_inflight_bytes: int
+    mapped_bytes: int  # host arena for the device update's moments (and gradient sums)
+    budget: dict  # bytes by resource and class, as check_fits counted them
+    notes: tuple  # the events that explain these decisions
+
+
+QUANT_ORDER = ("int8", "nf4")  # quantize="auto" tries them in this order, after no quantization
+
+
+def _check_contiguous(slots) -> None:
+    """The device update reads and writes parameters and gradients as flat arrays."""
+    bad = [s.name for s in slots if not s.param.is_contiguous()]
+    if bad:
+        raise ValueError(
+            f"wrap(): optimizer_mode='gpu' needs contiguous parameters; not contiguous: "
+            f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} (make them contiguous before "
+            "wrap(), or use optimizer_mode='cpu')"
+        )
+
+
+@dataclass
+class _Fit:
+    placement: Placement
+    moment_dtype: torch.dtype
+    update_on_device: bool
+    budget: dict
+    mapped_bytes: int
+    notes: list
+
+
+def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
+    """Placement, moment dtype and optimizer mode for the units with their quantization as
+    set now; DoesNotFit when it does not fit."""
+    block_units, outside_units = model.block_units, model.outside_units
+    placement = choose(opts, block_units, outside_units, model.unpageable, profile, model.on_device)
+    for u in block_units:
+        u.paged = u.block in placement.paged
+        u.act_paged = u.block in placement.act_paged
+    units = block_units + outside_units
+    notes = []
+    moment_dtype = torch.float32 if opts.moment_dtype == "auto" else opts.moment_dtype
+    if opts.moment_dtype == "auto":
+        moment_dtype, note = choose_moment_dtype(opts, units, profile)
+        notes.append(note)
+    update_on_device, mode_note = choose_optimizer_mode(opts, units, profile, moment_dtype.itemsize, backend)
+    if mode_note:
+        notes.append(mode_note)
+    trainable = [s for u in units for s in u.trainable]
+    if update_on_device:
+        _check_contiguous(trainable)
+    # optimizer_mode="gpu": the moments (copied to VRAM per update, moments.py) and the
+    # accumulated gradient sums (which the kernel maps) are carved from one arena, pinned on
+    # a GPU; on the CPU backend the arena is plain memory and the same layout runs in CI.
+    from .device import HostArena
+    from .layout import arena_bytes
+
+    sums = opts.accumulation_steps > 1
+    mapped_bytes = (
+        sum(
+            2 * HostArena.size_of(s.param.numel(), moment_dtype)
+            + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
+            for s in trainable
+        )
+        if update_on_device
+        else 0
+    )
+    device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
+    budget = check_fits(
+        opts,
+        units,
+        placement,
+        backend,
+        profile,
+        model.on_device,
+        moment_dtype.itemsize,
+        arena_bytes(units, stage=not device_grads) + mapped_bytes,
+        device_grads,
+        quantize_hint,
+    )
+    return _Fit(placement, moment_dtype, update_on_device, budget, mapped_bytes, notes)
+
+
+def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, list]:
+    """The fit with the quantize setting applied: (fit, format, notes). quantize='auto' tries
+    no quantization, then int8, then NF4, and keeps the first that fits (prefer='speed': NF4
+    as well when it keeps every block resident where the first choice pages some)."""
+    quantizable = model.quantizable
+    formats = {"auto": [None, "int8", "nf4"], "none": [None], "int8": ["int8"], "nf4": ["nf4"]}[opts.quantize]
+    if not quantizable:
+        formats = [None]
+    notes, refused = [], []
+    for i, fmt in enumerate(formats):
+        last = i == len(formats) - 1
+        set_quantization(quantizable, fmt, opts.quant_block_size)
+        smaller = QUANT_ORDER[QUANT_ORDER.index(fmt) + 1 :] if fmt else QUANT_ORDER  # formats that shrink more
+        hint = " or ".join(f"quantize={f!r}" for f in smaller) if quantizable and last else ""
+        try:
+            fit = _fit(opts, model, profile, backend, quantize_hint=hint)
+        except DoesNotFit as e:
+            if not last:
+                refused.append(f"{fmt or 'no quantization'} ({'; '.join(e.problems)})")
+                continue
+            if refused:
+                raise e.with_problems(
+                    [*e.problems, f"quantize='auto' tried, and it did not fit either with {'; '.join(refused)}"]
+                ) from None
+            raise
+        break
+    if (
+        opts.quantize == "auto"
+        and opts.prefer == "speed"
+        and quantizable
+        and fmt != "nf4"
+        and opts.param_offload == "auto"
+        and fit.placement.paged
+    ):
+        set_quantization(quantizable, "nf4", opts.quant_block_size)
+        try:
+            nf4 = _fit(opts, model, profile, backend)
+        except DoesNotFit:
+            nf4 = None
+        if nf4 is not None and not nf4.placement.paged:
+            notes.append(
+                f"quantize='auto', prefer='speed': nf4 keeps every block in VRAM ({fmt or 'no quantization'}"
+                f" paged {len(fit.placement.paged)})"
+            )
+            fit, fmt = nf4, "nf4"
+        else:
+            set_quantization(quantizable, fmt, opts.quant_block_size)
+            fit = _fit(opts, model, profile, backend)
+    if fmt is None:
+        if opts.quantize in ("int8", "nf4"):
+            notes.append(
+                f"quantize={opts.quantize!r}: no frozen Linear weight in the blocks to quantize "
+                "(trainable weights are never quantized)"
+            )
+        elif opts.quantize == "auto":
+            notes.append(
+                "quantize='auto': nothing quantized"
+                + ("" if quantizable else " (no frozen Linear weights in the blocks)")
+            )
+        return fit, None, notes
+    if opts.quantize == "auto":  # a lossy choice made for the user: say it outside the log too
+        why_auto = (
+            "because the run does not fit otherwise; pass quantize='none' to get the DoesNotFit error instead"
+            if refused
+            else "because prefer='speed' and it keeps every block in VRAM"
+        )
+        warnings.warn(
+            f"trainstream.wrap(): quantize='auto' stores {len(quantizable)} frozen weights as {fmt}, {why_auto}",
+            stacklevel=4,
+        )
+    before = sum(s.full_nbytes for s in quantizable)
+    after = sum(s.nbytes for s in quantizable)
+    why = f", because it does not fit with {'; '.join(refused)}" if refused else ""
+    notes.append(
+        f"quantize={opts.quantize!r}: {len(quantizable)} frozen weights as {fmt} (block "
+        f"{opts.quant_block_size}), {before / GiB:.2f} -> {after / GiB:.2f} GiB{why}"
+    )
+    return fit, fmt, notes
+
+
+def plan_run(opts, model, profile, backend) -> Plan:
+    """Decide everything for `model` (a ModelLayout: the units and what wrap() found about
+    them) on this machine; DoesNotFit when nothing fits. The units are left as they were:
+    planning tries quantization formats and placements on them, the engine applies the one
+    chosen."""
+    units = model.block_units + model.outside_units
+    saved = (
+        [(s, s.quant_format, s.quant_block) for u in units for s in u.slots],
+        [(u, u.paged, u.act_paged) for u in units],
+    )
+    try:
+        fit, fmt, quant_notes = _fit_quantized(opts, model, profile, backend)
+    finally:
+        for s, fmt_was, block_was in saved[0]:
+            s.quant_format, s.quant_block = fmt_was, block_was
+        for u, paged, act_paged in saved[1]:
+            u.paged, u.act_paged = paged, act_paged
+    inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
+    return Plan(
+        paged=tuple(fit.placement.paged),
+        act_paged=tuple(fit.placement.act_paged),
+        quantize=fmt,
+        quantized=frozenset(s.name for s in model.quantizable) if fmt else frozenset(),
+        quant_block_size=opts.quant_block_size,
+        moment_dtype=fit.moment_dtype,
+        update_on_device=fit.update_on_device,
+        device_grads=grads_stay_on_device(fit.update_on_device, opts),
+        max_inflight_bytes=inflight,
+        mapped_bytes=fit.mapped_bytes,
+        budget=fit.budget,
+        notes=(*fit.placement.notes, *model.notes, *fit.notes, *quant_notes),
+    )

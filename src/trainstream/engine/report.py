@@ -54,7 +54,7 @@ def moment_copies(engine) -> dict | None:
 def build_report(engine) -> dict:
     blocks = engine.block_units
     quant = quantization(engine)
-    peaks = {"steps": engine.steps, "max_allocated_bytes": None}
+    peaks = {"steps": engine.steps_taken, "max_allocated_bytes": None}
     if engine.backend.is_cuda:
         peaks["max_allocated_bytes"] = torch.cuda.max_memory_allocated(engine.backend.device)
     return {

@@ -1,4 +1,4 @@
-"""model.state_dict() / load_state_dict() while wrapped, and unwrap().
+"""model.state_dict() / load_state_dict() while wrapped.
 
 A paged parameter's ``.data`` is a placeholder most of the time, so around saving and
 loading each module points its paged params at their host weights (the fp32 master, or
@@ -6,7 +6,7 @@ the host copy in the model's dtype): saving reads them (host tensors in the stat
 loading writes straight into them. Afterwards every derived copy (fp32 master of a bf16
 model, compute-dtype paging copies, the master of a resident param) is brought level.
 A quantized frozen weight is saved dequantized (the values training uses) and a loaded one
-is quantized again; unwrap() leaves it dequantized, since the original values are gone.
+is quantized again.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from ..quant.weight import QuantizedWeight
 
 
-def _direct_slots(engine) -> dict:
+def _direct_slots(model, units) -> dict:
     by_module = {}
-    slot_of = {s.param: s for u in engine.units for s in u.slots}
-    for module in engine.model.modules():
+    slot_of = {s.param: s for u in units for s in u.slots}
+    for module in model.modules():
         slots = [slot_of[p] for p in module.parameters(recurse=False) if p in slot_of]
         if slots:
             by_module[module] = slots
@@ -62,13 +62,18 @@ def _level(s) -> None:
 
 
 class StateHooks:
-    def __init__(self, engine):
-        self.engine = engine
+    """Owns the state-dict hooks of every module holding a wrapped parameter."""
+
+    def __init__(self, model, units, backend, weights):
+        self.model = model
+        self.units = units
+        self.backend = backend
+        self.weights = weights  # the WeightPager: in-flight updates, and the resident units' lock
         self._handles = []
         self._saved = {}
 
     def install(self) -> None:
-        for module, slots in _direct_slots(self.engine).items():
+        for module, slots in _direct_slots(self.model, self.units).items():
             # Every module waits for in-flight updates before it is read: a resident param's
             # device copy may still be on its way.
             self._handles += [
@@ -92,7 +97,7 @@ class StateHooks:
     def _expose(self, slots, only=None) -> None:
         """Point the placeholder params among `slots` (those in `only`, if given) at weights
         that can be read and written."""
-        self.engine.synchronize()
+        self.weights.synchronize_all()
         for s in _exposed(slots):
             if only is None or s in only:
                 self._saved[s] = s.param.data
@@ -119,7 +124,7 @@ class StateHooks:
                 "trainstream: load_state_dict(assign=True) would replace the wrapped parameters; "
                 "load without assign, or unwrap() first"
             )
-        backend = self.engine.backend
+        backend = self.backend
         if backend.is_cuda:  # copies to the device may still read the host weights or codes written below
             torch.cuda.synchronize(backend.device)
         # Only the weights the state dict holds (a partial load, say a LoRA adapter's, leaves
@@ -133,22 +138,8 @@ class StateHooks:
                 continue  # not in the state dict: its codes stand
             _level(s)
         self._restore([s for s in _exposed(slots) if s in self._saved])
-        backend = self.engine.backend
+        backend = self.backend
         backend.follow_compute(backend.copy_in)  # re-quantized codes were written on the compute stream
-        with self.engine.weights.lock:
+        with self.weights.lock:
             for unit in {s.unit for s in slots}:
                 unit.stale = False
-
-
-def unwrap(engine) -> None:
-    """Every weight back on the device in the model's dtype, every hook removed."""
-    engine.synchronize()
-    engine.remove()
-    engine.state_hooks.remove()
-    for unit in engine.units:
-        engine.weights.release(unit)
-        for s in _exposed(unit.slots):
-            weights = s.quant.dequantize() if s.quant is not None else _host_weights(s)
-            s.param.data = weights.to(engine.backend.device)
-    engine.optimizer._engine = None
-    engine.moments = None  # the regions (the optimizer's state still holds the moments)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GiB = 1 << 30
+from ..sizes import GiB
 
 
 @dataclass
@@ -183,9 +183,8 @@ def make_plan(inp: PlanInputs) -> Plan:
             if not fits:
                 continue
             # Within the slowdown limit first; then faster (to 0.1 ms); then fewer blocks'
-            # activations paged (their copies cost host work the model does not count: the H200
-            # runs showed weight paging, bf16 under autocast, to be the cheaper way to fit);
-            # then fewer blocks' weights paged.
+            # activations paged (their copies cost host work the model does not count, where
+            # weights paged in bf16 under autocast cost none); then fewer blocks' weights paged.
             key = (not within, round(step * 1e3, 1), len(a.chosen), len(w.chosen))
             if best_key is None or key < best_key:
                 best_key, best = key, (need, w, a, terms, step, slowdown, within)
