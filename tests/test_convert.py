@@ -1,12 +1,13 @@
 """Converting the optimizer wrap() is given into an OffloadAdamW, state included."""
 
 import copy
+import inspect
 
 import pytest
 import torch
 from test_offload_adamw import OddModel, batches, groups_of, max_diff, train
 
-from trainstream import OffloadAdamW
+from trainstream import OffloadAdamW, options
 from trainstream.optim import convert_optimizer
 
 TOL = 1e-6
@@ -66,3 +67,36 @@ def test_unsupported_optimizers_and_options_are_refused():
         convert_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), None)
     with pytest.raises(ValueError, match=r"does not support amsgrad=True"):
         convert_optimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), None)
+
+
+def test_conversion_defaults_are_offload_adamws_in_the_option_table():
+    table = options.options_of(options.OFFLOAD_ADAMW)
+    signature = inspect.signature(convert_optimizer).parameters
+    taken = [name for name in signature if name in table]
+    assert taken == ["lr", "mode", "moment_dtype", "threads", "max_grad_norm", "accumulation_steps"]
+    assert {name: signature[name].default for name in taken} == {name: table[name].default for name in taken}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mode="auto"), r"option 'mode' got 'auto'; accepted: 'cpu', 'gpu'$"),
+        (dict(moment_dtype="auto"), r"option 'moment_dtype' got 'auto'; accepted: 'float32', 'fp32', torch.float32"),
+        (dict(threads=0), r"option 'threads' got 0; accepted: None, an integer from 1 to the number of cores"),
+        (dict(max_grad_norm=-1.0), r"option 'max_grad_norm' got -1.0; accepted: None, a float > 0$"),
+        (dict(accumulation_steps=0), r"option 'accumulation_steps' got 0; accepted: an integer >= 1$"),
+        (dict(lr=-1.0), r"option 'lr' got -1.0; accepted: a float >= 0"),
+    ],
+)
+def test_conversion_checks_its_options_under_its_own_name(kwargs, match):
+    torch_opt = torch.optim.AdamW(OddModel().parameters())
+    with pytest.raises(ValueError, match=r"^convert_optimizer\(\): " + match):
+        convert_optimizer(torch_opt, None, **kwargs)
+    with pytest.raises(ValueError, match=r"^convert_optimizer\(\): " + match):
+        convert_optimizer(None, OddModel().parameters(), **kwargs)
+
+
+def test_conversion_takes_every_moment_spelling_of_offload_adamw():
+    for spelling in ("fp32", torch.float32, "bf16", torch.bfloat16):
+        opt = convert_optimizer(None, OddModel().parameters(), moment_dtype=spelling)
+        assert opt.moment_dtype == options.check("moment_dtype", spelling, caller=options.OFFLOAD_ADAMW)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import trainstream
-from trainstream import OffloadAdamW
+from trainstream import OffloadAdamW, options
 
 TOL = 1e-6
 
@@ -259,12 +259,19 @@ def test_bf16_moments_train_like_fp32():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])
-def test_thread_count_does_not_change_results(threads):
+def test_thread_count_does_not_change_results(threads, monkeypatch):
+    # More workers than a small test machine's cores is refused as an option; the pool itself
+    # runs any count, so the option check is told of enough cores to pass 5 through.
+    cores = max(threads, options.available_cores())
+    monkeypatch.setattr(options, "available_cores", lambda: cores)
     model, twin = twin_models()
     data = batches(5)
     train(model, OffloadAdamW(model.parameters(), lr=1e-2, moment_dtype="bfloat16", seed=1, threads=1), data)
     train(twin, OffloadAdamW(twin.parameters(), lr=1e-2, moment_dtype="bfloat16", seed=1, threads=threads), data)
     assert max_diff(model, twin) == 0.0
+
+
+THREADS_ACCEPTED = r"None, an integer from 1 to the number of cores this process may use \(\d+ here\)$"
 
 
 @pytest.mark.parametrize(
@@ -274,24 +281,95 @@ def test_thread_count_does_not_change_results(threads):
         (dict(maximize=True), r"does not support maximize=True"),
         (dict(capturable=True), r"does not support capturable=True"),
         (dict(differentiable=True), r"does not support differentiable=True"),
-        (dict(lr=-1.0), r"lr must be a float >= 0"),
-        (dict(betas=(0.9, 1.0)), r"betas must be a pair of floats in \[0, 1\)"),
-        (dict(betas=(0.9,)), r"betas must be a pair"),
-        (dict(eps=-1e-8), r"eps must be a float >= 0"),
-        (dict(weight_decay=-0.1), r"weight_decay must be a float >= 0"),
-        (dict(mode="tpu"), r"mode must be one of \('cpu', 'gpu'\), got 'tpu'"),
-        (dict(moment_dtype="float16"), r"moment_dtype must be 'float32' or 'bfloat16'"),
-        (dict(max_grad_norm=0.0), r"max_grad_norm must be None or a float > 0"),
-        (dict(max_grad_norm="1"), r"max_grad_norm must be None or a float > 0"),
-        (dict(accumulation_steps=0), r"accumulation_steps must be an integer >= 1"),
-        (dict(accumulation_steps=2.0), r"accumulation_steps must be an integer >= 1"),
-        (dict(threads=0), r"threads must be None or an integer >= 1"),
-        (dict(threads=True), r"threads must be None or an integer >= 1"),
+        (dict(lr=-1.0), r"OffloadAdamW\(\): option 'lr' got -1.0; accepted: a float >= 0"),
+        (dict(betas=(0.9, 1.0)), r"option 'betas' got \(0.9, 1.0\); accepted: a pair of floats in \[0, 1\)"),
+        (dict(betas=(0.9,)), r"option 'betas' got \(0.9,\); accepted: a pair"),
+        (dict(eps=-1e-8), r"option 'eps' got -1e-08; accepted: a float >= 0"),
+        (dict(weight_decay=-0.1), r"option 'weight_decay' got -0.1; accepted: a float >= 0"),
+        (dict(mode="tpu"), r"option 'mode' got 'tpu'; accepted: 'cpu', 'gpu'$"),
+        (dict(mode="auto"), r"option 'mode' got 'auto'; accepted: 'cpu', 'gpu'$"),
+        (
+            dict(moment_dtype="float16"),
+            r"option 'moment_dtype' got 'float16'; accepted: 'float32', 'fp32', torch.float32, 'bfloat16', 'bf16', torch.bfloat16$",
+        ),
+        (dict(moment_dtype="auto"), r"option 'moment_dtype' got 'auto'; accepted: 'float32', 'fp32'"),
+        (dict(moment_dtype=torch.float16), r"option 'moment_dtype' got torch.float16; accepted: 'float32'"),
+        (dict(max_grad_norm=0.0), r"option 'max_grad_norm' got 0.0; accepted: None, a float > 0"),
+        (dict(max_grad_norm="1"), r"option 'max_grad_norm' got '1'; accepted: None, a float > 0"),
+        (dict(accumulation_steps=0), r"option 'accumulation_steps' got 0; accepted: an integer >= 1"),
+        (dict(accumulation_steps=2.0), r"option 'accumulation_steps' got 2.0; accepted: an integer >= 1"),
+        (dict(threads=0), rf"option 'threads' got 0; accepted: {THREADS_ACCEPTED}"),
+        (dict(threads=True), rf"option 'threads' got True; accepted: {THREADS_ACCEPTED}"),
+        (dict(threads=1.5), rf"option 'threads' got 1.5; accepted: {THREADS_ACCEPTED}"),
+        (dict(threads=100000), rf"option 'threads' got 100000; accepted: {THREADS_ACCEPTED}"),
     ],
 )
 def test_constructor_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         OffloadAdamW(torch.nn.Linear(3, 3).parameters(), **kwargs)
+    assert str(err.value).startswith(("OffloadAdamW(): option ", "OffloadAdamW does not support "))
+
+
+@pytest.mark.parametrize(
+    "spelling, dtype",
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        (torch.float32, torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_moment_dtype_takes_every_spelling_of_the_specification(spelling, dtype):
+    assert OffloadAdamW(torch.nn.Linear(2, 2).parameters(), moment_dtype=spelling).moment_dtype == dtype
+
+
+def test_threads_take_every_core_and_stay_unresolved_until_the_pool():
+    cores = options.available_cores()
+    assert OffloadAdamW(torch.nn.Linear(2, 2).parameters(), threads=cores).threads == cores
+    assert OffloadAdamW(torch.nn.Linear(2, 2).parameters()).threads is None  # ops.get_pool resolves it
+
+
+# Hyper-parameter values torch.optim.AdamW accepts or refuses; OffloadAdamW agrees on each.
+TORCH_HYPERPARAMETERS = [
+    dict(lr=0.0),
+    dict(lr=-1e-3),
+    dict(lr=float("nan")),
+    dict(lr=float("inf")),
+    dict(lr=torch.tensor(1e-3)),
+    dict(lr=torch.tensor(-1e-3)),
+    dict(lr=torch.tensor([1e-3, 1e-3])),
+    dict(betas=(0.0, 0.0)),
+    dict(betas=(0.9, 0.999)),
+    dict(betas=(1.0, 0.9)),
+    dict(betas=(0.9, 1.0)),
+    dict(betas=(-0.1, 0.9)),
+    dict(betas=(torch.tensor(0.9), torch.tensor(0.99))),
+    dict(eps=0.0),
+    dict(eps=-1e-8),
+    dict(weight_decay=0.0),
+    dict(weight_decay=-0.1),
+]
+
+
+@pytest.mark.parametrize("hyper", TORCH_HYPERPARAMETERS, ids=repr)
+def test_hyperparameters_are_refused_where_torch_refuses_them(hyper):
+    def refuses(make) -> bool:
+        try:
+            make(torch.nn.Linear(2, 2).parameters(), **hyper)
+        except ValueError:
+            return True
+        return False
+
+    assert refuses(OffloadAdamW) == refuses(torch.optim.AdamW)
+
+
+def test_tensor_betas_are_held_as_floats_as_torch_holds_them():
+    betas = (torch.tensor(0.8), torch.tensor(0.95))
+    ours = OffloadAdamW(torch.nn.Linear(2, 2).parameters(), betas=betas)
+    theirs = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), betas=betas)
+    assert ours.param_groups[0]["betas"] == theirs.param_groups[0]["betas"] == (0.800000011920929, 0.949999988079071)
 
 
 def test_parameter_errors():
@@ -301,8 +379,12 @@ def test_parameter_errors():
         OffloadAdamW([torch.nn.Parameter(torch.zeros(4, 4).t())])
     with pytest.raises(ValueError, match=r"amsgrad=True"):
         OffloadAdamW([{"params": torch.nn.Linear(2, 2).parameters(), "amsgrad": True}])
-    with pytest.raises(ValueError, match=r"lr must be a float >= 0"):
+    with pytest.raises(
+        ValueError, match=r"^OffloadAdamW\(\) param group: option 'lr' got -3.0; accepted: a float >= 0"
+    ):
         OffloadAdamW([{"params": torch.nn.Linear(2, 2).parameters(), "lr": -3.0}])
+    with pytest.raises(ValueError, match=r"^OffloadAdamW\(\) param group: option 'betas' got \(1.0, 0.9\)"):
+        OffloadAdamW([{"params": torch.nn.Linear(2, 2).parameters(), "betas": (1.0, 0.9)}])
 
 
 def test_loading_an_amsgrad_state_dict_is_refused():

@@ -1,29 +1,56 @@
-"""Every option of ``trainstream.wrap()``: accepted values, defaults, normalization and the
-error a bad value gets. The table is the public contract (../shared/SPEC.md); wrap()
-validates all of it up front, including options whose behaviour later stages deliver, so
-a typo never silently does nothing.
+"""Every option a public call takes: accepted values, defaults, normalization, meaning and
+the error a bad value gets. The table is the public contract (../shared/SPEC.md), written
+once for every caller, so ``wrap()`` and ``OffloadAdamW`` cannot drift apart. wrap()
+validates all of its options up front, including those whose behaviour later stages
+deliver, so a typo never silently does nothing.
+
+``python -m trainstream.options > docs/options.md`` writes the reference from this table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import numbers
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .sizes import MiB
 
-class _Spec:
-    def __init__(self, default: Any, accepted: str, normalize: Callable[[Any], Any]):
-        self.default = default
-        self.accepted = accepted
-        self.normalize = normalize  # returns the normalized value, or raises _Reject
+WRAP = "wrap"
+OFFLOAD_ADAMW = "OffloadAdamW"
+# Every caller that validates through this table. A new caller (load_model, quantize_model)
+# joins by adding its name here and to the `used_by` of each option it takes.
+CALLERS = (WRAP, OFFLOAD_ADAMW)
+
+# The largest quant_block_size: one scale per 4096 values is already the coarsest format
+# in use (bitsandbytes' range); larger blocks only lose precision and allocate per block.
+MAX_QUANT_BLOCK_SIZE = 4096
 
 
 class _Reject(Exception):
-    pass
+    """A normalizer's refusal; its text, when it has one, is a detail for the error."""
+
+
+@dataclass(frozen=True)
+class Option:
+    default: Any
+    accepted: str
+    normalize: Callable[[Any], Any]  # returns the normalized value, or raises _Reject
+    meaning: str  # one line, from SPEC.md
+    used_by: tuple[str, ...] = (WRAP,)
+    # caller -> the fields (default, accepted, normalize, meaning) that differ for it
+    differs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def for_caller(self, caller: str) -> Option:
+        return dataclasses.replace(self, **self.differs.get(caller, {}))
+
+
+# -- normalizers ------------------------------------------------------------------------------
 
 
 def _is_bool(v) -> bool:
@@ -43,6 +70,30 @@ def _one_of(*choices):
         for c in choices:
             if v is c or (type(v) is type(c) and v == c):
                 return v
+        raise _Reject
+
+    return normalize
+
+
+def _check(pred):
+    def normalize(v):
+        if pred(v):
+            return v
+        raise _Reject
+
+    return normalize
+
+
+def _optional(pred):
+    return _check(lambda v: v is None or pred(v))
+
+
+def _integer(pred):
+    """An integer (of any integral type) for which `pred` holds, as a Python int."""
+
+    def normalize(v):
+        if _is_int(v) and pred(v):
+            return int(v)
         raise _Reject
 
     return normalize
@@ -76,12 +127,26 @@ def _quantize(v):
     return _one_of("auto", "int8", "nf4")(v)
 
 
+def _quant_block_size(v):
+    if _is_int(v) and 2 <= v <= MAX_QUANT_BLOCK_SIZE and v % 2 == 0:
+        return int(v)
+    raise _Reject
+
+
+_MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _moment_dtype_exact(v):
+    """A moment dtype named outright: a spelling of float32 or bfloat16."""
+    if v is torch.float32 or v is torch.bfloat16:
+        return v
+    if isinstance(v, str) and v in _MOMENT_DTYPES:
+        return _MOMENT_DTYPES[v]
+    raise _Reject
+
+
 def _moment_dtype(v):
-    if v is torch.bfloat16 or v in ("bfloat16", "bf16"):
-        return torch.bfloat16
-    if v == "float32":
-        return torch.float32
-    return _one_of("auto")(v)
+    return "auto" if isinstance(v, str) and v == "auto" else _moment_dtype_exact(v)
 
 
 def _device(v):
@@ -121,49 +186,264 @@ def _profile(v):
     raise _Reject
 
 
-def _check(pred):
-    def normalize(v):
-        if pred(v):
-            return v
+def available_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """What threads=None means: every core, less two on a host of 8 or more, which the
+    Python and autograd threads need to keep the host AdamW fed."""
+    cores = available_cores()
+    return cores - 2 if cores >= 8 else cores
+
+
+def _threads(v):
+    if v is None:
+        return None
+    cores = available_cores()
+    if _is_int(v) and 1 <= v <= cores:
+        return int(v)
+    raise _Reject(f"{cores} here")
+
+
+def _scalar(v):
+    """A real number, or the value of a one-element tensor (torch takes both for lr, betas)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    return v if _is_real(v) else None
+
+
+def _lr(v):
+    # torch keeps a tensor lr as given (a scheduler may update it in place): only checked here.
+    value = _scalar(v)
+    if value is not None and value >= 0:
+        return v
+    raise _Reject
+
+
+def _non_negative(v):
+    if _is_real(v) and v >= 0:
+        return v
+    raise _Reject
+
+
+def _clip_norm(v):
+    if v is None:
+        return None
+    if _is_real(v) and v > 0:
+        return float(v)
+    raise _Reject
+
+
+def _betas(v):
+    if not isinstance(v, (tuple, list)) or len(v) != 2:
         raise _Reject
-
-    return normalize
-
-
-def _optional(pred):
-    return _check(lambda v: v is None or pred(v))
+    values = tuple(_scalar(b) for b in v)
+    if all(b is not None and 0.0 <= b < 1.0 for b in values):
+        return tuple(float(b) for b in values)
+    raise _Reject
 
 
-SPECS: dict[str, _Spec] = {
-    "optimizer_mode": _Spec("cpu", "'cpu', 'gpu', 'auto'", _one_of("cpu", "gpu", "auto")),
-    "offload": _Spec("auto", "'auto', True", _one_of("auto", True)),
-    "activation_offload": _Spec("auto", "'auto', True, False, a float in [0, 1]", _fraction_or("auto", True, False)),
-    "param_offload": _Spec(
-        "auto", "'auto', True, False, a float in [0, 1], a list of distinct block indices >= 0", _param_offload
+# -- the table --------------------------------------------------------------------------------
+
+_TORCH = "as torch.optim.AdamW"
+_BOTH = (WRAP, OFFLOAD_ADAMW)
+
+OPTIONS: dict[str, Option] = {
+    "optimizer_mode": Option(
+        "cpu",
+        "'cpu', 'gpu', 'auto'",
+        _one_of("cpu", "gpu", "auto"),
+        "host AdamW; the CUDA AdamW with the moments kept in pinned host memory (copied through VRAM region "
+        "by region where that stays under the peak, read in place otherwise); or picked from the hardware profile",
     ),
-    "quantize": _Spec("auto", "'auto', 'none', None, False, 'int8', 'nf4'", _quantize),
-    "quant_block_size": _Spec(64, "an even integer >= 2", _check(lambda v: _is_int(v) and v >= 2 and v % 2 == 0)),
-    "prefer": _Spec("exact", "'exact', 'speed'", _one_of("exact", "speed")),
-    "moment_dtype": _Spec("auto", "'auto', 'float32', 'bfloat16', 'bf16', torch.bfloat16", _moment_dtype),
-    "device": _Spec(None, "None, 'cuda', 'cuda:N', 'cpu', a torch.device", _device),
-    "blocks": _Spec(None, "None, a non-empty list of modules", _blocks),
-    "distributed": _Spec(None, "None, True, False", _one_of(None, True, False)),
-    "guard_params": _Spec(True, "True, False", _one_of(True, False)),
-    "max_grad_norm": _Spec(None, "None, a float > 0", _optional(lambda v: _is_real(v) and v > 0)),
-    "accumulation_steps": _Spec(1, "an integer >= 1", _check(lambda v: _is_int(v) and v >= 1)),
-    "vram_headroom": _Spec(0.10, "a float in [0, 1]", _check(lambda v: _is_real(v) and 0.0 <= v <= 1.0)),
-    "check_memory": _Spec(True, "True, False", _one_of(True, False)),
-    "max_inflight_bytes": _Spec(
-        None, "None, an integer number of bytes > 0", _optional(lambda v: _is_int(v) and v > 0)
+    "offload": Option(
+        "auto",
+        "'auto', True",
+        _one_of("auto", True),
+        '`"auto"` measures two steps and switches to fused GPU AdamW when everything fits',
     ),
-    "max_activation_slowdown": _Spec(0.15, "a float >= 0", _check(lambda v: _is_real(v) and v >= 0)),
-    "prefetch_depth": _Spec(1, "an integer >= 1", _check(lambda v: _is_int(v) and v >= 1)),
-    "min_offload_bytes": _Spec(1 << 20, "an integer number of bytes >= 0", _check(lambda v: _is_int(v) and v >= 0)),
-    "threads": _Spec(None, "None, an integer >= 1", _optional(lambda v: _is_int(v) and v >= 1)),
-    "profile": _Spec(True, "True, False, a HardwareProfile", _profile),
-    "lr": _Spec(1e-3, "a float >= 0", _check(lambda v: _is_real(v) and v >= 0)),
-    "verbose": _Spec(False, "True, False", _one_of(True, False)),
+    "activation_offload": Option(
+        "auto",
+        "'auto', True, False, a float in [0, 1]",
+        _fraction_or("auto", True, False),
+        "share of blocks whose saved activations are paged to RAM",
+    ),
+    "param_offload": Option(
+        "auto",
+        "'auto', True, False, a float in [0, 1], a list of distinct block indices >= 0",
+        _param_offload,
+        'which blocks\' weights live in RAM and stream in; `"auto"`: the planner',
+    ),
+    "quantize": Option(
+        "auto",
+        "'auto', 'none', None, False, 'int8', 'nf4'",
+        _quantize,
+        'frozen weights only; `"auto"` quantizes only when the run would not fit otherwise, int8 before NF4',
+    ),
+    "quant_block_size": Option(
+        64, f"an even integer >= 2 and <= {MAX_QUANT_BLOCK_SIZE}", _quant_block_size, "values per fp32 scale"
+    ),
+    "prefer": Option(
+        "exact",
+        "'exact', 'speed'",
+        _one_of("exact", "speed"),
+        '`"speed"` lets `quantize="auto"` pick NF4 when that keeps every block in VRAM',
+    ),
+    "moment_dtype": Option(
+        "auto",
+        "'auto', 'float32', 'fp32', torch.float32, 'bfloat16', 'bf16', torch.bfloat16",
+        _moment_dtype,
+        "fp32 unless RAM can't hold it; bf16 uses stochastic rounding (its seed is part of the optimizer's state_dict)",
+        used_by=_BOTH,
+        differs={
+            OFFLOAD_ADAMW: dict(
+                default="float32",
+                accepted="'float32', 'fp32', torch.float32, 'bfloat16', 'bf16', torch.bfloat16",
+                normalize=_moment_dtype_exact,
+                meaning="bf16 halves the moments' memory, with stochastic rounding (its seed is part of the "
+                "state_dict)",
+            )
+        },
+    ),
+    "device": Option(
+        None,
+        "None, 'cuda', 'cuda:N', 'cpu', a torch.device",
+        _device,
+        'target when the model is on the CPU; `"cpu"` runs the engine with CPU compute',
+    ),
+    "blocks": Option(
+        None, "None, a non-empty list of modules", _blocks, "the repeated layer stack; found automatically"
+    ),
+    "distributed": Option(
+        None,
+        "None, True, False",
+        _one_of(None, True, False),
+        "data parallel when a process group of more than one rank exists",
+    ),
+    "guard_params": Option(
+        True, "True, False", _one_of(True, False), "a read of a weight waits for its own in-flight update"
+    ),
+    "max_grad_norm": Option(
+        None,
+        "None, a float > 0",
+        _clip_norm,
+        "global-norm clipping inside the optimizer",
+        used_by=_BOTH,
+    ),
+    "accumulation_steps": Option(
+        1,
+        "an integer >= 1",
+        _integer(lambda v: v >= 1),
+        "backward passes per `step()`",
+        used_by=_BOTH,
+        differs={
+            OFFLOAD_ADAMW: dict(
+                meaning="`step()` calls per update, which reads the mean of their gradients (pass each "
+                "micro-batch's un-divided loss)"
+            )
+        },
+    ),
+    "vram_headroom": Option(
+        0.10,
+        "a float in [0, 1]",
+        _check(lambda v: _is_real(v) and 0.0 <= v <= 1.0),
+        "share of usable VRAM the planner leaves free",
+    ),
+    "check_memory": Option(True, "True, False", _one_of(True, False), "MemoryError at `wrap()` when the run can't fit"),
+    "max_inflight_bytes": Option(
+        None,
+        "None, an integer number of bytes > 0",
+        _optional(lambda v: _is_int(v) and v > 0),
+        "VRAM held by transfers in flight; `None`: 1 GiB or 10% of VRAM, the smaller",
+    ),
+    "max_activation_slowdown": Option(
+        0.15,
+        "a float >= 0",
+        _check(lambda v: _is_real(v) and v >= 0),
+        'how much slower `"auto"` activation paging may make a step',
+    ),
+    "prefetch_depth": Option(
+        1, "an integer >= 1", _integer(lambda v: v >= 1), "blocks of activations fetched ahead in backward"
+    ),
+    "min_offload_bytes": Option(
+        MiB,
+        "an integer number of bytes >= 0",
+        _integer(lambda v: v >= 0),
+        "smaller saved tensors stay on the GPU",
+    ),
+    "threads": Option(
+        None,
+        "None, an integer from 1 to the number of cores this process may use",
+        _threads,
+        "host AdamW threads; `None`: all cores, less two on a host with 8 or more (the Python and autograd "
+        "threads need them)",
+        used_by=_BOTH,
+    ),
+    "profile": Option(
+        True,
+        "True, False, a HardwareProfile",
+        _profile,
+        "measure (or load cached) hardware figures; an instance is used as given",
+    ),
+    "lr": Option(
+        1e-3,
+        "a float >= 0, or a one-element tensor holding one",
+        _lr,
+        "only when `optimizer` is `None`",
+        used_by=_BOTH,
+        differs={OFFLOAD_ADAMW: dict(meaning=f"the learning rate, {_TORCH}")},
+    ),
+    "verbose": Option(False, "True, False", _one_of(True, False), "print decisions as they are made"),
+    "mode": Option(
+        "cpu",
+        "'cpu', 'gpu'",
+        _one_of("cpu", "gpu"),
+        '`"cpu"`: the host AdamW, for parameters in host memory; `"gpu"`: the CUDA AdamW for float32 GPU '
+        "parameters, the moments in pinned host memory",
+        used_by=(OFFLOAD_ADAMW,),
+    ),
+    "betas": Option(
+        (0.9, 0.999),
+        "a pair of floats in [0, 1), or of one-element tensors holding them",
+        _betas,
+        f"the moments' decay rates, {_TORCH}",
+        used_by=(OFFLOAD_ADAMW,),
+    ),
+    "eps": Option(1e-8, "a float >= 0", _non_negative, f"added to the denominator, {_TORCH}", used_by=(OFFLOAD_ADAMW,)),
+    "weight_decay": Option(
+        1e-2, "a float >= 0", _non_negative, f"decoupled weight decay, {_TORCH}", used_by=(OFFLOAD_ADAMW,)
+    ),
 }
+
+
+_BY_CALLER = {
+    caller: {name: option.for_caller(caller) for name, option in OPTIONS.items() if caller in option.used_by}
+    for caller in CALLERS
+}
+WRAP_OPTIONS = _BY_CALLER[WRAP]
+
+
+def options_of(caller: str) -> dict[str, Option]:
+    """The options `caller` takes, as it takes them, in table order."""
+    return dict(_BY_CALLER[caller])
+
+
+def check(name: str, value, *, caller: str = WRAP, where: str | None = None):
+    """`value` of option `name` normalized as `caller` takes it; a bad value raises ValueError
+    naming `where` (default ``"<caller>()"``), the option, the value and what is accepted.
+    KeyError when `caller` does not take `name`: a caller's bug, not a user's."""
+    option = _BY_CALLER[caller][name]
+    try:
+        return option.normalize(value)
+    except _Reject as reject:
+        detail = f" ({reject})" if str(reject) else ""
+        raise ValueError(
+            f"{where or caller + '()'}: option {name!r} got {value!r}; accepted: {option.accepted}{detail}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -183,17 +463,53 @@ class Options:
 
 def parse(options: dict) -> Options:
     """Validate and normalize wrap()'s keyword options; ValueError names the first bad one."""
-    unknown = [k for k in options if k not in SPECS]
+    unknown = [k for k in options if k not in WRAP_OPTIONS]
     if unknown:
         name = unknown[0]
-        close = difflib.get_close_matches(name, SPECS, n=1)
+        close = difflib.get_close_matches(name, WRAP_OPTIONS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"wrap(): unknown option {name!r}{hint}; accepted options: {', '.join(SPECS)}")
-    values = {}
-    for name, spec in SPECS.items():
-        value = options.get(name, spec.default)
-        try:
-            values[name] = spec.normalize(value)
-        except _Reject:
-            raise ValueError(f"wrap(): option {name!r} got {value!r}; accepted: {spec.accepted}") from None
+        raise ValueError(f"wrap(): unknown option {name!r}{hint}; accepted options: {', '.join(WRAP_OPTIONS)}")
+    values = {name: check(name, options.get(name, spec.default)) for name, spec in WRAP_OPTIONS.items()}
     return Options(values, frozenset(options))
+
+
+# -- docs/options.md --------------------------------------------------------------------------
+
+
+def _shown(value) -> str:
+    """A default as the user writes it."""
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    if isinstance(value, float):
+        return f"`{value:g}`"
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def options_markdown() -> str:
+    """docs/options.md: one table per caller, from the option table."""
+    lines = [
+        "# Options",
+        "",
+        "Generated from `src/trainstream/options.py` by `python -m trainstream.options > docs/options.md`;",
+        "a test fails when this file differs from what the table generates.",
+    ]
+    for caller in CALLERS:
+        lines += [
+            "",
+            f"## `trainstream.{caller}()`",
+            "",
+            "| option | accepted | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        for name, option in options_of(caller).items():
+            cells = (f"`{name}`", option.accepted, _shown(option.default), option.meaning)
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import options
 from .._native import lib
 from . import _dtypes
 
@@ -38,12 +39,13 @@ os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def get_pool(threads: int | None = None):
-    """The shared native thread pool with `threads` workers (None: every core this process
-    may use). Pools are kept for the life of the process, one per size, so optimizers that
-    ask for the same size share workers instead of oversubscribing the cores."""
+    """The shared native thread pool with `threads` workers (None: ``options.default_threads()``,
+    the one meaning of the default). Pools are kept for the life of the process, one per
+    size, so optimizers that ask for the same size share workers instead of oversubscribing
+    the cores. Any count >= 1 runs here; the public options bound it by the cores."""
     native = lib()
     if threads is None:
-        threads = native.available_cores()
+        threads = options.default_threads()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be None or an integer >= 1, got {threads!r}")
     with _pools_lock:

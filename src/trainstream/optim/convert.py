@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import options
 from .offload_adamw import OffloadAdamW
+
+WHERE = "convert_optimizer()"
 
 ACCEPTED = "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW, None"
 
@@ -28,15 +31,18 @@ def convert_optimizer(
     torch.optim.Adam converts with its L2 weight decay (or decoupled decay when it was built
     with decoupled_weight_decay=True). The old optimizer should not be stepped afterwards;
     create LR schedulers on the returned one. `optimizer_class` (OffloadAdamW or a subclass)
-    is what gets built.
+    is what gets built. The options are checked as OffloadAdamW takes them
+    (:mod:`trainstream.options`), under this function's name.
     """
-    common = dict(
+    common = _checked(
+        lr=lr,
         mode=mode,
         moment_dtype=moment_dtype,
         threads=threads,
         max_grad_norm=max_grad_norm,
         accumulation_steps=accumulation_steps,
     )
+    lr = common.pop("lr")
     if optimizer is None:
         return optimizer_class(params, lr=lr, **common)
     if isinstance(optimizer, torch.optim.AdamW):
@@ -75,3 +81,10 @@ def convert_optimizer(
     # moments move into host memory one tensor at a time.
     converted.load_state_dict(optimizer.state_dict())
     return converted
+
+
+def _checked(**given) -> dict:
+    """The options, checked as OffloadAdamW takes them, before the old optimizer is touched."""
+    return {
+        name: options.check(name, value, caller=options.OFFLOAD_ADAMW, where=WHERE) for name, value in given.items()
+    }

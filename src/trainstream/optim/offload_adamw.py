@@ -9,17 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import ops, options
 
-MODES = ("cpu", "gpu")
-MOMENT_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    torch.float32: torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    torch.bfloat16: torch.bfloat16,
-}
 # torch.optim.Adam/AdamW options this optimizer does not implement, with the only value
 # it accepts for each.
 UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
@@ -34,34 +25,22 @@ _TORCH_GROUP_DEFAULTS = {
 }
 
 
-def moment_dtype_from(value) -> torch.dtype:
-    try:
-        return MOMENT_DTYPE_NAMES[value]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"moment_dtype must be 'float32' or 'bfloat16' (also 'bf16', torch.float32, torch.bfloat16), got {value!r}"
-        ) from None
+WHERE = "OffloadAdamW()"
 
 
-def _check_number(name: str, value, ok: bool, accepted: str) -> None:
-    if isinstance(value, bool) or not ok:
-        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+def _check(name: str, value, where: str = WHERE):
+    return options.check(name, value, caller=options.OFFLOAD_ADAMW, where=where)
 
 
-def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    lr_value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
-    _check_number("lr", lr, isinstance(lr_value, (int, float)) and lr_value >= 0, "a float >= 0")
-    ok_betas = (
-        isinstance(betas, (tuple, list))
-        and len(betas) == 2
-        and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)
-    )
-    if not ok_betas:
-        raise ValueError(f"betas must be a pair of floats in [0, 1), got {betas!r}")
-    _check_number("eps", eps, isinstance(eps, (int, float)) and eps >= 0, "a float >= 0")
-    _check_number(
-        "weight_decay", weight_decay, isinstance(weight_decay, (int, float)) and weight_decay >= 0, "a float >= 0"
-    )
+def check_hyperparameters(lr, betas, eps, weight_decay, *, where: str = WHERE) -> dict:
+    """The torch AdamW hyper-parameters, checked as torch checks them; betas come back as
+    floats, as torch holds them."""
+    return {
+        "lr": _check("lr", lr, where),
+        "betas": _check("betas", betas, where),
+        "eps": _check("eps", eps, where),
+        "weight_decay": _check("weight_decay", weight_decay, where),
+    }
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -81,15 +60,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             *mean* of the N gradients (so pass each micro-batch's un-divided loss) and the
             calls in between return without touching the weights. Call ``zero_grad()``
             after every ``step()`` as usual.
-        moment_dtype: ``"float32"`` or ``"bfloat16"`` (halves moment memory; rounding is
-            stochastic and reproducible: same seed and step give the same bits).
-        threads: host threads (default: every core this process may use).
+        moment_dtype: ``"float32"`` or ``"bfloat16"`` (also ``"fp32"``, ``"bf16"`` and the
+            torch dtypes; bf16 halves moment memory; rounding is stochastic and reproducible:
+            same seed and step give the same bits).
+        threads: host threads, from 1 to the cores this process may use (default: all of
+            them, less two on a host of 8 or more: ``trainstream.options.default_threads()``).
         decoupled_weight_decay: ``False`` gives ``torch.optim.Adam`` (L2 added to the
             gradient), used when converting an ``Adam`` optimizer.
         seed: stochastic-rounding seed (default: ``torch.initial_seed()``).
 
-    ``amsgrad``, ``maximize``, ``capturable`` and ``differentiable`` are accepted only at
-    their defaults; ``foreach`` and ``fused`` are ignored (the native pass is always fused).
+    Every option is checked against the table in :mod:`trainstream.options`, the one
+    ``wrap()`` uses. ``amsgrad``, ``maximize``, ``capturable`` and ``differentiable`` are
+    accepted only at their defaults; ``foreach`` and ``fused`` are ignored (the native pass
+    is always fused).
     """
 
     def __init__(
@@ -117,43 +100,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         _reject_unsupported(
             {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable, "differentiable": differentiable}
         )
-        check_hyperparameters(lr, betas, eps, weight_decay)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        hyper = check_hyperparameters(lr, betas, eps, weight_decay)
+        mode = _check("mode", mode)
         if mode == "gpu":
             from .._native import require_cuda
 
             require_cuda("OffloadAdamW(mode='gpu')")
-        if max_grad_norm is not None:
-            _check_number(
-                "max_grad_norm",
-                max_grad_norm,
-                isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0,
-                "None or a float > 0",
-            )
-        _check_number(
-            "accumulation_steps",
-            accumulation_steps,
-            isinstance(accumulation_steps, int) and accumulation_steps >= 1,
-            "an integer >= 1",
-        )
-        if threads is not None:
-            _check_number("threads", threads, isinstance(threads, int) and threads >= 1, "None or an integer >= 1")
         self.mode = mode
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.accumulation_steps = accumulation_steps
-        self.moment_dtype = moment_dtype_from(moment_dtype)
-        self.threads = threads
+        self.max_grad_norm = _check("max_grad_norm", max_grad_norm)
+        self.accumulation_steps = _check("accumulation_steps", accumulation_steps)
+        self.moment_dtype = _check("moment_dtype", moment_dtype)
+        self.threads = _check("threads", threads)  # None until the pool resolves it (ops.get_pool)
         self.seed = (torch.initial_seed() if seed is None else int(seed)) & 0xFFFF_FFFF_FFFF_FFFF
         self._micro_step = 0
         self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}  # host fp32 sums (accumulation)
         self._grad_seen: set[torch.Tensor] = set()  # parameters with a gradient this window
         self._inflight: list = []  # gpu mode: events after step kernels not yet known to be done
         defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
+            **hyper,
             **_TORCH_GROUP_DEFAULTS,
             decoupled_weight_decay=bool(decoupled_weight_decay),
         )
@@ -165,7 +129,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         _reject_unsupported({k: param_group[k] for k in UNSUPPORTED if k in param_group})
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        group.update(
+            check_hyperparameters(
+                group["lr"], group["betas"], group["eps"], group["weight_decay"], where=f"{WHERE} param group"
+            )
+        )
         for p in group["params"]:
             self._check_param(p)
 

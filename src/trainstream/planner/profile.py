@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-GiB = 1 << 30
+from ..sizes import GiB
+
 # profile=False: rates a slow machine still reaches (PCIe 3 x8, a few cores).
 CONSERVATIVE_RATES = dict(h2d_bytes_per_s=6e9, d2h_bytes_per_s=6e9, host_adamw_params_per_s=5e8, matmul_flops=0.0)
 _RATE_FIELDS = ("h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s", "matmul_flops")
