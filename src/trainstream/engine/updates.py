@@ -1,0 +1,130 @@
+"""Each unit's update, queued as soon as its gradients are there: on the host thread pool,
+or with optimizer_mode="gpu" as the CUDA AdamW over the moment regions (moments.py).
+
+The queue returns at once. What must follow an update waits for its handle: a host job's,
+or a DeviceUpdate (the end of the last kernel, and the moments' trip home). The next
+forward of a resident unit waits for its new weights' copy (the lander's push, params.py)
+or, on the device, for the kernel itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .device import DeviceUpdate
+
+
+def _device_update_roles(s, paged: bool) -> tuple:
+    """optimizer_mode="gpu": where the update writes `s`'s new weights, and its host fp32
+    master (None: the fp32 device param is the master, see params.refresh_host)."""
+    if not paged:
+        return s.param.data, (None if s.dtype == torch.float32 else s.master)
+    copy = s.copy_dtype()
+    return (s.host[copy] if copy is not None else s.master), s.master
+
+
+class Updater:
+    # optimizer_mode="gpu": the kernel's grid beside backward. Enough blocks keep PCIe busy;
+    # more take SMs the backward GEMMs need (the engine suite measures the trade).
+    DEVICE_UPDATE_BLOCKS = 16
+
+    def __init__(self, backend, optimizer, grads, weights, moments, ledger, update_order: list):
+        self.backend = backend
+        self.optimizer = optimizer  # the AdamW math: host jobs, or kernels on the current stream
+        self.grads = grads  # reads each slot's gradient where it landed
+        self.weights = weights  # a resident unit's new weights go to the device when done
+        self.moments = moments  # the MomentStager (optimizer_mode="gpu"), else None
+        self.ledger = ledger
+        self.update_order = update_order
+
+    def queue(self, unit, grad_scale: float = 1.0) -> None:
+        """Queue `unit`'s update from the gradients of this window, scaled by `grad_scale`
+        (clipping); returns at once."""
+        slots = [s for s in unit.trainable if s.has_grad]
+        if slots:
+            # Numbered by when the next forward needs the unit: blocks update in backward
+            # order, but block 0 (and the embeddings before it) are needed first.
+            unit.priority = self.update_order.index(unit)
+            if self.moments is not None:
+                self._queue_on_device(unit, slots, grad_scale)
+            else:
+                self._queue_on_host(unit, slots, grad_scale)
+
+    def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
+        if unit.paged and unit.fetch_event is not None:
+            unit.fetch_event.synchronize()  # a copy from the host weights may still be reading them
+        unit.update_mark = self.backend.record()
+        for handle, ss in self.optimizer.queue(
+            slots, [self.grads.grad_of(s) for s in slots], grad_scale, unit.priority
+        ):
+            unit.updates.append(handle)
+            for s in ss:
+                s.reader = handle
+        if not unit.paged:
+            self.weights.expect_update(unit)
+
+    def _queue_on_device(self, unit, slots, grad_scale: float) -> None:
+        """optimizer_mode="gpu": the AdamW kernel on the update stream, once compute has
+        produced the gradients and queued every read of the old weights. One kernel per
+        moment region (moments.py), each queued between its region's copy in and its copy
+        home: a region then holds VRAM for one copy each way and its own kernel, and the
+        next region's copy in overlaps this one's copy home under max_inflight_bytes. (With
+        one kernel per unit, a 1.9B GPT block's regions all waited in VRAM for the last to
+        arrive, and the cap let only one block's copies run at a time: both PCIe directions
+        idled in turn, 0.47 s a step in a profile, against 0.38 with the cap lifted.) A
+        resident unit's weights are updated in place on the device (fp32 ones are their own
+        master there); a paged unit's in host memory, where its next fetch reads them."""
+        backend = self.backend
+        stream = backend.update
+        backend.follow_compute(stream)
+        if unit.paged and unit.fetch_event is not None:
+            backend.wait(unit.fetch_event, stream)  # a copy from the host weights may still be reading them
+        for s in slots:  # a host job still adding into the gradient sum (accumulation): the kernel
+            if s.reader is not None and not isinstance(s.reader, DeviceUpdate):  # is outside its pool
+                s.reader.wait()
+        kernel_done = home = None
+        try:
+            for group in self.moments.by_region(slots):
+                targets, masters = zip(*(_device_update_roles(s, unit.paged) for s in group))
+                grads = [self.grads.grad_of(s) for s in group]
+                staged = self.moments.stage_in([s.param for s in group], stream)
+                with backend.on(stream):
+                    self.optimizer.queue_on_device(
+                        backend.device,
+                        group,
+                        grads,
+                        list(targets),
+                        list(masters),
+                        staged.moments,
+                        grad_scale,
+                        self.DEVICE_UPDATE_BLOCKS,
+                    )
+                    for g in grads:
+                        if g.device == backend.device:
+                            backend.keep_until(g, stream)
+                kernel_done = backend.record(stream)
+                home = self.moments.send_home(staged, kernel_done) or home
+                self.ledger.add(
+                    kernel_done, sum(g.numel() * g.element_size() for g in grads if g.device == backend.device)
+                )
+                # Let go of the region's buffer and gradients now: the allocator frees them once
+                # their streams pass this kernel and copy, as the ledger just recorded (held to
+                # the unit's end, they would also take room the next region's copy needs).
+                for s in group:
+                    s.device_grad = None
+                staged = grads = None
+        finally:
+            # Even if a later region's copy failed (out of memory), the kernels already queued
+            # are tracked: host readers of their moments and the next forward wait for them.
+            if kernel_done is not None:
+                self._track_device_update(unit, slots, DeviceUpdate(kernel_done, home))
+
+    def _track_device_update(self, unit, slots, handle) -> None:
+        # A resident unit's handles are otherwise only dropped by synchronize(): keep the
+        # list to the updates that may still run (one event per step would pile up).
+        unit.updates = [h for h in unit.updates if not h.done()]
+        unit.updates.append(handle)
+        for s in slots:
+            s.reader = handle
+        if not unit.paged:
+            unit.h2d_event = handle.event  # the next forward's guard waits for it on the GPU
