@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import assert_same_bits, bits
 
 from trainstream import _native, ops
 from trainstream.ops import reference
@@ -27,15 +28,6 @@ def make_state(n, grad_dtype=torch.float32, moment_dtype=torch.float32, seed=0):
 
 def clone_all(*ts):
     return [t.clone() for t in ts]
-
-
-def bits(t):
-    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t.view(torch.int32)
-
-
-def assert_same_bits(a, b):
-    assert a.dtype == b.dtype
-    assert torch.equal(bits(a), bits(b)), f"{(bits(a) != bits(b)).sum().item()} of {a.numel()} elements differ"
 
 
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)

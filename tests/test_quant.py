@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_same_bits
 
 from trainstream import QuantizedWeight, ops
 from trainstream.ops import reference
@@ -13,15 +14,6 @@ FORMATS = {
     "int8": (ops.quantize_int8, ops.dequantize_int8, reference.quantize_int8, reference.dequantize_int8),
 }
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def bits(t):
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(bits(a), bits(b)), f"{(bits(a) != bits(b)).sum().item()} of {a.numel()} differ"
 
 
 def sample(n, dtype, seed=0, zero_block=None):

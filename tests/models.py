@@ -1,13 +1,66 @@
-"""Small models and a training loop shared by the engine tests (CPU path and GPU)."""
+"""The small models the tests train: a GPT (its blocks under torch.utils.checkpoint too), a
+stack of Linear layers, and tiny Hugging Face Llama and Qwen2 models. Each factory returns
+(model, batch(i, device), loss_fn(model, batch))."""
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-import trainstream
-from trainstream.bench.models import GPT, GPTConfig, mlp, mlp_loss
+
+@dataclass(frozen=True)
+class GPTConfig:
+    dim: int = 64
+    layers: int = 4
+    heads: int = 4
+    vocab: int = 97
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.dim
+        self.heads = cfg.heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.fc, self.out = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        # q, k and v are views of one projection: a real test of storage-level paging.
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A pre-norm GPT: embedding, a stack of Blocks, final norm and head; forward(idx, tgt)
+    returns the cross-entropy loss."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.emb = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm, self.head = nn.LayerNorm(cfg.dim), nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for blk in self.layers:
+            x = blk(x)
+        return F.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), tgt.flatten())
+
+
+def mlp(layers: int, dim: int) -> nn.Sequential:
+    """A stack of bias-free square Linear layers."""
+    return nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+
+
+def mlp_loss(model, x):
+    return model(x).float().pow(2).mean()
 
 
 def tiny_gpt(dim=64, layers=4, heads=4, vocab=97):
@@ -58,56 +111,6 @@ def _hf(kind: str):
 MODELS = {"gpt": tiny_gpt, "mlp": tiny_mlp, "llama": lambda: _hf("llama"), "qwen2": lambda: _hf("qwen2")}
 
 
-def train(
-    name: str,
-    wrap_options: dict | None,
-    *,
-    steps: int = 10,
-    device: str = "cpu",
-    autocast=None,
-    accumulation: int = 1,
-    clip: float | None = None,
-    lr: float = 1e-2,
-    dtype=None,
-    freeze=None,
-    seed: int = 0,
-    model_factory=None,
-):
-    """Train `name` for `steps` steps, stock (wrap_options None) or wrapped; return the
-    losses, a host copy of the final state dict, and (model, optimizer)."""
-    torch.manual_seed(seed)
-    model, batch, loss_fn = (model_factory or MODELS[name])()
-    if dtype is not None:
-        model = model.to(dtype)
-    if freeze is not None:
-        for n, p in model.named_parameters():
-            if freeze(n):
-                p.requires_grad_(False)
-    if wrap_options is None:
-        model = model.to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, foreach=False)
-    if wrap_options is not None:
-        # offload=True unless a test asks otherwise: "auto" would switch these small models to
-        # stock training after two steps, and the tests are about the engine.
-        opts = dict(device=device, accumulation_steps=accumulation, max_grad_norm=clip, offload=True)
-        opts.update(wrap_options)
-        model, opt = trainstream.wrap(model, opt, **opts)
-    losses = []
-    for step in range(steps):
-        for micro in range(accumulation):
-            ctx = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
-            with ctx:
-                loss = loss_fn(model, batch(step * accumulation + micro, device))
-            (loss / accumulation).backward()
-            losses.append(loss.item())
-        if wrap_options is None and clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    return losses, state, (model, opt)
-
-
 def checkpointed_gpt(reentrant: bool, forwards: list | None = None, shared_gain: bool = False):
     """A factory for tiny_gpt's model (the same weights) with every block run under
     torch.utils.checkpoint. `forwards` collects each block forward, recomputes included;
@@ -137,20 +140,3 @@ def checkpointed_gpt(reentrant: bool, forwards: list | None = None, shared_gain:
         return checkpointed, batch, loss_fn
 
     return factory
-
-
-PAGED = dict(param_offload=True, activation_offload=True, min_offload_bytes=0)
-RESIDENT = dict(param_offload=False, activation_offload=False)
-
-
-def assert_same_bits(a, b):
-    la, sa = a[0], a[1]
-    lb, sb = b[0], b[1]
-    assert la == lb, f"losses differ: {la} vs {lb}"
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), f"{k} differs (max {(sa[k].float() - sb[k].float()).abs().max()})"
-
-
-def max_diff(sa, sb) -> float:
-    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)

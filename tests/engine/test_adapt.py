@@ -1,15 +1,19 @@
 """The adapter on the CPU path: replanning from measured activations, the watchdog and the
-online guard (device memory simulated), and offload="auto"'s switch to stock training."""
+online guard (device memory simulated)."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
-from engine_models import RESIDENT, assert_same_bits, max_diff, tiny_mlp, train
-from test_engine import machine
+from helpers import AUTO, RESIDENT, assert_same_bits, machine, train
+from models import tiny_gpt, tiny_mlp
 
 import trainstream
 
-AUTO = dict(param_offload="auto", activation_offload="auto")
 KiB = 1 << 10
+
+
 MiB = 1 << 20
 
 
@@ -121,8 +125,6 @@ def test_memory_freed_before_backward_is_added_to_the_heads_rise_until_a_pass_fr
     # weights (simulated) before backward, whose own part of the head stays under that peak
     # and cannot be read. With nothing freed it would have been that much higher: the plan
     # counts the rise plus what was freed, until a pass that frees nothing measures it.
-    from engine_models import tiny_gpt
-
     model, opt, adapter, fake, batch, loss_fn = on_fake_device(tiny_gpt, 256, 0)
 
     def head_forward(m, a, out):  # the logits: the peak rises 3 MiB above the stack's end
@@ -252,153 +254,6 @@ def test_the_guard_projects_as_the_plan_does_and_pages_when_a_pass_grows():
     assert engine.block_units[2].act_paged
 
 
-def test_offload_auto_switches_to_fused_adamw_when_everything_fits():
-    stock = train("mlp", None, steps=6)
-    auto = train("mlp", dict(offload="auto", profile=machine(vram_gib=24)), steps=6)
-    model, opt = auto[2]
-    report = trainstream.memory_report(model)
-    assert report["mode"] == "stock" and "switching to torch.optim.AdamW(fused=True)" in report["events"]
-    assert opt._stock is not None and opt._stock.param_groups is opt.param_groups
-    assert max_diff(stock[1], auto[1]) < 1e-5
-    assert auto[0] == pytest.approx(stock[0], rel=1e-5)
-    # torch's state_dict format, loadable into a plain AdamW; the model unwraps to itself.
-    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    plain.load_state_dict(opt.state_dict())
-    assert trainstream.unwrap(model) is model
-    assert not hasattr(model, "_trainstream_engine")
-
-
-def test_after_the_switch_clipping_and_lr_changes_still_apply():
-    stock = train("mlp", None, steps=5, clip=0.05)
-    auto = train("mlp", dict(offload="auto", profile=machine(vram_gib=24)), steps=5, clip=0.05)
-    assert trainstream.memory_report(auto[2][0])["mode"] == "stock"
-    assert max_diff(stock[1], auto[1]) < 1e-5
-    model, opt = auto[2]
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    model(torch.randn(8, 256)).pow(2).mean().backward()
-    opt.step()
-    # weight decay is lr-scaled too: nothing moves at lr 0
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-@pytest.mark.parametrize(
-    "opts, reason",
-    [
-        (dict(profile=machine(vram_gib=4 / 1024)), "stock training would need"),
-        (dict(param_offload=True, profile=machine(vram_gib=24)), "param_offload=True asks for paged weights"),
-    ],
-)
-def test_offload_auto_stays_when_it_must(opts, reason):
-    model = train("mlp", dict(offload="auto", **opts), steps=3)[2][0]
-    report = trainstream.memory_report(model)
-    assert report["mode"] == "offload" and reason in report["events"]
-
-
-# -- GPU ----------------------------------------------------------------------------------------------
-
-
-def _gpt_steps(model, opt, cfg, steps):
-    idx = torch.randint(0, cfg.vocab, (8, 512), device="cuda")
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(idx, torch.roll(idx, -1, 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cap_gib", [24, 8, 4])
-def test_gpu_defaults_train_the_1_9b_gpt_under_each_cap(cap_gib):
-    """wrap() with its defaults, in a fresh process under the cap (the cap is per process)."""
-    import json
-    import subprocess
-    import sys
-
-    case = dict(model="gpt-1.9b", cap_gib=cap_gib, settings=[{}], warmup=4, steps=2)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainstream.bench.planner", json.dumps(case)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    row = json.loads(proc.stdout.strip().splitlines()[-1])[0]
-    assert not row.get("oom") and row["peak_GiB"] < cap_gib, row
-    assert row["loss"] == row["loss"] and row["mode"] == "offload", row
-
-
-@pytest.mark.gpu
-def test_gpu_a_model_that_fits_switches_to_fused_adamw():
-    from trainstream.bench.models import GPT, GPTConfig
-
-    cfg = GPTConfig(dim=768, layers=12, heads=12, vocab=32000)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), device="cuda")
-    losses = _gpt_steps(model, opt, cfg, 4)
-    report = trainstream.memory_report(model)
-    assert report["mode"] == "stock", report["events"]
-    assert all(p.device.type == "cuda" for p in model.parameters())
-    assert opt._stock.param_groups[0]["fused"] and losses[-1] < losses[0]
-
-
-def test_verbose_prints_each_decision_as_it_happens(capsys):
-    model, batch, loss_fn = tiny_mlp()
-    model, opt = trainstream.wrap(
-        model, None, device="cpu", offload=True, verbose=True, **AUTO, profile=machine(vram_gib=3 / 1024)
-    )
-    at_wrap = capsys.readouterr().out
-    assert "trainstream: plan at wrap()" in at_wrap and "blocks paged" in at_wrap
-    loss_fn(model, batch(0, "cpu")).backward()
-    opt.step()  # the first step's replan is printed by the step that made it
-    after_step = capsys.readouterr().out
-    assert "trainstream: settling: measured peak" in after_step
-    loss_fn(model, batch(1, "cpu"))  # the move is printed when the next forward makes it
-    assert "trainstream: weights paged for blocks []" in capsys.readouterr().out
-    # The events log holds the same lines, time-stamped.
-    events = trainstream.memory_report(model)["events"]
-    assert all(
-        line.split("trainstream: ", 1)[1] in events
-        for line in (at_wrap + after_step).splitlines()
-        if line.startswith("trainstream: ")
-    )
-
-
-def test_activations_are_recorded_as_with_the_weights_resident_autocasts_copies_included():
-    """Under bf16 autocast a resident block also saves autocast's bf16 copies of its weights;
-    a paged one fetches them in bf16 and saves none. Every block's activations are recorded
-    as they are with its weights resident, with the copies' share beside them."""
-    from trainstream.engine.placement import activations_as_placed
-    from trainstream.engine.switch import stock_bytes
-
-    _, _, (model, _) = train("gpt", dict(param_offload=[0], activation_offload=False), steps=2, autocast=torch.bfloat16)
-    engine = model._trainstream_engine
-    acts, casts = engine.activation_bytes, engine.activation_cast
-    copies = sum(m.weight.numel() * 2 for m in model.layers[1].modules() if isinstance(m, torch.nn.Linear))
-    # Block 1 (resident) saved the copies, found by their autograd history; block 0 (paged)
-    # saved none, and is recorded with what it would have saved resident. Same shapes: same bytes.
-    assert casts[1] == casts[0] == copies > 0
-    assert acts[0] == acts[1]
-    assert activations_as_placed(engine, engine.block_units[0], paged=True) == acts[0] - copies
-    inp = engine.adapter._inputs(0)
-    assert inp.blocks[0].act_bytes == acts[0] and inp.blocks[0].cast_bytes == copies
-    assert stock_bytes(engine)["activations (measured)"] == sum(acts.values())
-
-
-def test_a_weight_copy_backward_does_not_keep_is_not_counted():
-    # The first Linear's input needs no gradient: backward keeps no copy of its weight (only
-    # of its input); every later Linear's input does, so its weight's copy is kept.
-    _, _, (model, _) = train("mlp", RESIDENT, steps=1, autocast=torch.bfloat16)
-    casts = model._trainstream_engine.activation_cast
-    assert casts[0] == 0 and casts[1] == model[1].weight.numel() * 2
-
-
 def test_backward_start_is_read_without_the_outputs_own_gradient():
     # A loss computed outside the model: its gradient with respect to the logits is allocated
     # when backward's first reading is taken, and is not memory freed.
@@ -445,3 +300,22 @@ def test_a_checkpointed_model_recomputing_in_backward_is_not_a_new_pass():
         opt.step()
         opt.zero_grad()
     assert adapter.passes == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap_gib", [24, 8, 4])
+def test_gpu_defaults_train_the_1_9b_gpt_under_each_cap(cap_gib):
+    """wrap() with its defaults, in a fresh process under the cap (the cap is per process)."""
+    import json
+
+    case = dict(model="gpt-1.9b", cap_gib=cap_gib, settings=[{}], warmup=4, steps=2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainstream.bench.planner", json.dumps(case)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])[0]
+    assert not row.get("oom") and row["peak_GiB"] < cap_gib, row
+    assert row["loss"] == row["loss"] and row["mode"] == "offload", row

@@ -7,12 +7,15 @@ those values. Paging on or off must not change a bit, as without quantization.""
 
 import pytest
 import torch
-from engine_models import PAGED, RESIDENT, assert_same_bits, checkpointed_gpt, max_diff, tiny_gpt, tiny_mlp, train
+from helpers import PAGED, RESIDENT, assert_same_bits, machine_bytes, max_diff, train
+from models import MODELS, checkpointed_gpt, tiny_gpt, tiny_mlp
 
 import trainstream
 from trainstream.quant import QuantizedWeight
 
 FROZEN = lambda n: n.startswith("layers.") and n.endswith(("qkv.weight", "fc.weight", "out.weight"))  # noqa: E731
+
+
 HF_FROZEN = lambda n: ".layers." in n and n.endswith(("q_proj.weight", "up_proj.weight"))  # noqa: E731
 
 
@@ -32,8 +35,6 @@ def _round_tripped_factory(factory, fmt, frozen):
 
 
 def _round_tripped(name: str, fmt: str, frozen):
-    from engine_models import MODELS
-
     return _round_tripped_factory(MODELS[name], fmt, frozen)
 
 
@@ -66,7 +67,6 @@ def _peft_llama(fmt=None):
     """A tiny Llama with peft's LoRA on every block Linear (the base frozen by peft); `fmt`:
     its block weights round-tripped through that format first (the reference)."""
     peft = pytest.importorskip("peft")
-    from engine_models import MODELS
 
     base = MODELS["llama"]
     if fmt is not None:
@@ -263,19 +263,6 @@ def test_blocks_moved_between_paged_and_resident_keep_their_bits():
     assert_same_bits(run(False), run(True))
 
 
-def _machine(ram_bytes: int, vram_bytes: int = 1 << 40):
-    from trainstream.planner import HardwareProfile
-
-    return HardwareProfile(
-        vram_total_bytes=vram_bytes,
-        vram_free_bytes=vram_bytes,
-        ram_available_bytes=ram_bytes,
-        pinned_limit_bytes=ram_bytes,
-        h2d_bytes_per_s=25e9,
-        d2h_bytes_per_s=25e9,
-    )
-
-
 def _frozen_mlp():
     model, batch, loss_fn = tiny_mlp(layers=6, dim=256)
     for p in model.parameters():
@@ -310,7 +297,7 @@ def test_auto_quantizes_only_when_the_run_would_not_fit(ram_for, expect):
         offload=True,
         param_offload=True,
         moment_dtype="float32",
-        profile=_machine(_host_need(ram_for) + 1024),
+        profile=machine_bytes(_host_need(ram_for) + 1024),
     )
     report = trainstream.memory_report(model)
     assert report["params"]["quantize"] == expect, report["events"]
@@ -334,7 +321,7 @@ def test_a_run_that_fits_in_no_format_says_what_was_tried():
             offload=True,
             param_offload=True,
             moment_dtype="float32",
-            profile=_machine(_host_need("nf4") - 4096),
+            profile=machine_bytes(_host_need("nf4") - 4096),
         )
     model, _, _ = _frozen_mlp()
     with pytest.raises(MemoryError, match=r"quantize='int8' or quantize='nf4' \(frozen weights\)"):
@@ -346,7 +333,7 @@ def test_a_run_that_fits_in_no_format_says_what_was_tried():
             param_offload=True,
             quantize="none",
             moment_dtype="float32",
-            profile=_machine(_host_need("nf4") + 1024),
+            profile=machine_bytes(_host_need("nf4") + 1024),
         )
 
 
@@ -358,7 +345,7 @@ def test_prefer_speed_takes_nf4_when_it_keeps_every_block_resident():
     def wrap(prefer):
         model, _, _ = _frozen_mlp()
         model, _ = trainstream.wrap(
-            model, None, device="cpu", offload=True, prefer=prefer, profile=_machine(1 << 34, vram_bytes=3 << 20)
+            model, None, device="cpu", offload=True, prefer=prefer, profile=machine_bytes(1 << 34, vram_bytes=3 << 20)
         )
         return trainstream.memory_report(model)
 
@@ -377,9 +364,6 @@ def test_offload_auto_does_not_switch_a_quantized_model():
     report = trainstream.memory_report(model)
     assert report["mode"] == "offload"
     assert "frozen weights are quantized" in report["events"]
-
-
-# -- GPU ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu

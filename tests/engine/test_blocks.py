@@ -1,8 +1,11 @@
-"""Finding the repeated block stack."""
+"""Finding the repeated block stack, and a model without one."""
 
 import pytest
+import torch
+from helpers import max_diff, train
 from torch import nn
 
+import trainstream
 from trainstream.engine.blocks import find_blocks, named_stack
 
 
@@ -65,3 +68,20 @@ def test_named_stack_checks_what_the_caller_gave():
         ValueError, match=r"blocks\[0\] \('layers.0'\) contains another listed block \('layers.0.attn'\)"
     ):
         named_stack(model, [model.layers[0], model.layers[0].attn])
+
+
+def test_model_without_a_block_stack():
+    def factory():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        return (
+            model,
+            (lambda i, d: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(d)),
+            (lambda m, x: m(x).square().mean()),
+        )
+
+    stock = train("none", None, model_factory=factory)
+    wrapped = train("none", {}, model_factory=factory)
+    assert max_diff(stock[1], wrapped[1]) < 1e-5
+    report = trainstream.memory_report(wrapped[2][0])
+    assert "no repeated block stack" in report["events"]
+    assert report["params"]["paged_blocks"] == [] and report["params"]["resident_blocks"] == []

@@ -1,0 +1,47 @@
+"""The pieces that order transfers and hold host buffers: the transfer ledger and the host arena."""
+
+import pytest
+import torch
+
+
+class _Event:
+    def __init__(self, log, name):
+        self.log, self.name, self.finished = log, name, False
+
+    def query(self):
+        return self.finished
+
+    def synchronize(self):
+        self.log.append(self.name)
+        self.finished = True
+
+
+def test_transfer_ledger_waits_oldest_first_until_it_fits():
+    from trainstream.engine.device import DONE, TransferLedger
+
+    log = []
+    ledger = TransferLedger()
+    events = [_Event(log, i) for i in range(4)]
+    for e in events:
+        ledger.add(e, 10)
+    ledger.add(DONE, 10**9)  # finished work holds nothing
+    events[0].finished = True
+    ledger.make_room(15, cap=40)  # 30 held after the finished one settles: wait for one more
+    assert log == [1] and ledger.bytes == 20
+    ledger.make_room(100, cap=40)  # more than the cap alone: wait for everything, then go ahead
+    assert log == [1, 2, 3] and ledger.bytes == 0
+
+
+def test_host_arena_carves_power_of_two_pieces_without_overlap():
+    from trainstream.engine.device import Backend, HostArena
+
+    shapes = [(1000,), (300, 7), (5,), (4096,), (1,), (2500, 3)] * 5
+    total = sum(HostArena.size_of(s[0] * (s[1] if len(s) > 1 else 1), torch.float32) for s in shapes)
+    arena = HostArena(Backend(torch.device("cpu")), total)
+    taken = [arena.take(s, torch.float32) for s in shapes]
+    assert arena.remaining == 0 and all(p.numel() & (p.numel() - 1) == 0 for p in arena.pieces)
+    assert arena.reserved < 2 * total
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in taken)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    with pytest.raises(RuntimeError, match="exhausted"):
+        arena.take((1,), torch.float32)

@@ -1,0 +1,43 @@
+"""memory_report() and the events log: the plan explained, and each decision printed under
+verbose=True."""
+
+from helpers import AUTO, machine, train
+from models import tiny_mlp
+
+import trainstream
+
+
+def test_memory_report_explains_the_plan():
+    _, _, (model, _) = train("gpt", dict(param_offload=[1, 3], activation_offload=0.5), steps=1)
+    report = trainstream.memory_report(model)
+    assert report["mode"] == "offload"
+    assert report["params"] == {
+        "paged_blocks": [1, 3],
+        "resident_blocks": [0, 2],
+        "activation_paged_blocks": [0, 1],
+        "quantize": "none",
+    }
+    assert "block stack 'layers': 4 x Block" in report["events"]
+    assert report["plan"]["history"] == [] and report["peaks"]["steps"] == 1
+
+
+def test_verbose_prints_each_decision_as_it_happens(capsys):
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload=True, verbose=True, **AUTO, profile=machine(vram_gib=3 / 1024)
+    )
+    at_wrap = capsys.readouterr().out
+    assert "trainstream: plan at wrap()" in at_wrap and "blocks paged" in at_wrap
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()  # the first step's replan is printed by the step that made it
+    after_step = capsys.readouterr().out
+    assert "trainstream: settling: measured peak" in after_step
+    loss_fn(model, batch(1, "cpu"))  # the move is printed when the next forward makes it
+    assert "trainstream: weights paged for blocks []" in capsys.readouterr().out
+    # The events log holds the same lines, time-stamped.
+    events = trainstream.memory_report(model)["events"]
+    assert all(
+        line.split("trainstream: ", 1)[1] in events
+        for line in (at_wrap + after_step).splitlines()
+        if line.startswith("trainstream: ")
+    )

@@ -1,0 +1,134 @@
+"""What the tests share: wrap() options, a training loop, a simulated machine for the
+planner, and the comparisons (bits of tensors, of whole training runs)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from models import MODELS, tiny_gpt
+
+import trainstream
+
+PAGED = dict(param_offload=True, activation_offload=True, min_offload_bytes=0)
+RESIDENT = dict(param_offload=False, activation_offload=False)
+AUTO = dict(param_offload="auto", activation_offload="auto")
+GPU_MODE = dict(optimizer_mode="gpu")
+
+
+def train(
+    name: str,
+    wrap_options: dict | None,
+    *,
+    steps: int = 10,
+    device: str = "cpu",
+    autocast=None,
+    accumulation: int = 1,
+    clip: float | None = None,
+    lr: float = 1e-2,
+    dtype=None,
+    freeze=None,
+    seed: int = 0,
+    model_factory=None,
+):
+    """Train `name` for `steps` steps, stock (wrap_options None) or wrapped; return the
+    losses, a host copy of the final state dict, and (model, optimizer)."""
+    torch.manual_seed(seed)
+    model, batch, loss_fn = (model_factory or MODELS[name])()
+    if dtype is not None:
+        model = model.to(dtype)
+    if freeze is not None:
+        for n, p in model.named_parameters():
+            if freeze(n):
+                p.requires_grad_(False)
+    if wrap_options is None:
+        model = model.to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, foreach=False)
+    if wrap_options is not None:
+        # offload=True unless a test asks otherwise: "auto" would switch these small models to
+        # stock training after two steps, and the tests are about the engine.
+        opts = dict(device=device, accumulation_steps=accumulation, max_grad_norm=clip, offload=True)
+        opts.update(wrap_options)
+        model, opt = trainstream.wrap(model, opt, **opts)
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            ctx = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model, batch(step * accumulation + micro, device))
+            (loss / accumulation).backward()
+            losses.append(loss.item())
+        if wrap_options is None and clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return losses, state, (model, opt)
+
+
+def gpt_steps(mode: str, steps: int = 3):
+    """tiny_gpt wrapped with every block resident, trained `steps` steps under
+    optimizer_mode=`mode`: (model, optimizer)."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        offload=True,
+        optimizer_mode=mode,
+        **RESIDENT,
+    )
+    for i in range(steps):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def machine_bytes(ram_bytes: int, vram_bytes: int = 1 << 40, pinned_bytes: int | None = None):
+    """A simulated machine for the planner, in bytes, with 25 GB/s links each way."""
+    from trainstream.planner import HardwareProfile
+
+    return HardwareProfile(
+        vram_total_bytes=vram_bytes,
+        vram_free_bytes=vram_bytes,
+        ram_available_bytes=ram_bytes,
+        pinned_limit_bytes=ram_bytes if pinned_bytes is None else pinned_bytes,
+        h2d_bytes_per_s=25e9,
+        d2h_bytes_per_s=25e9,
+    )
+
+
+def machine(vram_gib=24.0, ram_gib=64.0, pinned_gib=None):
+    """A simulated machine for the planner (the figures any test may set by keyword), in GiB."""
+    return machine_bytes(
+        ram_bytes=int(ram_gib * 2**30),
+        vram_bytes=int(vram_gib * 2**30),
+        pinned_bytes=int((pinned_gib or ram_gib) * 2**30),
+    )
+
+
+def bits(t):
+    """A tensor's bits, as integers of its element size."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(a, b):
+    """Two tensors of the same dtype and shape with the same bits; or two training runs
+    ((losses, state dict, ...) as train() returns them) with the same losses and the same
+    final state dict, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(bits(a), bits(b)), f"{(bits(a) != bits(b)).sum().item()} of {a.numel()} elements differ"
+        return
+    la, sa = a[0], a[1]
+    lb, sb = b[0], b[1]
+    assert la == lb, f"losses differ: {la} vs {lb}"
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"{k} differs (max {(sa[k].float() - sb[k].float()).abs().max()})"
+
+
+def max_diff(sa, sb) -> float:
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
