@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from helpers import GPU_MODE, PAGED, RESIDENT, assert_same_bits, max_diff, train
+from helpers import PAGED, RESIDENT, assert_same_bits, max_diff, train
 from models import tiny_gpt, tiny_mlp
 
 import trainstream
@@ -78,50 +78,6 @@ def test_a_no_grad_forward_between_forward_and_backward():
     assert_same_bits(runs[0], runs[1])
 
 
-class _LateAccumulation:
-    """An accumulation job that says it is finished only once someone has waited for it."""
-
-    def __init__(self, job):
-        self.job, self.waited = job, False
-
-    def done(self) -> bool:
-        return self.waited and self.job.done()
-
-    def wait(self) -> None:
-        self.job.wait()
-        self.waited = True
-
-
-def test_gpu_mode_waits_for_the_host_sum_before_the_update_reads_it(monkeypatch):
-    """With accumulation the last pass adds into the host sums on the thread pool; the kernel
-    is not in that pool, so the update must wait for the adds before it is queued."""
-    from trainstream.engine.device import DeviceUpdate
-
-    real = trainstream.ops.accumulate_
-    monkeypatch.setattr(trainstream.ops, "accumulate_", lambda *a, **k: _LateAccumulation(real(*a, **k)))
-    torch.manual_seed(0)
-    model, batch, loss_fn = tiny_gpt()
-    model, opt = trainstream.wrap(
-        model, None, device="cpu", offload=True, optimizer_mode="gpu", accumulation_steps=2, **RESIDENT
-    )
-    queue = opt.queue_on_device
-    checked = []
-
-    def checking(device, slots, *args, **kwargs):
-        for s in slots:
-            assert s.reader is None or isinstance(s.reader, DeviceUpdate) or s.reader.done(), s.name
-        checked.append(len(slots))
-        return queue(device, slots, *args, **kwargs)
-
-    monkeypatch.setattr(opt, "queue_on_device", checking)
-    for i in range(4):
-        loss_fn(model, batch(i, "cpu")).backward()
-        if i % 2:
-            opt.step()
-            opt.zero_grad()
-    assert checked
-
-
 @pytest.mark.parametrize("opts", [RESIDENT, PAGED, {}], ids=["resident", "paged", "auto"])
 def test_a_deleted_wrapped_model_is_freed(opts):
     """Hooks torch keeps in C++ (invisible to the cycle collector) must not hold the engine:
@@ -181,18 +137,6 @@ def test_gpu_paging_lowers_the_peak():
     weights = 8 * 2048 * 2048 * 4
     # Resident: all weights plus gradient transients; paged: about two blocks plus transfers.
     assert peaks["paged"] < peaks["resident"] - 0.5 * weights, peaks
-
-
-@pytest.mark.gpu
-def test_gpu_optimizer_mode_gpu_accumulation_of_large_gradients_on_one_thread():
-    """Large host sums added on one pool thread: an update that did not wait for the adds
-    would read a half-summed gradient."""
-    factory = lambda: tiny_mlp(layers=4, dim=2048, rows=2)  # noqa: E731
-    opts = dict(RESIDENT, threads=1)
-    assert_same_bits(
-        train("mlp", opts, device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
-        train("mlp", dict(opts, **GPU_MODE), device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
-    )
 
 
 @pytest.mark.gpu

@@ -1,0 +1,64 @@
+"""Each unit's update, queued as its gradients arrive: it waits for the host sums it reads."""
+
+import pytest
+import torch
+from helpers import GPU_MODE, RESIDENT, assert_same_bits, train
+from models import tiny_gpt, tiny_mlp
+
+import trainstream
+
+
+class _LateAccumulation:
+    """An accumulation job that says it is finished only once someone has waited for it."""
+
+    def __init__(self, job):
+        self.job, self.waited = job, False
+
+    def done(self) -> bool:
+        return self.waited and self.job.done()
+
+    def wait(self) -> None:
+        self.job.wait()
+        self.waited = True
+
+
+def test_gpu_mode_waits_for_the_host_sum_before_the_update_reads_it(monkeypatch):
+    """With accumulation the last pass adds into the host sums on the thread pool; the kernel
+    is not in that pool, so the update must wait for the adds before it is queued."""
+    from trainstream.engine.device import DeviceUpdate
+
+    real = trainstream.ops.accumulate_
+    monkeypatch.setattr(trainstream.ops, "accumulate_", lambda *a, **k: _LateAccumulation(real(*a, **k)))
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload=True, optimizer_mode="gpu", accumulation_steps=2, **RESIDENT
+    )
+    queue = opt.queue_on_device
+    checked = []
+
+    def checking(device, slots, *args, **kwargs):
+        for s in slots:
+            assert s.reader is None or isinstance(s.reader, DeviceUpdate) or s.reader.done(), s.name
+        checked.append(len(slots))
+        return queue(device, slots, *args, **kwargs)
+
+    monkeypatch.setattr(opt, "queue_on_device", checking)
+    for i in range(4):
+        loss_fn(model, batch(i, "cpu")).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    assert checked
+
+
+@pytest.mark.gpu
+def test_gpu_optimizer_mode_gpu_accumulation_of_large_gradients_on_one_thread():
+    """Large host sums added on one pool thread: an update that did not wait for the adds
+    would read a half-summed gradient."""
+    factory = lambda: tiny_mlp(layers=4, dim=2048, rows=2)  # noqa: E731
+    opts = dict(RESIDENT, threads=1)
+    assert_same_bits(
+        train("mlp", opts, device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
+        train("mlp", dict(opts, **GPU_MODE), device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
+    )
