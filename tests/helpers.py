@@ -4,6 +4,8 @@ planner, and the comparisons (bits of tensors, of whole training runs)."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 
 import torch
 from models import MODELS, tiny_gpt
@@ -132,3 +134,24 @@ def assert_same_bits(a, b):
 
 def max_diff(sa, sb) -> float:
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+def collected(condition, timeout_s: float = 10.0) -> bool:
+    """Collect garbage until `condition()` holds, for at most `timeout_s`: a wrapped model is
+    freed by a collection (its engine and the model refer to each other), once the lander
+    thread has let go of the unit whose update it was waiting for."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        if condition():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def live_cuda_tensors() -> list:
+    """(shape, dtype) of the CUDA tensors Python still holds, largest first (a failure's message)."""
+    found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    found.sort(key=lambda t: -t.untyped_storage().nbytes())
+    return [(tuple(t.shape), t.dtype) for t in found[:8]]

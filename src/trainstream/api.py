@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import options as _options
@@ -143,6 +145,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
     # 2. Every decision, before a byte moves (DoesNotFit here leaves the model as it was).
     plan = plan_run(opts, layout, profile, backend)
+    if plan.warning:
+        warnings.warn(plan.warning, stacklevel=2)
     optimizer.set_moment_dtype(plan.moment_dtype)
 
     # 3. The engine, built whole from the plan; 4. installed on the model.

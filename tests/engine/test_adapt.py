@@ -237,21 +237,17 @@ def test_the_guard_projects_as_the_plan_does_and_pages_when_a_pass_grows():
     # Allocated + every block's measured activations + what runs after the stack: exactly the usable memory.
     exact = adapter.usable - acts - adapter.after_stack
     adapter._pass_act, adapter._pass_growth = 0, 1.0
-    adapter._guard(unit, exact)
-    assert not unit.act_paged and not history(model, "guard")
+    assert not adapter._guard(unit, exact) and not history(model, "guard")
     # The pass's first block saved ten times what was measured (a longer sequence): the rest of
     # the pass is projected that much larger, and this block's activations are paged.
     adapter._pass_growth = 10.0
-    adapter._guard(engine.block_units[1], exact)
-    assert engine.block_units[1].act_paged
+    assert adapter._guard(engine.block_units[1], exact)  # the engine pages the block on this answer
     assert "activations paged during the pass" in history(model, "guard")[-1]["message"]
     # At block 2, blocks 0 and 1 have saved theirs (now allocated): one byte more than fits.
     adapter._pass_growth = 1.0
     done = engine.activation_bytes[0] + engine.activation_bytes[1]
-    adapter._guard(engine.block_units[2], exact + done)
-    assert not engine.block_units[2].act_paged
-    adapter._guard(engine.block_units[2], exact + done + 1)
-    assert engine.block_units[2].act_paged
+    assert not adapter._guard(engine.block_units[2], exact + done)
+    assert adapter._guard(engine.block_units[2], exact + done + 1)
 
 
 def test_backward_start_is_read_without_the_outputs_own_gradient():

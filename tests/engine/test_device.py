@@ -20,15 +20,15 @@ def test_transfer_ledger_waits_oldest_first_until_it_fits():
     from trainstream.engine.device import DONE, TransferLedger
 
     log = []
-    ledger = TransferLedger()
+    ledger = TransferLedger(cap=40)
     events = [_Event(log, i) for i in range(4)]
     for e in events:
         ledger.add(e, 10)
     ledger.add(DONE, 10**9)  # finished work holds nothing
     events[0].finished = True
-    ledger.make_room(15, cap=40)  # 30 held after the finished one settles: wait for one more
+    ledger.make_room(15)  # 30 held after the finished one settles: wait for one more
     assert log == [1] and ledger.bytes == 20
-    ledger.make_room(100, cap=40)  # more than the cap alone: wait for everything, then go ahead
+    ledger.make_room(100)  # more than the cap alone: wait for everything, then go ahead
     assert log == [1, 2, 3] and ledger.bytes == 0
 
 
@@ -45,3 +45,21 @@ def test_host_arena_carves_power_of_two_pieces_without_overlap():
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     with pytest.raises(RuntimeError, match="exhausted"):
         arena.take((1,), torch.float32)
+
+
+def test_transfer_ledger_counts_bytes_fetched_ahead_against_the_same_cap():
+    from trainstream.engine.device import TransferLedger
+
+    log = []
+    ledger = TransferLedger(cap=100)
+    assert ledger.may_fetch_ahead(150)  # the first prefetch always goes, whatever its size
+    ledger.fetched_ahead(60)
+    assert ledger.may_fetch_ahead(40) and not ledger.may_fetch_ahead(41)
+    held = _Event(log, "held")
+    ledger.add(held, 30)
+    ledger.make_room(10)  # released bytes alone: 30 + 10 fit
+    assert log == []
+    ledger.make_room(20, with_ahead=True)  # 30 released + 60 ahead + 20 do not: wait for the release
+    assert log == ["held"] and ledger.bytes == 0
+    ledger.used(60)
+    assert ledger.ahead == 0 and ledger.may_fetch_ahead(100)

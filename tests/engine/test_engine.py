@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from helpers import PAGED, RESIDENT, assert_same_bits, max_diff, train
+from helpers import PAGED, RESIDENT, assert_same_bits, collected, live_cuda_tensors, max_diff, train
 from models import tiny_gpt, tiny_mlp
 
 import trainstream
@@ -87,12 +87,7 @@ def test_a_deleted_wrapped_model_is_freed(opts):
     _, _, (model, opt) = train("mlp", opts, steps=3)
     refs = [weakref.ref(model), weakref.ref(model._trainstream_engine), *map(weakref.ref, model.parameters())]
     del model, opt
-    gc.collect()
-    import time
-
-    time.sleep(0.05)  # the lander thread lets go of its last unit
-    gc.collect()
-    assert all(r() is None for r in refs)
+    assert collected(lambda: all(r() is None for r in refs))
 
 
 @pytest.mark.gpu
@@ -142,14 +137,10 @@ def test_gpu_paging_lowers_the_peak():
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [RESIDENT, PAGED], ids=["resident", "paged"])
 def test_gpu_a_deleted_wrapped_model_frees_its_device_memory(opts):
-    import time
-
     gc.collect()
     before = torch.cuda.memory_allocated()
     factory = lambda: tiny_mlp(layers=4, dim=1024, rows=64)  # noqa: E731
     _, _, (model, opt) = train("mlp", opts, device="cuda", steps=3, model_factory=factory)
     del model, opt
-    gc.collect()
-    time.sleep(0.05)  # the lander thread lets go of its last unit
-    gc.collect()
-    assert torch.cuda.memory_allocated() - before < (1 << 20), (before, torch.cuda.memory_allocated())
+    freed = collected(lambda: torch.cuda.memory_allocated() - before < (1 << 20))
+    assert freed, (before, torch.cuda.memory_allocated(), live_cuda_tensors())

@@ -94,7 +94,7 @@ def test_small_gradients_leave_in_one_batch_per_unit(monkeypatch):
 
     def counting(self, unit):
         sends.append((unit.name, len(unit.waiting)))
-        send(self, unit)
+        return send(self, unit)
 
     monkeypatch.setattr(GradStreamer, "_send", counting)
     _, _, (model, _) = train("gpt", RESIDENT, steps=1)  # every gradient of the tiny GPT is small
@@ -132,10 +132,10 @@ def test_a_failure_at_the_end_of_backward_leaves_no_half_landed_state(monkeypatc
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
     model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, **RESIDENT)
-    end_pass = GradStreamer._end_pass
+    end_pass = GradStreamer.end_pass
 
     def failing_end(self):
-        # The first thing _end_pass does with every unit: fail on the second unit, with the
+        # The first thing end_pass does with every unit: fail on the second unit, with the
         # first already sent (a failed host job surfacing there, say).
         calls = []
 
@@ -143,19 +143,20 @@ def test_a_failure_at_the_end_of_backward_leaves_no_half_landed_state(monkeypatc
             calls.append(unit)
             if len(calls) == 2:
                 raise RuntimeError("a host job failed")
+            return []
 
         self._send = send
-        for unit in self.engine.units[:2]:  # two units still waiting, as after unused parameters
+        for unit in self.units[:2]:  # two units still waiting, as after unused parameters
             unit.waiting = [(unit.trainable[0], torch.zeros(1), None)]
         try:
-            end_pass(self)
+            yield from end_pass(self)
         finally:
             del self._send
 
-    monkeypatch.setattr(GradStreamer, "_end_pass", failing_end)
+    monkeypatch.setattr(GradStreamer, "end_pass", failing_end)
     with pytest.raises(RuntimeError, match="a host job failed"):
         loss_fn(model, batch(0, "cpu")).backward()
-    monkeypatch.setattr(GradStreamer, "_end_pass", end_pass)
+    monkeypatch.setattr(GradStreamer, "end_pass", end_pass)
     engine = model._trainstream_engine
     assert all(not u.waiting and u.landed == 0 and not any(s.fresh for s in u.trainable) for u in engine.units)
     assert "the end of a backward pass raised" in trainstream.memory_report(model)["events"]

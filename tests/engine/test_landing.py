@@ -63,3 +63,19 @@ def test_the_process_exits_cleanly_while_updates_are_in_flight():
     )
     proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "exiting" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_the_thread_ends_when_its_engine_is_collected():
+    """The thread holds waiting units weakly and is joined by the engine's finalizer: once
+    a collection has freed a deleted model, its lander thread is gone too."""
+    import weakref
+
+    from helpers import collected, train
+
+    _, _, (model, opt) = train("mlp", RESIDENT, steps=3)
+    thread = model._trainstream_engine.weights.lander._thread
+    assert thread is not None and thread.is_alive()  # resident units' updates went through it
+    engine = weakref.ref(model._trainstream_engine)
+    del model, opt
+    assert collected(lambda: engine() is None)
+    assert not thread.is_alive()  # joined by the collection that freed the engine, no waiting after it

@@ -21,7 +21,7 @@ def test_activations_are_recorded_as_with_the_weights_resident_autocasts_copies_
     """Under bf16 autocast a resident block also saves autocast's bf16 copies of its weights;
     a paged one fetches them in bf16 and saves none. Every block's activations are recorded
     as they are with its weights resident, with the copies' share beside them."""
-    from trainstream.engine.placement import activations_as_placed
+    from trainstream.engine.measure import activations_as_placed
     from trainstream.engine.switch import stock_bytes
 
     _, _, (model, _) = train("gpt", dict(param_offload=[0], activation_offload=False), steps=2, autocast=torch.bfloat16)
@@ -35,7 +35,8 @@ def test_activations_are_recorded_as_with_the_weights_resident_autocasts_copies_
     assert activations_as_placed(engine, engine.block_units[0], paged=True) == acts[0] - copies
     inp = engine.adapter._inputs(0)
     assert inp.blocks[0].act_bytes == acts[0] and inp.blocks[0].cast_bytes == copies
-    assert stock_bytes(engine)["activations (measured)"] == sum(acts.values())
+    need = stock_bytes(engine.units, engine.meter, engine.adapter.planned_after_stack())
+    assert need["activations (measured)"] == sum(acts.values())
 
 
 def test_a_weight_copy_backward_does_not_keep_is_not_counted():

@@ -52,7 +52,7 @@ def test_mapped_moments_take_a_loaded_state_dict_and_go_with_the_switch():
     pinned arena) are the optimizer's state; pinning new buffers copies the state in; they
     keep their buffers through load_state_dict, which copies into them, and are let go when
     offload="auto" switches to stock training."""
-    from trainstream.engine.switch import switch_to_stock
+    from trainstream.engine.adapt import SwitchToStock
 
     model, opt = gpt_steps("gpu")
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -74,7 +74,7 @@ def test_mapped_moments_take_a_loaded_state_dict_and_go_with_the_switch():
         expect = sd["state"][i]["exp_avg"] if i else torch.zeros_like(p)
         assert torch.equal(opt.state[p]["exp_avg"], expect), i
     assert float(opt.state[params[0]]["step"]) == 0
-    switch_to_stock(model._trainstream_engine)
+    model._trainstream_engine.apply(SwitchToStock({}))
     assert opt._mapped == {}  # (on a GPU the stock state is a device copy: nothing else holds them)
 
 

@@ -6,6 +6,7 @@ from helpers import PAGED, RESIDENT, assert_same_bits, train
 from models import tiny_gpt
 
 import trainstream
+from trainstream.engine.adapt import Replan
 
 
 def test_guard_params_false_gives_the_same_run():
@@ -36,8 +37,8 @@ def _train_and_move(mode: str) -> dict:
     )
     engine = model._trainstream_engine
     for i in range(9):
-        if i in (3, 6):  # applied by the adapter at the next forward, as its replans are
-            engine.adapter.pending = ([0, 1] if i == 3 else [1], [])
+        if i in (3, 6):  # between steps, where the engine applies the adapter's replans
+            engine.apply(Replan([0, 1] if i == 3 else [1], []))
         loss_fn(model, batch(i, "cpu")).backward()
         opt.step()
         opt.zero_grad()

@@ -78,3 +78,89 @@ def test_auto_moments_drop_to_bf16_only_when_ram_is_short(monkeypatch):
     model, _, _ = tiny_mlp()
     with pytest.raises(MemoryError, match="share of 8"):
         trainstream.wrap(model, None, device="cpu", profile=machine(ram_gib=8 * 3.0 / 1024))
+
+
+# -- plan_run: every decision from byte counts, without a model or a GPU -----------------------
+
+
+def _meta_layout(blocks=4, dim=1024, frozen=False):
+    """A ModelLayout of meta tensors: the byte counts of a model, no memory behind them."""
+    from trainstream.engine.layout import ModelLayout, Slot, Unit
+
+    def slot(name, shape, trainable):
+        p = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=trainable)
+        return Slot(p, name, torch.float32, trainable, True)
+
+    block_units = [
+        Unit(
+            f"block {i}",
+            i,
+            [slot(f"layers.{i}.weight", (dim, dim), not frozen), slot(f"layers.{i}.bias", (dim,), True)],
+        )
+        for i in range(blocks)
+    ]
+    outside = [Unit("head", None, [slot("head.weight", (dim, dim), True)])]
+    for u in block_units + outside:
+        for s in u.slots:
+            s.unit = u
+    quantizable = [s for u in block_units for s in u.slots if not s.trainable and s.param.dim() == 2]
+    return ModelLayout(block_units, outside, [], quantizable, [], 0)
+
+
+def _as_found(layout):
+    return [(u.paged, u.act_paged, [(s.quant_format, s.quant_block) for s in u.slots]) for u in layout.units]
+
+
+def _plan(layout, profile, **options):
+    from trainstream import options as opts_mod
+    from trainstream.engine.device import Backend
+    from trainstream.engine.placement import plan_run
+
+    return plan_run(opts_mod.parse(options), layout, profile, Backend(torch.device("cpu")))
+
+
+def test_plan_run_decides_from_byte_counts_and_leaves_the_units_as_found():
+    from trainstream.engine.placement import Plan
+
+    layout = _meta_layout()
+    before = _as_found(layout)
+    roomy = _plan(layout, machine(vram_gib=8, ram_gib=8), activation_offload=False)
+    assert isinstance(roomy, Plan) and roomy.paged == () and roomy.act_paged == ()
+    assert roomy.moment_dtype == torch.float32 and not roomy.update_on_device and roomy.quantize is None
+    assert roomy.max_inflight_bytes == min(1 << 30, (8 << 30) // 10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        roomy.paged = (0,)
+    # Four blocks of 4 MiB weights and a 4 MiB head in 48 MiB of VRAM, half of what is usable
+    # held back for activations not measured yet: some blocks, not all, are paged.
+    tight = _plan(layout, machine(vram_gib=48 / 1024, ram_gib=8), activation_offload=False)
+    assert 0 < len(tight.paged) < 4 and tight.budget["device_usable"] < 48 << 20
+    assert _as_found(layout) == before
+
+
+def test_plan_run_refuses_with_does_not_fit_carrying_the_numbers():
+    from trainstream import DoesNotFit
+
+    layout = _meta_layout()
+    before = _as_found(layout)
+    with pytest.raises(DoesNotFit) as raised:
+        _plan(layout, machine(vram_gib=8, ram_gib=20 / 1024), moment_dtype="float32")
+    e = raised.value
+    assert isinstance(e, MemoryError)
+    assert set(e.needs) == set(e.has) == {"vram", "ram", "pinned"}
+    assert [r for r, *_ in e.short()] == ["ram"] and e.needs["ram"] > e.has["ram"] == 20 << 20
+    assert len(e.problems) == 1 and e.problems[0].startswith("host RAM: needs")
+    assert any("bfloat16" in s for s in e.suggestions)
+    assert str(e).startswith("trainstream.wrap(): this run does not fit. host RAM: needs")
+    assert _as_found(layout) == before  # a refused plan leaves the units as they were
+
+
+def test_plan_run_picks_a_quantization_format_by_name_and_says_why():
+    layout = _meta_layout(frozen=True)
+    before = _as_found(layout)
+    # The frozen weights take 16 MiB in fp32 and about 4 as int8: 16 MiB of RAM holds the run only
+    # with them as NF4. wrap() turns the plan's warning into a UserWarning (test_quantized).
+    plan = _plan(layout, machine(vram_gib=8, ram_gib=16 / 1024), param_offload=True, activation_offload=False)
+    assert plan.quantize == "nf4" and plan.quantized == {f"layers.{i}.weight" for i in range(4)}
+    assert plan.warning.startswith("trainstream.wrap(): quantize='auto' stores 4 frozen weights as nf4, because")
+    assert any(n.startswith("quantize='auto': 4 frozen weights as") for n in plan.notes)
+    assert _as_found(layout) == before  # the engine applies the format, not the planner

@@ -5,12 +5,15 @@ The reference for a quantized run is the same model whose frozen weights were re
 before training, by their quantize-dequantize round trip: training computes with exactly
 those values. Paging on or off must not change a bit, as without quantization."""
 
+import warnings
+
 import pytest
 import torch
 from helpers import PAGED, RESIDENT, assert_same_bits, machine_bytes, max_diff, train
 from models import MODELS, checkpointed_gpt, tiny_gpt, tiny_mlp
 
 import trainstream
+from trainstream.engine.adapt import Replan
 from trainstream.quant import QuantizedWeight
 
 FROZEN = lambda n: n.startswith("layers.") and n.endswith(("qkv.weight", "fc.weight", "out.weight"))  # noqa: E731
@@ -221,7 +224,7 @@ def test_checkpointing_recomputes_quantized_blocks_and_releases_them(reentrant, 
 
     def counting_fetch(self, unit, **kw):
         fetch(self, unit, **kw)
-        held.append(sum(u.fetched is not None for u in self.engine.block_units))
+        held.append(sum(u.fetched is not None for u in self.units if u.block is not None))
 
     monkeypatch.setattr(WeightPager, "fetch", counting_fetch)
     opts = dict(base, quantize="nf4")
@@ -249,8 +252,8 @@ def test_blocks_moved_between_paged_and_resident_keep_their_bits():
         engine = model._trainstream_engine
         losses = []
         for i in range(6):
-            if move and i in (2, 4):  # applied by the adapter at the next forward, as its replans are
-                engine.adapter.pending = ([0, 2] if i == 2 else [2], [])
+            if move and i in (2, 4):  # between steps, where the engine applies the adapter's replans
+                engine.apply(Replan([0, 2] if i == 2 else [2], []))
             loss = loss_fn(model, batch(i, "cpu"))
             loss.backward()
             opt.step()
@@ -290,17 +293,21 @@ def _host_need(fmt):
 @pytest.mark.parametrize("ram_for, expect", [(None, "none"), ("int8", "int8"), ("nf4", "nf4")])
 def test_auto_quantizes_only_when_the_run_would_not_fit(ram_for, expect):
     model, batch, loss_fn = _frozen_mlp()
-    model, opt = trainstream.wrap(
-        model,
-        None,
-        device="cpu",
-        offload=True,
-        param_offload=True,
-        moment_dtype="float32",
-        profile=machine_bytes(_host_need(ram_for) + 1024),
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = trainstream.wrap(
+            model,
+            None,
+            device="cpu",
+            offload=True,
+            param_offload=True,
+            moment_dtype="float32",
+            profile=machine_bytes(_host_need(ram_for) + 1024),
+        )
     report = trainstream.memory_report(model)
     assert report["params"]["quantize"] == expect, report["events"]
+    said = [str(w.message) for w in caught if "quantize='auto' stores" in str(w.message)]
+    assert len(said) == (expect != "none") and all(f"as {expect}, because the run does not fit" in m for m in said)
     if expect != "none":
         assert "because it does not fit with no quantization (host RAM" in report["events"]
     loss_fn(model, batch(0, "cpu")).backward()

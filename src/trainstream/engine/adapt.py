@@ -20,10 +20,12 @@
 - The first forward passes count each block's saved activations (measure.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
   block's forward. After each of the first SETTLE_STEPS steps the planner replans
-  with those figures; a new placement is applied at the start of the next forward pass.
+  with those figures; a new placement is returned as a Replan, which the engine applies
+  at the end of that step.
 - Later, the watchdog: when a step's peak passes the usable memory (longer sequences, a
   bigger batch), it pages more, never less.
-- Online guard, every forward pass with activation_offload="auto": before a block runs,
+- Online guard, every forward pass with activation_offload="auto" (the one decision
+  taken inside a pass: block_starts answers it, the engine applies it at once): before a block runs,
   if what is allocated plus the activations the rest of the pass will save (as this
   pass's blocks have shown) would not fit, the block's activations are paged. That keeps
   the very first pass, and a pass that suddenly grows, from running out of memory. It

@@ -18,7 +18,7 @@ One training step, as the hooks see it:
   all of its gradients have landed;
 - optimizer.step() queues what is left and returns; new weights travel to the device as
   each update finishes. With optimizer_mode="gpu" the updates run on the device instead
-  (_queue_on_device), and a resident unit's weights are updated in place.
+  (updates.py), and a resident unit's weights are updated in place.
 """
 
 from __future__ import annotations

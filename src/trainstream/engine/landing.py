@@ -101,12 +101,16 @@ class Lander:
             unit = self._next(pending)
             if unit is None:
                 return
-            pager = self._pager()
-            if pager is None:
-                return
+            # Wait holding the update handles only (host buffers): the unit, and through it the
+            # model's parameters, stay the engine's to let go of while the update runs.
+            handles, ref = list(unit.updates), weakref.ref(unit)
+            del unit
             try:
-                for handle in list(unit.updates):
+                for handle in handles:
                     handle.wait()
+                unit, pager = ref(), self._pager()
+                if unit is None or pager is None:
+                    return
                 with pager.lock:
                     if unit.stale:
                         pager.push(unit)
@@ -115,5 +119,5 @@ class Lander:
             # Drop every reference before blocking in _next() again: this frame outlives the
             # engine, and a Unit left here keeps its slots' parameters (device weights) and
             # an AdamWHandle (host tensors) alive until the thread notices the engine is gone.
-            del pager, unit
-            handle = None
+            unit = pager = handle = None
+            handles = []

@@ -20,7 +20,7 @@ class Slot:
     is_linear: bool  # weight or bias of an nn.Linear: may page in the autocast dtype
     unit: Unit = None
     # Frozen weights stored quantized (wrap(quantize=...)): the format and block size, and the
-    # QuantizedWeight once made (place_weights). Its codes live on the device for a resident
+    # QuantizedWeight once made (WeightPager.place). Its codes live on the device for a resident
     # unit, in host transfer memory for a paged one; the weight itself exists only while a
     # forward or backward uses it, dequantized like a paged weight is fetched.
     quant_format: str | None = None

@@ -69,8 +69,7 @@ def region_limit(max_inflight_bytes: int) -> int:
     """The largest region of several params: an eighth of the in-flight cap. Each region
     has its own kernel between its copy in and its copy home, so with both PCIe directions
     busy it holds VRAM for about two copy times; a few regions in flight then keep both
-    directions busy, beside the gradients the cap also counts. (With a quarter of the cap
-    and one kernel per unit, a 1.9B GPT's blocks went one at a time under the default cap.)"""
+    directions busy, beside the gradients the cap also counts."""
     return max_inflight_bytes // 8
 
 

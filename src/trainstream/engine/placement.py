@@ -9,8 +9,9 @@ numbers.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -377,6 +378,7 @@ class Plan:
     mapped_bytes: int  # host arena for the device update's moments (and gradient sums)
     budget: dict  # bytes by resource and class, as check_fits counted them
     notes: tuple  # the events that explain these decisions
+    warning: str | None = None  # a lossy choice made for the user, said outside the log too
 
 
 QUANT_ORDER = ("int8", "nf4")  # quantize="auto" tries them in this order, after no quantization
@@ -455,8 +457,8 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
     return _Fit(placement, moment_dtype, update_on_device, budget, mapped_bytes, notes)
 
 
-def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, list]:
-    """The fit with the quantize setting applied: (fit, format, notes). quantize='auto' tries
+def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, list, str | None]:
+    """The fit with the quantize setting applied: (fit, format, notes, warning). quantize='auto' tries
     no quantization, then int8, then NF4, and keeps the first that fits (prefer='speed': NF4
     as well when it keeps every block resident where the first choice pages some)."""
     quantizable = model.quantizable
@@ -514,17 +516,15 @@ def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, lis
                 "quantize='auto': nothing quantized"
                 + ("" if quantizable else " (no frozen Linear weights in the blocks)")
             )
-        return fit, None, notes
+        return fit, None, notes, None
+    warning = None
     if opts.quantize == "auto":  # a lossy choice made for the user: say it outside the log too
         why_auto = (
             "because the run does not fit otherwise; pass quantize='none' to get the DoesNotFit error instead"
             if refused
             else "because prefer='speed' and it keeps every block in VRAM"
         )
-        warnings.warn(
-            f"trainstream.wrap(): quantize='auto' stores {len(quantizable)} frozen weights as {fmt}, {why_auto}",
-            stacklevel=4,
-        )
+        warning = f"trainstream.wrap(): quantize='auto' stores {len(quantizable)} frozen weights as {fmt}, {why_auto}"
     before = sum(s.full_nbytes for s in quantizable)
     after = sum(s.nbytes for s in quantizable)
     why = f", because it does not fit with {'; '.join(refused)}" if refused else ""
@@ -532,26 +532,37 @@ def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, lis
         f"quantize={opts.quantize!r}: {len(quantizable)} frozen weights as {fmt} (block "
         f"{opts.quant_block_size}), {before / GiB:.2f} -> {after / GiB:.2f} GiB{why}"
     )
-    return fit, fmt, notes
+    return fit, fmt, notes, warning
+
+
+def _trial(model):
+    """A copy of the layout's units and slots to try placements and formats on: the params
+    are shared, the fields planning writes (paged, act_paged, quant_format) are its own."""
+    copies = {}
+
+    def unit_copy(u):
+        c = copy.copy(u)
+        c.__dict__.pop("trainable", None)  # a cached view of the original's slots
+        c.slots = []
+        for s in u.slots:
+            copies[s] = sc = copy.copy(s)
+            sc.unit = c
+            c.slots.append(sc)
+        return c
+
+    return dataclasses.replace(
+        model,
+        block_units=[unit_copy(u) for u in model.block_units],
+        outside_units=[unit_copy(u) for u in model.outside_units],
+        quantizable=[copies[s] for s in model.quantizable],
+    )
 
 
 def plan_run(opts, model, profile, backend) -> Plan:
     """Decide everything for `model` (a ModelLayout: the units and what wrap() found about
-    them) on this machine; DoesNotFit when nothing fits. The units are left as they were:
-    planning tries quantization formats and placements on them, the engine applies the one
-    chosen."""
-    units = model.block_units + model.outside_units
-    saved = (
-        [(s, s.quant_format, s.quant_block) for u in units for s in u.slots],
-        [(u, u.paged, u.act_paged) for u in units],
-    )
-    try:
-        fit, fmt, quant_notes = _fit_quantized(opts, model, profile, backend)
-    finally:
-        for s, fmt_was, block_was in saved[0]:
-            s.quant_format, s.quant_block = fmt_was, block_was
-        for u, paged, act_paged in saved[1]:
-            u.paged, u.act_paged = paged, act_paged
+    them) on this machine; DoesNotFit when nothing fits. Formats and placements are tried on
+    a copy of the units: `model` is left as it is, and the engine applies the plan."""
+    fit, fmt, quant_notes, warning = _fit_quantized(opts, _trial(model), profile, backend)
     inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
     return Plan(
         paged=tuple(fit.placement.paged),
@@ -566,4 +577,5 @@ def plan_run(opts, model, profile, backend) -> Plan:
         mapped_bytes=fit.mapped_bytes,
         budget=fit.budget,
         notes=(*fit.placement.notes, *model.notes, *fit.notes, *quant_notes),
+        warning=warning,
     )

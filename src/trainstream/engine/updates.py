@@ -68,11 +68,9 @@ class Updater:
         produced the gradients and queued every read of the old weights. One kernel per
         moment region (moments.py), each queued between its region's copy in and its copy
         home: a region then holds VRAM for one copy each way and its own kernel, and the
-        next region's copy in overlaps this one's copy home under max_inflight_bytes. (With
-        one kernel per unit, a 1.9B GPT block's regions all waited in VRAM for the last to
-        arrive, and the cap let only one block's copies run at a time: both PCIe directions
-        idled in turn, 0.47 s a step in a profile, against 0.38 with the cap lifted.) A
-        resident unit's weights are updated in place on the device (fp32 ones are their own
+        next region's copy in overlaps this one's copy home under max_inflight_bytes, so both
+        PCIe directions stay busy (a kernel per unit would hold all of a unit's regions in VRAM
+        until the last arrived). A resident unit's weights are updated in place on the device (fp32 ones are their own
         master there); a paged unit's in host memory, where its next fetch reads them."""
         backend = self.backend
         stream = backend.update
