@@ -21,9 +21,9 @@ import time
 
 import torch
 
+from ..sizes import GiB
 from .common import cap_vram, case_in_subprocess, markdown_table, timed_window, warm_up
 
-GiB = 1 << 30
 MLP_BATCH = 2048
 GPT_BATCH, GPT_SEQ = 8, 512
 

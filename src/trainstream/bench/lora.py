@@ -24,9 +24,9 @@ import time
 
 import torch
 
+from ..sizes import GiB
 from .common import cap_vram, case_in_subprocess, markdown_table, timed_window, warm_up
 
-GiB = 1 << 30
 BATCH, SEQ = 4, 512
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CAP_GIB = 8

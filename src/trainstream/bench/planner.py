@@ -23,9 +23,9 @@ import time
 
 import torch
 
+from ..sizes import GiB
 from .common import cap_vram, case_in_subprocess, markdown_table, settle, timed_window, warm_up
 
-GiB = 1 << 30
 BATCH, SEQ = 8, 512
 FIXED = dict(offload=True)  # hand-tuned settings never switch
 SETTINGS = {

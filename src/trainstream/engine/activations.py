@@ -43,9 +43,12 @@ def _bytes_of(storage, device) -> torch.Tensor:
 class ActivationPager:
     """Owns the paged copies of saved activations, from pack in forward to drop in backward."""
 
-    def __init__(self, backend, ledger):
+    def __init__(self, backend, ledger, block_units: list, act_paged=()):
+        """`act_paged`: the blocks whose saved activations go to host memory."""
         self.backend = backend
         self.ledger = ledger
+        for u in block_units:
+            u.act_paged = u.block in act_paged
         self._recent: dict = {}  # storage pointer -> PagedStorage, this forward pass
         self.paged_bytes = 0  # bytes copied out since wrap (for the report)
 
@@ -103,6 +106,11 @@ class ActivationPager:
         return torch.empty(0, dtype=packed.dtype, device=backend.device).set_(
             rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride
         )
+
+    def page(self, unit, paged: bool) -> None:
+        """From the next pass on (or the rest of this one: the online guard), `unit`'s saved
+        activations go to host memory, or stay on the device."""
+        unit.act_paged = paged
 
     def drop(self, unit) -> None:
         """The unit's backward is over: let go of its restored storages (autograd's own

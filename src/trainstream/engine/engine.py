@@ -33,7 +33,6 @@ from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
 from .grads import GradSettings, GradStreamer
-from .layout import set_quantization
 from .measure import ActivationMeter
 from .moments import MomentStager, copy_limit, lay_out, region_limit
 from .params import WeightPager
@@ -83,14 +82,14 @@ class Engine:
         self.block_units = layout.block_units
         self.outside_units = layout.outside_units
         self.units = self.block_units + self.outside_units
-        self._apply_plan(layout.quantizable)
         self.events = EventLog(opts.verbose)
         self.steps = 0
         self.mode = "offload"  # "stock" once offload="auto" has switched
         self._last_grad_norm = None
         self.ledger = TransferLedger(plan.max_inflight_bytes)  # device memory transfers hold
-        self.weights = WeightPager(backend, self.units, self.ledger, plan.update_on_device)
-        self.acts = ActivationPager(backend, self.ledger)
+        quantized = {s: (plan.quantize, plan.quant_block_size) for s in layout.quantizable if s.name in plan.quantized}
+        self.weights = WeightPager(backend, self.units, self.ledger, plan.update_on_device, plan.paged, quantized)
+        self.acts = ActivationPager(backend, self.ledger, self.block_units, plan.act_paged)
         self.grads = GradStreamer(
             backend,
             self.units,
@@ -126,14 +125,6 @@ class Engine:
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
         self._log_plan(layout)
 
-    def _apply_plan(self, quantizable) -> None:
-        """The units as the plan placed them: paged blocks, paged activations, quantized weights."""
-        plan = self.plan
-        set_quantization([s for s in quantizable if s.name in plan.quantized], plan.quantize, plan.quant_block_size)
-        for u in self.block_units:
-            u.paged = u.block in plan.paged
-            u.act_paged = u.block in plan.act_paged
-
     def _lay_out_moments(self) -> MomentStager:
         """optimizer_mode="gpu": the moments (and gradient sums, with accumulation) in one
         host arena, pinned on a GPU, laid out in regions (moments.py)."""
@@ -144,8 +135,7 @@ class Engine:
             moments.update(region.views(region.host))
         self.optimizer.pin_state(moments)
         if self.opts.accumulation_steps > 1:
-            for s in (s for u in self.units for s in u.trainable):
-                s.grad_sum = arena.take(s.param.shape, torch.float32)
+            self.grads.use_sum_buffers(arena.take)
         return MomentStager(self.backend, self.ledger, regions)
 
     def _log_plan(self, layout) -> None:
@@ -359,7 +349,7 @@ class Engine:
             self.weights.guard(unit)
             return
         if torch.is_grad_enabled() and self.adapter.block_starts(unit, self.weights.fetched_bytes):
-            unit.act_paged = True  # the online guard: this block's activations would not fit
+            self.acts.page(unit, True)  # the online guard: this block's activations would not fit
         self.acts.drop(unit)
         self.weights.guard(unit)
         nxt = unit.block + 1
@@ -532,7 +522,7 @@ class Engine:
         if isinstance(decision, SwitchToStock):
             self.unwrap()
             for unit in self.block_units:
-                unit.act_paged = False
+                self.acts.page(unit, False)
             self.optimizer.switch_to_stock(self.opts.max_grad_norm)
             self.mode = "stock"
             return
@@ -541,7 +531,7 @@ class Engine:
         self.synchronize()
         moved = self.weights.repage({u for u in self.block_units if (u.block in decision.paged) != u.paged})
         for u in self.block_units:
-            u.act_paged = u.block in decision.act_paged
+            self.acts.page(u, u.block in decision.act_paged)
         if moved:
             self.state_hooks.remove()
             self.state_hooks.install()

@@ -277,6 +277,24 @@ class GradStreamer:
             self._ready.clear()
             self._partial.clear()
 
+    def read_by(self, slots, handle) -> None:
+        """`handle` (a host job or a device update) reads the landed gradients of `slots`:
+        their buffers are not written again before it has."""
+        for s in slots:
+            s.reader = handle
+
+    def release_device_grads(self, slots) -> None:
+        """The update that reads these device gradients is queued: they may go."""
+        for s in slots:
+            s.device_grad = None
+
+    def use_sum_buffers(self, take) -> None:
+        """Carve the accumulation sums from `take(shape, dtype)` (the device update's pinned
+        arena, which its kernel maps) instead of plain host memory."""
+        for unit in self.units:
+            for s in unit.trainable:
+                s.grad_sum = take(s.param.shape, torch.float32)
+
     def grad_of(self, slot) -> torch.Tensor:
         """The gradient the update reads: on the device (optimizer_mode="gpu" without
         clipping or accumulation), the landing buffer, or the window's sum."""

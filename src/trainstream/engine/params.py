@@ -28,7 +28,7 @@ from ..quant.weight import QuantizedWeight
 from ..sizes import GiB
 from .device import DeviceUpdate, HostArena
 from .landing import Lander
-from .layout import arena_bytes, host_buffers
+from .layout import arena_bytes, host_buffers, set_quantization
 
 
 def _autocast_dtype(device_type: str):
@@ -40,9 +40,15 @@ def _autocast_dtype(device_type: str):
 class WeightPager:
     """Owns where every weight is: host buffers, resident device tensors, paged fetches."""
 
-    def __init__(self, backend, units: list, ledger, update_on_device: bool):
+    def __init__(self, backend, units: list, ledger, update_on_device: bool, paged=(), quantized=None):
+        """`paged`: the blocks whose weights live in host memory; `quantized`: the slots
+        stored quantized, with (format, block size) each."""
         self.backend = backend
         self.units = units
+        for u in units:
+            u.paged = u.block in paged
+        for s, (fmt, block) in (quantized or {}).items():
+            set_quantization([s], fmt, block)
         self.ledger = ledger
         self.update_on_device = update_on_device  # a resident param's device data is newer than its host master
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
@@ -129,11 +135,38 @@ class WeightPager:
 
     # -- resident units ----------------------------------------------------------------------
 
-    def expect_update(self, unit) -> None:
-        """A resident unit's update was queued: its weights go to the device when it is done."""
+    def before_host_update(self, unit) -> None:
+        """A host update of `unit` is about to be queued: a copy still reading its host weights
+        must be done, and compute's position marks the reads of the old device weights its
+        push must wait for."""
+        if unit.paged and unit.fetch_event is not None:
+            unit.fetch_event.synchronize()
+        unit.update_mark = self.backend.record()
+
+    def host_update_queued(self, unit, handles: list) -> None:
+        """`unit`'s host jobs were queued; a resident unit's weights go to the device when they
+        are done (the lander, or the next guard)."""
+        unit.updates += handles
+        if not unit.paged:
+            with self.lock:
+                unit.stale = True
+            self.lander.expect(unit)
+
+    def device_update_queued(self, unit, handle) -> None:
+        """optimizer_mode="gpu": `unit`'s kernels were queued. A resident unit's next forward
+        waits for them on the GPU; its handles are otherwise only dropped by synchronize(), so
+        the list keeps to those that may still run."""
+        unit.updates = [h for h in unit.updates if not h.done()]
+        unit.updates.append(handle)
+        if not unit.paged:
+            unit.h2d_event = handle.event
+
+    def loaded(self, units) -> None:
+        """A state dict was loaded into these units' weights (host and device alike): the
+        device copies are current."""
         with self.lock:
-            unit.stale = True
-        self.lander.expect(unit)
+            for unit in units:
+                unit.stale = False
 
     def land_updates(self) -> None:
         """Send every finished update of a resident unit to the device (no waiting)."""

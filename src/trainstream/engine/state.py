@@ -140,6 +140,4 @@ class StateHooks:
         self._restore([s for s in _exposed(slots) if s in self._saved])
         backend = self.backend
         backend.follow_compute(backend.copy_in)  # re-quantized codes were written on the compute stream
-        with self.weights.lock:
-            for unit in {s.unit for s in slots}:
-                unit.stale = False
+        self.weights.loaded({s.unit for s in slots})

@@ -51,17 +51,11 @@ class Updater:
                 self._queue_on_host(unit, slots, grad_scale)
 
     def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
-        if unit.paged and unit.fetch_event is not None:
-            unit.fetch_event.synchronize()  # a copy from the host weights may still be reading them
-        unit.update_mark = self.backend.record()
-        for handle, ss in self.optimizer.queue(
-            slots, [self.grads.grad_of(s) for s in slots], grad_scale, unit.priority
-        ):
-            unit.updates.append(handle)
-            for s in ss:
-                s.reader = handle
-        if not unit.paged:
-            self.weights.expect_update(unit)
+        self.weights.before_host_update(unit)
+        jobs = self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale, unit.priority)
+        for handle, ss in jobs:
+            self.grads.read_by(ss, handle)
+        self.weights.host_update_queued(unit, [handle for handle, _ in jobs])
 
     def _queue_on_device(self, unit, slots, grad_scale: float) -> None:
         """optimizer_mode="gpu": the AdamW kernel on the update stream, once compute has
@@ -70,8 +64,9 @@ class Updater:
         home: a region then holds VRAM for one copy each way and its own kernel, and the
         next region's copy in overlaps this one's copy home under max_inflight_bytes, so both
         PCIe directions stay busy (a kernel per unit would hold all of a unit's regions in VRAM
-        until the last arrived). A resident unit's weights are updated in place on the device (fp32 ones are their own
-        master there); a paged unit's in host memory, where its next fetch reads them."""
+        until the last arrived). A resident unit's weights are updated in place on the device
+        (fp32 ones are their own master there); a paged unit's in host memory, where its next
+        fetch reads them."""
         backend = self.backend
         stream = backend.update
         backend.follow_compute(stream)
@@ -108,21 +103,12 @@ class Updater:
                 # Let go of the region's buffer and gradients now: the allocator frees them once
                 # their streams pass this kernel and copy, as the ledger just recorded (held to
                 # the unit's end, they would also take room the next region's copy needs).
-                for s in group:
-                    s.device_grad = None
+                self.grads.release_device_grads(group)
                 staged = grads = None
         finally:
             # Even if a later region's copy failed (out of memory), the kernels already queued
             # are tracked: host readers of their moments and the next forward wait for them.
             if kernel_done is not None:
-                self._track_device_update(unit, slots, DeviceUpdate(kernel_done, home))
-
-    def _track_device_update(self, unit, slots, handle) -> None:
-        # A resident unit's handles are otherwise only dropped by synchronize(): keep the
-        # list to the updates that may still run (one event per step would pile up).
-        unit.updates = [h for h in unit.updates if not h.done()]
-        unit.updates.append(handle)
-        for s in slots:
-            s.reader = handle
-        if not unit.paged:
-            unit.h2d_event = handle.event  # the next forward's guard waits for it on the GPU
+                handle = DeviceUpdate(kernel_done, home)
+                self.grads.read_by(slots, handle)
+                self.weights.device_update_queued(unit, handle)

@@ -74,7 +74,9 @@ class PlanInputs:
 
 
 @dataclass
-class Plan:
+class BlockPlan:
+    """The placement the search chose: which blocks page their weights and their activations."""
+
     paged: list
     act_paged: list
     fits: bool
@@ -138,7 +140,7 @@ def _options(blocks: list, fixed, mode: str, order: list, moved, size=None, cros
     return [_Option(blocks, order[:k], moved, size, crossing) for k in range(len(order) + 1)]
 
 
-def make_plan(inp: PlanInputs) -> Plan:
+def make_plan(inp: PlanInputs) -> BlockPlan:
     """The fastest placement that fits (see the module docstring); `fits` is False when
     none does, and the plan is then the one that needs the least device memory."""
     b = inp.blocks
@@ -189,4 +191,4 @@ def make_plan(inp: PlanInputs) -> Plan:
             if best_key is None or key < best_key:
                 best_key, best = key, (need, w, a, terms, step, slowdown, within)
     need, w, a, terms, step, slowdown, within = best if best is not None else smallest
-    return Plan(list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms)
+    return BlockPlan(list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms)
