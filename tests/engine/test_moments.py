@@ -171,7 +171,7 @@ def test_gpu_mode_units_of_several_regions_with_one_stream_held_back(base, late,
     stage_in, send_home, kernel = MomentStager.stage_in, MomentStager.send_home, StreamedAdamW.queue_on_device
 
     def late_copy_in(self, params, stream):
-        with torch.cuda.stream(self.engine.backend.moments_in):
+        with torch.cuda.stream(self.backend.moments_in):
             torch.cuda._sleep(delay)
         return stage_in(self, params, stream)
 
