@@ -15,10 +15,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 
-# Written by other work in progress (the option reference generated from the option table, the
-# engine's architecture); until they land, the README may link to them. Allowed only while absent.
-NOT_YET_WRITTEN = {"docs/options.md", "docs/architecture.md"}
-
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -55,11 +51,8 @@ def test_readme_relative_links_exist():
         if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
             continue  # a URL or an anchor in this file
         path = target.split("#", 1)[0]
-        if (ROOT / path).exists():
-            continue
-        if path in NOT_YET_WRITTEN:
-            continue
-        broken.append(target)
+        if not (ROOT / path).exists():
+            broken.append(target)
     assert not broken, f"README.md links to files that do not exist: {broken}"
 
 
