@@ -140,7 +140,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     stack = named_stack(model, opts.blocks) if opts.blocks is not None else find_blocks(model)
     optimizer = _convert(optimizer, model, opts)
     in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
-    layout = lay_out_model(model, stack.blocks, in_optimizer, device)
+    layout = lay_out_model(model, stack, in_optimizer, device)
     profile = _profile_for(opts, device)
 
     # 2. Every decision, before a byte moves (DoesNotFit here leaves the model as it was).
@@ -150,7 +150,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     optimizer.set_moment_dtype(plan.moment_dtype)
 
     # 3. The engine, built whole from the plan; 4. installed on the model.
-    engine = Engine(model, optimizer, plan, backend, stack, layout, profile, opts)
+    engine = Engine(model, optimizer, plan, backend, layout)
     engine.install()
     object.__setattr__(model, _ATTR, engine)
     return model, optimizer

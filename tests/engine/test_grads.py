@@ -9,6 +9,7 @@ from helpers import GPU_MODE, PAGED, RESIDENT, assert_same_bits, max_diff, train
 from models import checkpointed_gpt, tiny_gpt, tiny_mlp
 
 import trainstream
+from trainstream.engine.layout import GradWindow
 
 
 @pytest.mark.parametrize(
@@ -80,7 +81,7 @@ def test_the_last_backward_of_a_window_updates_units_used_earlier_only():
     model(torch.randn(4, 8), True).backward()
     model(torch.randn(4, 8), False).backward()
     engine = model._trainstream_engine
-    assert all(u.queued for u in engine.units)  # before step(): the window is complete
+    assert all(u.window is GradWindow.QUEUED for u in engine.units)  # before step(): the window is complete
     opt.step()
 
 

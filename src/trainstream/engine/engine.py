@@ -33,6 +33,7 @@ from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
 from .grads import GradSettings, GradStreamer
+from .layout import Fetch
 from .measure import ActivationMeter
 from .moments import MomentStager, copy_limit, lay_out, region_limit
 from .params import WeightPager
@@ -71,14 +72,15 @@ def _post_accumulate(engine_ref, slot_ref, param) -> None:
 
 
 class Engine:
-    def __init__(self, model, optimizer, plan, backend, stack, layout, profile, opts):
+    def __init__(self, model, optimizer, plan, backend, layout):
+        """`layout`: the model's units (layout.py), as planned; `plan`: every decision."""
         self.model = model
         self.optimizer = optimizer
         self.plan = plan
         self.backend = backend
-        self.stack = stack
-        self.profile = profile  # the HardwareProfile the plan used
-        self.opts = opts
+        self.stack = layout.stack
+        self.profile = profile = plan.profile
+        self.opts = opts = plan.options
         self.block_units = layout.block_units
         self.outside_units = layout.outside_units
         self.units = self.block_units + self.outside_units
@@ -276,7 +278,7 @@ class Engine:
             return  # a forward recomputed inside backward (checkpointing): nothing to move
         self._queue(self.grads.poll())
         for unit in self.block_units:
-            if unit.streamed and unit.fetched is not None:
+            if unit.streamed and unit.fetch is not Fetch.RELEASED:
                 self.weights.release(unit)  # left over from a forward without backward
         self.acts.new_pass()
         self.meter.new_pass()
@@ -344,7 +346,7 @@ class Engine:
             # the blocks above the one after it; under reentrant checkpointing no backward hook
             # of theirs released their fetched or dequantized weights.
             for done in self.block_units[unit.block + 2 :]:
-                if done.streamed and done.fetched is not None:
+                if done.streamed and done.fetch is not Fetch.RELEASED:
                     self.weights.release(done)
             self.weights.guard(unit)
             return

@@ -30,6 +30,7 @@ import torch
 from .. import ops
 from ..sizes import MiB
 from .device import DONE, DeviceUpdate
+from .layout import GradWindow
 
 
 def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -167,6 +168,7 @@ class GradStreamer:
         update once all of its gradients are."""
         unit = slot.unit
         unit.grad_event = event
+        unit.window = GradWindow.LANDING
         slot.fresh = True
         unit.landed += 1
         if unit.landed == len(unit.trainable):
@@ -222,9 +224,11 @@ class GradStreamer:
 
     def take_pending(self) -> list:
         """Units with gradients in this window whose update has not been handed on yet."""
-        pending = [u for u in self.update_order if not u.queued and any(s.has_grad for s in u.trainable)]
+        pending = [
+            u for u in self.update_order if u.window is not GradWindow.QUEUED and any(s.has_grad for s in u.trainable)
+        ]
         for unit in pending:
-            unit.queued = True
+            unit.window = GradWindow.QUEUED
         return pending
 
     def close_pass(self) -> None:
@@ -260,8 +264,9 @@ class GradStreamer:
             s.fresh = False
             s.has_grad = True
         if not self._window_complete():
+            unit.window = GradWindow.LANDED
             return []
-        unit.queued = True
+        unit.window = GradWindow.QUEUED
         return [unit]
 
     # -- window bookkeeping ------------------------------------------------------------------
@@ -305,7 +310,7 @@ class GradStreamer:
     def reset_window(self) -> None:
         self.passes = 0
         for unit in self.units:
-            unit.queued = False
+            unit.window = GradWindow.EMPTY
             for s in unit.trainable:
                 s.has_grad = False
                 s.norm = None

@@ -3,6 +3,7 @@ updated together (a Unit: one block of the stack, or one module outside it)."""
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass, field
 
@@ -64,6 +65,24 @@ class Slot:
         return self.param.numel() * self.dtype.itemsize
 
 
+class Fetch(enum.Enum):
+    """Where a streamed unit's weights are (params.py moves them; its owner alone)."""
+
+    RELEASED = "released"  # placeholders: nothing of them on the device
+    FETCHED = "fetched"  # copies to the device queued for a use now
+    AHEAD = "ahead"  # copies queued ahead of use: counted against max_inflight_bytes until used
+    ATTACHED = "attached"  # the params' .data point at the fetched tensors; compute waits for the copy
+
+
+class GradWindow(enum.Enum):
+    """A unit's gradients in the current accumulation window (grads.py moves them)."""
+
+    EMPTY = "empty"  # none yet
+    LANDING = "landing"  # some of this pass's are waiting on the device or on their way to the host
+    LANDED = "landed"  # landed (and summed, with accumulation), the update not handed on yet
+    QUEUED = "queued"  # the window's update was handed to the optimizer
+
+
 @dataclass(eq=False)
 class Unit:
     name: str
@@ -83,13 +102,12 @@ class Unit:
     # of the pass) sends them out together: (slot, gradient).
     waiting: list = field(default_factory=list)
     grad_event = None  # the last of those gradients' copies to the host
-    queued: bool = False  # this window's update was handed to the optimizer
+    window: GradWindow = GradWindow.EMPTY
     # Paged weights currently on the device: slot -> device tensor, and how they came.
     fetched: dict | None = None
     fetch_event = None
     fetch_dtypes: dict = field(default_factory=dict)  # slot -> dtype used by the last forward
-    attached: bool = False  # the params' .data point at the fetched tensors
-    ahead: bool = False  # fetched ahead of use (counts against max_inflight_bytes)
+    fetch: Fetch = Fetch.RELEASED  # invariant: RELEASED exactly when fetched is None
     acts: list = field(default_factory=list)  # paged activations saved this pass
 
     @functools.cached_property
@@ -255,19 +273,22 @@ class ModelLayout:
     quantizable: list  # slots of frozen block weights that may be stored quantized
     notes: list  # events: what could not be quantized and why
     on_device: int  # bytes of its weights already on the target GPU
+    stack: object = None  # the BlockStack the block units were made from (blocks.py)
 
     @property
     def units(self) -> list:
         return self.block_units + self.outside_units
 
 
-def lay_out_model(model: torch.nn.Module, blocks: list, trainable: set, device: torch.device) -> ModelLayout:
-    block_units, outside_units, unpageable = build_units(model, blocks, trainable)
-    quantizable, notes = quantizable_slots(block_units, blocks, unpageable)
+def lay_out_model(model: torch.nn.Module, stack, trainable: set, device: torch.device) -> ModelLayout:
+    """The units of `model`: one per block of `stack`, one per module outside it holding
+    parameters; `trainable`: the parameters the optimizer updates."""
+    block_units, outside_units, unpageable = build_units(model, stack.blocks, trainable)
+    quantizable, notes = quantizable_slots(block_units, stack.blocks, unpageable)
     on_device = sum(
         s.nbytes
         for u in block_units + outside_units
         for s in u.slots
         if s.param.device == device and device.type == "cuda"
     )
-    return ModelLayout(block_units, outside_units, unpageable, quantizable, notes, on_device)
+    return ModelLayout(block_units, outside_units, unpageable, quantizable, notes, on_device, stack)

@@ -28,7 +28,7 @@ from ..quant.weight import QuantizedWeight
 from ..sizes import GiB
 from .device import DeviceUpdate, HostArena
 from .landing import Lander
-from .layout import arena_bytes, host_buffers, set_quantization
+from .layout import Fetch, arena_bytes, host_buffers, set_quantization
 
 
 def _autocast_dtype(device_type: str):
@@ -314,7 +314,7 @@ class WeightPager:
     def fetch(self, unit, *, ahead: bool = False, dtypes: dict | None = None) -> None:
         """Start copying `unit`'s weights to the device on the copy-in stream. In forward
         the dtypes follow the autocast state; in backward they repeat the forward's."""
-        if unit.fetched is not None:
+        if unit.fetch is not Fetch.RELEASED:
             return
         nbytes = unit.fetch_nbytes
         if ahead:
@@ -345,16 +345,16 @@ class WeightPager:
         unit.fetched, unit.fetch_dtypes = fetched, dtypes
         self.fetched_bytes += _nbytes(fetched.values())
         unit.fetch_event = backend.record(backend.copy_in)
-        unit.ahead = ahead
+        unit.fetch = Fetch.AHEAD if ahead else Fetch.FETCHED
         if ahead:
             self.ledger.fetched_ahead(nbytes)
 
     def attach(self, unit, *, dtypes: dict | None = None) -> None:
         """Point the unit's params at their fetched device tensors (fetching now if no
         prefetch did) and make compute wait for the copy."""
-        if unit.fetched is not None and dtypes is not None and unit.fetch_dtypes != dtypes:
+        if unit.fetch is not Fetch.RELEASED and dtypes is not None and unit.fetch_dtypes != dtypes:
             self.release(unit)  # fetched for a forward in another dtype (say, a no-grad eval)
-        if unit.attached:
+        if unit.fetch is Fetch.ATTACHED:
             return
         self.fetch(unit, dtypes=dtypes)
         backend = self.backend
@@ -363,24 +363,23 @@ class WeightPager:
             backend.keep_until(dev, backend.compute_stream())
             s.param.data = dev
             self.fetched_storages[dev.untyped_storage().data_ptr()] = s
-        unit.attached = True
-        if unit.ahead:
+        if unit.fetch is Fetch.AHEAD:
             self.ledger.used(unit.fetch_nbytes)
-            unit.ahead = False
+        unit.fetch = Fetch.ATTACHED
 
     def release(self, unit) -> None:
         """Back to placeholders; the device memory returns to the allocator once compute
         has passed the work already queued on it."""
-        if unit.fetched is None:
+        if unit.fetch is Fetch.RELEASED:
             return
         for s, dev in unit.fetched.items():
             self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
             s.param.data = s.placeholder
         # The memory returns to the allocator once compute passes this point.
         self.ledger.add(self.backend.record(), _nbytes(unit.fetched.values()))
-        if unit.ahead:
+        if unit.fetch is Fetch.AHEAD:
             self.ledger.used(unit.fetch_nbytes)
-        unit.fetched, unit.attached, unit.ahead, unit.fetch_event = None, False, False, None
+        unit.fetched, unit.fetch, unit.fetch_event = None, Fetch.RELEASED, None
 
     def device_view(self, slot, dtypes: dict, dtype, size, stride, offset) -> torch.Tensor:
         """A saved weight for backward: the same view of the weights as fetched for the

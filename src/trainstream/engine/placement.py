@@ -378,6 +378,8 @@ class Plan:
     mapped_bytes: int  # host arena for the device update's moments (and gradient sums)
     budget: dict  # bytes by resource and class, as check_fits counted them
     notes: tuple  # the events that explain these decisions
+    options: object  # the validated options the plan was made from (options.Options)
+    profile: object  # the HardwareProfile it was made against
     warning: str | None = None  # a lossy choice made for the user, said outside the log too
 
 
@@ -577,5 +579,7 @@ def plan_run(opts, model, profile, backend) -> Plan:
         mapped_bytes=fit.mapped_bytes,
         budget=fit.budget,
         notes=(*fit.placement.notes, *model.notes, *fit.notes, *quant_notes),
+        options=opts,
+        profile=profile,
         warning=warning,
     )
