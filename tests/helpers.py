@@ -68,9 +68,10 @@ def train(
     return losses, state, (model, opt)
 
 
-def gpt_steps(mode: str, steps: int = 3):
+def gpt_steps(mode: str, steps: int = 3, before_step=None):
     """tiny_gpt wrapped with every block resident, trained `steps` steps under
-    optimizer_mode=`mode`: (model, optimizer)."""
+    optimizer_mode=`mode`: (model, optimizer). `before_step(i, engine)` runs before step i's
+    forward, between steps."""
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
     model, opt = trainstream.wrap(
@@ -82,6 +83,8 @@ def gpt_steps(mode: str, steps: int = 3):
         **RESIDENT,
     )
     for i in range(steps):
+        if before_step is not None:
+            before_step(i, model._trainstream_engine)
         loss_fn(model, batch(i, "cpu")).backward()
         opt.step()
         opt.zero_grad()

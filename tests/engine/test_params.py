@@ -2,10 +2,8 @@
 moved between paged and resident."""
 
 import torch
-from helpers import PAGED, RESIDENT, assert_same_bits, train
-from models import tiny_gpt
+from helpers import PAGED, assert_same_bits, gpt_steps, train
 
-import trainstream
 from trainstream.engine.adapt import Replan
 
 
@@ -25,23 +23,13 @@ def test_paged_weights_are_placeholders_between_uses():
 def _train_and_move(mode: str) -> dict:
     """Three steps with every block resident, blocks 0 and 1 paged, three more steps, block 0
     back: the host weights of a unit updated on the device must be brought level first."""
-    torch.manual_seed(0)
-    model, batch, loss_fn = tiny_gpt()
-    model, opt = trainstream.wrap(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        device="cpu",
-        offload=True,
-        optimizer_mode=mode,
-        **RESIDENT,
-    )
-    engine = model._trainstream_engine
-    for i in range(9):
+
+    def move(i, engine):
         if i in (3, 6):  # between steps, where the engine applies the adapter's replans
             engine.apply(Replan([0, 1] if i == 3 else [1], []))
-        loss_fn(model, batch(i, "cpu")).backward()
-        opt.step()
-        opt.zero_grad()
+
+    model, _ = gpt_steps(mode, steps=9, before_step=move)
+    engine = model._trainstream_engine
     assert [u.paged for u in engine.block_units] == [False, True, False, False]
     return {k: v.clone() for k, v in model.state_dict().items()}
 
