@@ -128,6 +128,7 @@ def test_plan_run_decides_from_byte_counts_and_leaves_the_units_as_found():
     assert isinstance(roomy, Plan) and roomy.paged == () and roomy.act_paged == ()
     assert roomy.moment_dtype == torch.float32 and not roomy.update_on_device and roomy.quantize is None
     assert roomy.max_inflight_bytes == min(1 << 30, (8 << 30) // 10)
+    assert (roomy.region_bytes, roomy.copy_bytes) == (roomy.max_inflight_bytes // 8, roomy.max_inflight_bytes // 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         roomy.paged = (0,)
     # Four blocks of 4 MiB weights and a 4 MiB head in 48 MiB of VRAM, half of what is usable

@@ -35,7 +35,7 @@ from .device import HostArena, TransferLedger
 from .grads import GradSettings, GradStreamer
 from .layout import Fetch
 from .measure import ActivationMeter
-from .moments import MomentStager, copy_limit, lay_out, region_limit
+from .moments import MomentStager, lay_out
 from .params import WeightPager
 from .report import EventLog
 from .state import StateHooks
@@ -131,7 +131,9 @@ class Engine:
         """optimizer_mode="gpu": the moments (and gradient sums, with accumulation) in one
         host arena, pinned on a GPU, laid out in regions (moments.py)."""
         arena = HostArena(self.backend, self.plan.mapped_bytes)
-        regions = lay_out(self.units, self.optimizer.moment_dtype, self.plan.max_inflight_bytes, arena.take)
+        regions = lay_out(
+            self.units, self.optimizer.moment_dtype, self.plan.region_bytes, self.plan.copy_bytes, arena.take
+        )
         moments = {}
         for region in regions:
             moments.update(region.views(region.host))
@@ -153,11 +155,10 @@ class Engine:
         moments = str(plan.moment_dtype).replace("torch.", "")
         n_trainable = sum(len(u.trainable) for u in self.units)
         if plan.update_on_device:
-            cap = plan.max_inflight_bytes
             events.add(
                 f"optimizer: GPU AdamW over {'pinned ' if backend.is_cuda else ''}host moments ({moments}), "
                 f"copied through VRAM around one kernel each, in regions of up to "
-                f"{region_limit(cap) / MiB:.1f} MiB (one tensor alone: {copy_limit(cap) / MiB:.1f} MiB), "
+                f"{plan.region_bytes / MiB:.1f} MiB (one tensor alone: {plan.copy_bytes / MiB:.1f} MiB), "
                 f"{n_trainable} trainable tensors; gradients "
                 + (
                     "stay on the device until their update"

@@ -80,12 +80,12 @@ def copy_limit(max_inflight_bytes: int) -> int:
     return max_inflight_bytes // 2
 
 
-def lay_out(units, moment_dtype: torch.dtype, max_inflight_bytes: int, take) -> list:
+def lay_out(units, moment_dtype: torch.dtype, region_bytes: int, copy_bytes: int, take) -> list:
     """The moment regions of every trainable param of `units`, carved by `take(shape, dtype)`
     from the host arena: each unit's params in order, a new region whenever the next param
-    would take the current one past region_limit. Regions up to copy_limit are copied for
-    the update; larger ones are mapped."""
-    limit, regions = region_limit(max_inflight_bytes), []
+    would take the current one past `region_bytes` (region_limit). Regions up to `copy_bytes`
+    (copy_limit) are copied for the update; larger ones are mapped."""
+    regions = []
 
     def close(group, nbytes):
         host = take((nbytes,), torch.uint8)
@@ -94,13 +94,13 @@ def lay_out(units, moment_dtype: torch.dtype, max_inflight_bytes: int, take) -> 
             size = HostArena.size_of(p.numel(), moment_dtype)
             layout.append((p, at, at + size, moment_dtype))
             at += 2 * size
-        regions.append(MomentRegion(host, layout, staged=nbytes <= copy_limit(max_inflight_bytes)))
+        regions.append(MomentRegion(host, layout, staged=nbytes <= copy_bytes))
 
     for unit in units:
         group, nbytes = [], 0
         for s in unit.trainable:
             size = 2 * HostArena.size_of(s.param.numel(), moment_dtype)
-            if group and nbytes + size > limit:
+            if group and nbytes + size > region_bytes:
                 close(group, nbytes)
                 group, nbytes = [], 0
             group.append(s.param)

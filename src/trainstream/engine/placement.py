@@ -20,6 +20,7 @@ from ..errors import DoesNotFit
 from ..planner.plan import BlockBytes, PlanInputs, make_plan
 from ..sizes import GiB
 from .layout import set_quantization
+from .moments import copy_limit, region_limit
 
 
 @dataclass
@@ -375,6 +376,8 @@ class Plan:
     update_on_device: bool  # optimizer_mode="gpu": the CUDA AdamW updates, over host moments
     device_grads: bool  # gradients stay on the device until their update reads them
     max_inflight_bytes: int
+    region_bytes: int  # optimizer_mode="gpu": the largest moment region of several params (moments.py)
+    copy_bytes: int  # the largest region copied through VRAM; larger ones are mapped
     mapped_bytes: int  # host arena for the device update's moments (and gradient sums)
     budget: dict  # bytes by resource and class, as check_fits counted them
     notes: tuple  # the events that explain these decisions
@@ -576,6 +579,8 @@ def plan_run(opts, model, profile, backend) -> Plan:
         update_on_device=fit.update_on_device,
         device_grads=grads_stay_on_device(fit.update_on_device, opts),
         max_inflight_bytes=inflight,
+        region_bytes=region_limit(inflight),
+        copy_bytes=copy_limit(inflight),
         mapped_bytes=fit.mapped_bytes,
         budget=fit.budget,
         notes=(*fit.placement.notes, *model.notes, *fit.notes, *quant_notes),
