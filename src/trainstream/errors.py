@@ -19,9 +19,11 @@ class DoesNotFit(MemoryError):
         self.problems = list(problems)
         self.suggestions = list(suggestions)
         self.where = where
+        *rest, last = self.suggestions
+        helps = f"{', '.join(rest)}{',' if len(rest) > 1 else ''} or {last}" if rest else last
         super().__init__(
-            f"{where}: this run does not fit. {'; '.join(self.problems)}. What would help: "
-            f"{', '.join(self.suggestions)}. check_memory=False skips this check."
+            f"{where}: this run does not fit. {'; '.join(self.problems)}. What would help: {helps}. "
+            "check_memory=False skips this check."
         )
 
     def short(self) -> list:

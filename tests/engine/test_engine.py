@@ -144,3 +144,37 @@ def test_gpu_a_deleted_wrapped_model_frees_its_device_memory(opts):
     del model, opt
     freed = collected(lambda: torch.cuda.memory_allocated() - before < (1 << 20))
     assert freed, (before, torch.cuda.memory_allocated(), live_cuda_tensors())
+
+
+def test_a_step_interrupted_before_its_updates_are_queued_applies_them_when_retried(monkeypatch):
+    """With clipping every update waits for step(). If step() raises before it has queued
+    them (a KeyboardInterrupt, an allocation failing), the window's units stay pending: the
+    retried step() applies the same updates an uninterrupted run does."""
+    from trainstream.engine.updates import Updater
+
+    queue, raised = Updater.queue, []
+
+    def interrupted(self, unit, grad_scale=1.0):
+        if not raised:
+            raised.append(unit)
+            raise KeyboardInterrupt
+        return queue(self, unit, grad_scale)
+
+    def run(interrupt: bool):
+        torch.manual_seed(0)
+        model, batch, loss_fn = tiny_gpt()
+        model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, max_grad_norm=0.1, **RESIDENT)
+        for i in range(3):
+            loss_fn(model, batch(i, "cpu")).backward()
+            if interrupt and i == 1:
+                monkeypatch.setattr(Updater, "queue", interrupted)
+                with pytest.raises(KeyboardInterrupt):
+                    opt.step()
+                monkeypatch.setattr(Updater, "queue", queue)
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    plain, retried = run(False), run(True)
+    for k in plain:
+        assert_same_bits(plain[k], retried[k])

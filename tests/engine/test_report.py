@@ -40,3 +40,18 @@ def test_verbose_prints_each_decision_as_it_happens(capsys):
         for line in (at_wrap + after_step).splitlines()
         if line.startswith("trainstream: ")
     )
+
+
+def test_wrap_events_follow_the_decisions_in_order():
+    """The wrap() events: the stack, the profile, the placement, the moments, the optimizer,
+    offload='auto', quantization."""
+    model, _, _ = tiny_mlp()
+    model, _ = trainstream.wrap(model, None, device="cpu", profile=machine())
+    lines = trainstream.memory_report(model)["events"].splitlines()
+
+    def first(text):
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    order = ["block stack", "hardware profile", "plan at wrap()", "weights:", "moment_dtype='auto'", "optimizer:"]
+    order += ["offload='auto': after", "quantize='auto'"]
+    assert [first(t) for t in order] == sorted(first(t) for t in order)

@@ -77,3 +77,20 @@ def test_gpu_a_model_that_fits_switches_to_fused_adamw():
     assert report["mode"] == "stock", report["events"]
     assert all(p.device.type == "cuda" for p in model.parameters())
     assert opt._stock.param_groups[0]["fused"] and losses[-1] < losses[0]
+
+
+def test_the_clipped_norm_is_reported_through_the_switch():
+    """The report's last_grad_norm is the last step's, in offload mode up to the switch and
+    from torch's clip_grad_norm_ after it: never None in between."""
+    steps = []
+
+    def train_and_read(n):
+        run = train("mlp", dict(offload="auto", profile=machine(vram_gib=24)), steps=n, clip=0.05)
+        report = trainstream.memory_report(run[2][0])
+        steps.append(report["peaks"]["steps"])
+        return report
+
+    at_switch = train_and_read(2)  # the switch comes at the end of the second step
+    assert at_switch["mode"] == "stock" and at_switch["last_grad_norm"] is not None
+    after = train_and_read(3)
+    assert after["mode"] == "stock" and after["last_grad_norm"] > 0 and steps == [2, 3]

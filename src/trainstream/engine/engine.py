@@ -125,7 +125,7 @@ class Engine:
         self._entered: set = set()  # blocks whose backward has started this pass
         self._handles: list = []
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
-        self._log_plan(layout)
+        self._log_plan()
 
     def _lay_out_moments(self) -> MomentStager:
         """optimizer_mode="gpu": the moments (and gradient sums, with accumulation) in one
@@ -142,16 +142,18 @@ class Engine:
             self.grads.use_sum_buffers(arena.take)
         return MomentStager(self.backend, self.ledger, regions)
 
-    def _log_plan(self, layout) -> None:
+    def _log_plan(self) -> None:
         plan, events, backend, opts = self.plan, self.events, self.backend, self.opts
         events.add(f"device {backend.device}; {self.stack.describe()}")
         events.add(self.profile.describe())
-        for note in plan.notes:
+        for note in plan.placement_notes:
             events.add(note)
         events.add(
             f"weights: {len(plan.paged)} blocks paged {list(plan.paged)}, "
             f"{len(self.block_units) - len(plan.paged)} resident; activations paged for blocks {list(plan.act_paged)}"
         )
+        for note in plan.moment_notes:
+            events.add(note)
         moments = str(plan.moment_dtype).replace("torch.", "")
         n_trainable = sum(len(u.trainable) for u in self.units)
         if plan.update_on_device:
@@ -168,11 +170,15 @@ class Engine:
             )
         else:
             events.add(f"optimizer: host AdamW, moments {moments}, {n_trainable} trainable tensors")
+        for note in plan.mode_notes:
+            events.add(note)
         if opts.offload == "auto":
             events.add(
                 f"offload='auto': after {Adapter.SWITCH_AFTER} measured steps, switches to "
                 "torch.optim.AdamW(fused=True) on the device if stock training fits"
             )
+        for note in plan.quant_notes:
+            events.add(note)
         if not opts.guard_params:
             events.add("guard_params=False: step() waits for every update to reach the device before returning")
 
@@ -208,7 +214,9 @@ class Engine:
 
     @property
     def last_grad_norm(self):
-        return self.optimizer.last_grad_norm if self.mode == "stock" else self._last_grad_norm
+        if self.mode == "stock" and self.optimizer.stock_steps:
+            return self.optimizer.last_grad_norm
+        return self._last_grad_norm
 
     @property
     def steps_taken(self) -> int:
@@ -278,6 +286,7 @@ class Engine:
         if self._in_backward():
             return  # a forward recomputed inside backward (checkpointing): nothing to move
         self._queue(self.grads.poll())
+        self.weights.land_updates()  # updates finished since the step that the lander has not reached
         for unit in self.block_units:
             if unit.streamed and unit.fetch is not Fetch.RELEASED:
                 self.weights.release(unit)  # left over from a forward without backward
@@ -456,13 +465,13 @@ class Engine:
         """autograd finished `slot`'s gradient (the post-accumulate-grad hook)."""
         if not self.grads.in_backward:
             self._begin_pass()
-        self._queue(self.grads.on_grad(slot))
+        if self._queue(self.grads.on_grad(slot)):
+            self.weights.land_updates()
 
     def _end_pass(self) -> None:
         """autograd's final callback of a backward pass: the units not handed on yet go now."""
         try:
-            for unit in self.grads.end_pass():
-                self.queue_update(unit)
+            self._queue(self.grads.end_pass())
             self.weights.land_updates()
         except BaseException:
             self.grads.drop_pass()  # no half-landed state for the next pass to count
@@ -479,16 +488,18 @@ class Engine:
 
     # -- the optimizer's side --------------------------------------------------------------------
 
-    def _queue(self, units: list) -> None:
-        """Queue the updates of `units`, which the gradient streamer handed on; then let
-        finished updates travel to the device."""
-        if units:
-            for unit in units:
-                self.queue_update(unit)
-            self.weights.land_updates()
+    def _queue(self, units, grad_scale: float = 1.0) -> bool:
+        """Queue the update of each unit the gradient streamer hands on, as it hands it on;
+        True if there was any."""
+        queued = False
+        for unit in units:
+            self.queue_update(unit, grad_scale)
+            queued = True
+        return queued
 
     def queue_update(self, unit, grad_scale: float = 1.0) -> None:
         self.updates.queue(unit, grad_scale)
+        self.grads.queued(unit)
 
     def update_order(self) -> list:
         # Forward order: the next forward needs the outside modules (embeddings) and block 0 first.
@@ -498,8 +509,7 @@ class Engine:
         self.recover()
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.step() called during backward")
-        for unit in self.grads.flush():
-            self.queue_update(unit)
+        self._queue(self.grads.flush())
         pending = self.grads.take_pending()
         if pending:
             scale = 1.0
@@ -509,8 +519,7 @@ class Engine:
                 clip = torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0)
                 scale = float(clip)
                 self._last_grad_norm = float(total)
-            for unit in pending:
-                self.queue_update(unit, scale)
+            self._queue(pending, scale)
         self.grads.reset_window()
         self.steps += 1
         self.weights.land_updates()
@@ -546,8 +555,7 @@ class Engine:
         self.recover()
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.zero_grad() called during backward")
-        for _ in self.grads.flush():
-            pass  # landed, not queued: the window is dropped below
+        self._queue(self.grads.flush())  # a finished window's last units: their updates stand
         self.grads.reset_window()
 
     def synchronize(self) -> None:

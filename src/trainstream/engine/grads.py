@@ -89,12 +89,13 @@ class GradStreamer:
         self._last_unit = None
         self.in_backward = True
 
-    def on_grad(self, slot) -> list:
-        """autograd finished `slot`'s gradient (in p.grad); a pass has begun."""
+    def on_grad(self, slot):
+        """autograd finished `slot`'s gradient (in p.grad); a pass has begun. Yields each unit
+        handed on, so that its update is queued before the next copy is waited for."""
         p = slot.param
         g = p.grad
         if g is None:
-            return []
+            return
         if g.is_sparse:
             raise ValueError(f"trainstream: sparse gradients are not supported ({slot.name})")
         unit = slot.unit
@@ -112,7 +113,7 @@ class GradStreamer:
             if self.clip_on_device:
                 slot.norm = torch.linalg.vector_norm(summed if summed.dtype == torch.float32 else summed.float())
             p.grad = None
-            return []
+            return
         slot.seen_pass = self._pass_id
         nbytes = g.numel() * g.element_size()
         if self.settings.on_device:
@@ -122,22 +123,21 @@ class GradStreamer:
             slot.device_grad = g
             p.grad = None
             self._landed(slot, DONE)
-            return self.poll()
+            yield from self.poll()
+            return
         if self.clip_on_device:
             # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
             # autocast) gives the same bits as the fp32 gradient of the unpaged run.
             slot.norm = torch.linalg.vector_norm(g if g.dtype == torch.float32 else g.float())
         p.grad = None
-        ready = []
         previous, self._last_unit = self._last_unit, unit
         if previous is not None and previous is not unit and previous.waiting:
-            ready += self._send(previous)  # backward has moved on: what it left waiting goes now
+            yield from self._send(previous)  # backward has moved on: what it left waiting goes now
         unit.waiting.append((slot, g, self.backend.compute_stream()))
         if unit.landed + len(unit.waiting) == len(unit.trainable) or nbytes >= self.SMALL_GRAD_BYTES:
-            ready += self._send(unit)
+            yield from self._send(unit)
         elif self._ready and self._ready[0].grad_event.query():
-            ready += self.poll()
-        return ready
+            yield from self.poll()
 
     def _send(self, unit) -> list:
         """Copy the unit's waiting gradients to their landing buffers, one batch on the D2H
@@ -223,13 +223,15 @@ class GradStreamer:
             yield from self.take_pending()  # got gradients only in earlier micro-batches
 
     def take_pending(self) -> list:
-        """Units with gradients in this window whose update has not been handed on yet."""
-        pending = [
+        """Units with gradients in this window whose update has not been queued yet."""
+        return [
             u for u in self.update_order if u.window is not GradWindow.QUEUED and any(s.has_grad for s in u.trainable)
         ]
-        for unit in pending:
-            unit.window = GradWindow.QUEUED
-        return pending
+
+    def queued(self, unit) -> None:
+        """`unit`'s update for this window was queued (until then it stays pending: a step()
+        that raised before queuing it finds it again)."""
+        unit.window = GradWindow.QUEUED
 
     def close_pass(self) -> None:
         self._ready.clear()
@@ -263,11 +265,8 @@ class GradStreamer:
         for s in landed:
             s.fresh = False
             s.has_grad = True
-        if not self._window_complete():
-            unit.window = GradWindow.LANDED
-            return []
-        unit.window = GradWindow.QUEUED
-        return [unit]
+        unit.window = GradWindow.LANDED
+        return [unit] if self._window_complete() else []
 
     # -- window bookkeeping ------------------------------------------------------------------
 

@@ -91,7 +91,7 @@ class Lander:
                     break
                 if self._pager() is None:
                     return None
-        ref = min(pending, key=lambda r: r().priority if r() is not None else -1)
+        ref = min(pending, key=lambda r: getattr(r(), "priority", -1))
         pending.remove(ref)
         return ref() or self._next(pending)
 

@@ -380,10 +380,19 @@ class Plan:
     copy_bytes: int  # the largest region copied through VRAM; larger ones are mapped
     mapped_bytes: int  # host arena for the device update's moments (and gradient sums)
     budget: dict  # bytes by resource and class, as check_fits counted them
-    notes: tuple  # the events that explain these decisions
+    # The events that explain these decisions, by what they explain: the placement, the
+    # moments' dtype, the optimizer mode, the quantization.
+    placement_notes: tuple
+    moment_notes: tuple
+    mode_notes: tuple
+    quant_notes: tuple
     options: object  # the validated options the plan was made from (options.Options)
     profile: object  # the HardwareProfile it was made against
     warning: str | None = None  # a lossy choice made for the user, said outside the log too
+
+    @property
+    def notes(self) -> tuple:
+        return (*self.placement_notes, *self.moment_notes, *self.mode_notes, *self.quant_notes)
 
 
 QUANT_ORDER = ("int8", "nf4")  # quantize="auto" tries them in this order, after no quantization
@@ -407,7 +416,8 @@ class _Fit:
     update_on_device: bool
     budget: dict
     mapped_bytes: int
-    notes: list
+    moment_notes: list
+    mode_notes: list
 
 
 def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
@@ -419,14 +429,12 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
         u.paged = u.block in placement.paged
         u.act_paged = u.block in placement.act_paged
     units = block_units + outside_units
-    notes = []
+    moment_notes = []
     moment_dtype = torch.float32 if opts.moment_dtype == "auto" else opts.moment_dtype
     if opts.moment_dtype == "auto":
         moment_dtype, note = choose_moment_dtype(opts, units, profile)
-        notes.append(note)
+        moment_notes.append(note)
     update_on_device, mode_note = choose_optimizer_mode(opts, units, profile, moment_dtype.itemsize, backend)
-    if mode_note:
-        notes.append(mode_note)
     trainable = [s for u in units for s in u.trainable]
     if update_on_device:
         _check_contiguous(trainable)
@@ -459,7 +467,9 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
         device_grads,
         quantize_hint,
     )
-    return _Fit(placement, moment_dtype, update_on_device, budget, mapped_bytes, notes)
+    return _Fit(
+        placement, moment_dtype, update_on_device, budget, mapped_bytes, moment_notes, [mode_note] if mode_note else []
+    )
 
 
 def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, list, str | None]:
@@ -583,7 +593,10 @@ def plan_run(opts, model, profile, backend) -> Plan:
         copy_bytes=copy_limit(inflight),
         mapped_bytes=fit.mapped_bytes,
         budget=fit.budget,
-        notes=(*fit.placement.notes, *model.notes, *fit.notes, *quant_notes),
+        placement_notes=tuple(fit.placement.notes),
+        moment_notes=tuple(fit.moment_notes),
+        mode_notes=tuple(fit.mode_notes),
+        quant_notes=(*model.notes, *quant_notes),
         options=opts,
         profile=profile,
         warning=warning,
