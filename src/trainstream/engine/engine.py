@@ -285,8 +285,8 @@ class Engine:
         self.recover()
         if self._in_backward():
             return  # a forward recomputed inside backward (checkpointing): nothing to move
-        self._queue(self.grads.poll())
-        self.weights.land_updates()  # updates finished since the step that the lander has not reached
+        if self._queue(self.grads.poll()):
+            self.weights.land_updates()
         for unit in self.block_units:
             if unit.streamed and unit.fetch is not Fetch.RELEASED:
                 self.weights.release(unit)  # left over from a forward without backward

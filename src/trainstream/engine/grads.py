@@ -89,13 +89,13 @@ class GradStreamer:
         self._last_unit = None
         self.in_backward = True
 
-    def on_grad(self, slot):
-        """autograd finished `slot`'s gradient (in p.grad); a pass has begun. Yields each unit
-        handed on, so that its update is queued before the next copy is waited for."""
+    def on_grad(self, slot) -> list:
+        """autograd finished `slot`'s gradient (in p.grad); a pass has begun. Returns the
+        units handed on."""
         p = slot.param
         g = p.grad
         if g is None:
-            return
+            return []
         if g.is_sparse:
             raise ValueError(f"trainstream: sparse gradients are not supported ({slot.name})")
         unit = slot.unit
@@ -113,7 +113,7 @@ class GradStreamer:
             if self.clip_on_device:
                 slot.norm = torch.linalg.vector_norm(summed if summed.dtype == torch.float32 else summed.float())
             p.grad = None
-            return
+            return []
         slot.seen_pass = self._pass_id
         nbytes = g.numel() * g.element_size()
         if self.settings.on_device:
@@ -123,21 +123,22 @@ class GradStreamer:
             slot.device_grad = g
             p.grad = None
             self._landed(slot, DONE)
-            yield from self.poll()
-            return
+            return self.poll()
         if self.clip_on_device:
             # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
             # autocast) gives the same bits as the fp32 gradient of the unpaged run.
             slot.norm = torch.linalg.vector_norm(g if g.dtype == torch.float32 else g.float())
         p.grad = None
+        ready = []
         previous, self._last_unit = self._last_unit, unit
         if previous is not None and previous is not unit and previous.waiting:
-            yield from self._send(previous)  # backward has moved on: what it left waiting goes now
+            ready += self._send(previous)  # backward has moved on: what it left waiting goes now
         unit.waiting.append((slot, g, self.backend.compute_stream()))
         if unit.landed + len(unit.waiting) == len(unit.trainable) or nbytes >= self.SMALL_GRAD_BYTES:
-            yield from self._send(unit)
+            ready += self._send(unit)
         elif self._ready and self._ready[0].grad_event.query():
-            yield from self.poll()
+            ready += self.poll()
+        return ready
 
     def _send(self, unit) -> list:
         """Copy the unit's waiting gradients to their landing buffers, one batch on the D2H
