@@ -62,3 +62,22 @@ def test_gpu_optimizer_mode_gpu_accumulation_of_large_gradients_on_one_thread():
         train("mlp", opts, device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
         train("mlp", dict(opts, **GPU_MODE), device="cuda", steps=3, accumulation=2, lr=1e-3, model_factory=factory),
     )
+
+
+def test_the_switch_to_stock_lets_go_of_the_moment_regions():
+    """optimizer_mode="gpu" keeps the moments in regions of one pinned arena. After the switch
+    to stock training the engine stays (the model still names it) but holds no region: the
+    stock optimizer has its own copy of the moments."""
+    import gc
+    import weakref
+
+    from helpers import gpt_steps
+
+    from trainstream.engine.adapt import SwitchToStock
+
+    model, opt = gpt_steps("gpu")
+    engine = model._trainstream_engine
+    stager = weakref.ref(engine.moments)
+    engine.apply(SwitchToStock({}))
+    gc.collect()
+    assert engine.mode == "stock" and stager() is None

@@ -275,6 +275,7 @@ class Engine:
         self.weights.restore()
         self.optimizer.detach()
         self.moments = None  # the regions (the optimizer's state still holds the moments)
+        self.updates.close()
 
     # -- forward -------------------------------------------------------------------------------
 

@@ -37,6 +37,10 @@ class Updater:
         self.ledger = ledger
         self.update_order = update_order
 
+    def close(self) -> None:
+        """No more updates (unwrap, the switch to stock): the moment regions may go."""
+        self.moments = None
+
     def queue(self, unit, grad_scale: float = 1.0) -> None:
         """Queue `unit`'s update from the gradients of this window, scaled by `grad_scale`
         (clipping); returns at once."""
