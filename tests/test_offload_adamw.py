@@ -520,3 +520,19 @@ def test_gpu_mode_with_an_empty_parameter_and_a_side_stream():
     s.synchronize()
     assert torch.equal(sd["state"][0]["exp_avg"], opt.state[model["a"].weight]["exp_avg"])
     assert sd["state"][0]["exp_avg"].abs().sum() > 0
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused():
+    """torch warns and updates such a parameter twice; here updates are per parameter, so it
+    is refused, by OffloadAdamW and by wrap() converting a torch optimizer."""
+    import warnings
+
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"param group: parameter 1 \(shape \(3, 3\)\) is listed twice"):
+        OffloadAdamW([model.weight, model.weight, model.bias])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own warning for the duplicate
+        doubled = torch.optim.AdamW([model.weight, model.bias, model.weight])
+    with pytest.raises(ValueError, match=r"parameter 2 \(shape \(3, 3\)\) is listed twice"):
+        trainstream.wrap(model, doubled, device="cpu")
+    assert not hasattr(model, "_trainstream_engine")

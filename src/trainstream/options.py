@@ -455,6 +455,10 @@ class Options:
     given: frozenset = frozenset()
 
     def __getattr__(self, name: str):
+        # Only option names: a copy or an unpickling asks for special names (and for `values`
+        # itself) before the fields exist.
+        if name.startswith("__") or name in ("values", "given"):
+            raise AttributeError(name)
         try:
             return self.values[name]
         except KeyError:

@@ -178,3 +178,21 @@ def test_a_step_interrupted_before_its_updates_are_queued_applies_them_when_retr
     plain, retried = run(False), run(True)
     for k in plain:
         assert_same_bits(plain[k], retried[k])
+
+
+def test_a_wrapped_model_refuses_a_copy_or_a_pickle_at_once_and_allows_both_unwrapped():
+    import copy
+    import io
+
+    from helpers import gpt_steps
+
+    model, _ = gpt_steps("cpu", steps=1)
+    with pytest.raises(TypeError, match=r"cannot be copied or pickled.*unwrap\(model\) first"):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict\(\)"):
+        torch.save(model, io.BytesIO())
+    copy.deepcopy(model._trainstream_engine.opts)  # the options themselves copy
+    trainstream.unwrap(model)
+    twin = copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))

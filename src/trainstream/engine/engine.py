@@ -65,6 +65,34 @@ def _tensors_in(out):
             yield from _tensors_in(o)
 
 
+# The engine holds hooks, threads, streams and pinned buffers that belong to one process and
+# one model: a wrapped model is not copied or pickled with it.
+_NOT_COPIED = (
+    "trainstream: a wrapped model cannot be copied or pickled (copy.deepcopy, torch.save(model)): save "
+    "model.state_dict() and optimizer.state_dict() instead, or trainstream.unwrap(model) first"
+)
+
+
+class _Installed:
+    """What the engine puts on the model (hooks, block forwards): calls `fn`, and refuses at
+    once to be copied or pickled with the model."""
+
+    __slots__ = ("fn", "__wrapped__")
+
+    def __init__(self, fn, wraps=None):
+        self.fn = fn
+        self.__wrapped__ = wraps  # the block's own forward, for inspect.signature
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPIED)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPIED)
+
+
 def _post_accumulate(engine_ref, slot_ref, param) -> None:
     engine, slot = engine_ref(), slot_ref()
     if engine is not None and slot is not None:
@@ -126,6 +154,12 @@ class Engine:
         self._handles: list = []
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
         self._log_plan()
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPIED)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPIED)
 
     def _lay_out_moments(self) -> MomentStager:
         """optimizer_mode="gpu": the moments (and gradient sums, with accumulation) in one
@@ -233,8 +267,8 @@ class Engine:
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.device != self.backend.device:
                     module._buffers[name] = buf.to(self.backend.device)
-        self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self.before_forward()))
-        self._handles.append(self.model.register_forward_hook(lambda m, a, out: self.after_forward(out)))
+        self._handles.append(self.model.register_forward_pre_hook(_Installed(lambda m, a: self.before_forward())))
+        self._handles.append(self.model.register_forward_hook(_Installed(lambda m, a, out: self.after_forward(out))))
         for unit, block in zip(self.block_units, self.stack.blocks):
             self._forwards[block] = block.__dict__.get("forward")
             block.forward = self._block_forward(unit, block.forward)
@@ -247,7 +281,7 @@ class Engine:
             for slot in unit.trainable:
                 self._handles.append(
                     slot.param.register_post_accumulate_grad_hook(
-                        functools.partial(_post_accumulate, me, weakref.ref(slot))
+                        _Installed(functools.partial(_post_accumulate, me, weakref.ref(slot)))
                     )
                 )
         self.state_hooks.install()
@@ -343,7 +377,7 @@ class Engine:
             engine.watch_backward(unit, out)
             return out
 
-        return paged_forward
+        return _Installed(paged_forward, wraps=forward)
 
     @staticmethod
     def _in_autograd() -> bool:

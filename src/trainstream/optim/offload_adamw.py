@@ -127,6 +127,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         _reject_unsupported({k: param_group[k] for k in UNSUPPORTED if k in param_group})
+        _reject_duplicates(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.update(
@@ -307,6 +308,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._micro_step % self.accumulation_steps:
             return None
         return {p: self._grad_sums[p] for p in self._grad_seen}
+
+
+def _reject_duplicates(param_group: dict) -> None:
+    """A parameter listed twice in one group: torch warns and updates it twice; the updates
+    here are per parameter, so it is refused rather than updated once."""
+    params = param_group["params"]
+    if not isinstance(params, torch.Tensor):  # a generator is read once: torch reads the list
+        params = param_group["params"] = list(params)
+    else:
+        params = [params]
+    seen = set()
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(
+                f"{WHERE} param group: parameter {i} (shape {tuple(p.shape)}) is listed twice; list each parameter once"
+            )
+        seen.add(id(p))
 
 
 def _reject_unsupported(options: dict) -> None:
