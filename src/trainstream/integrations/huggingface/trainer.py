@@ -1,0 +1,368 @@
+"""TrainStreamTrainer: transformers.Trainer over a wrapped model.
+
+The Trainer's own arguments keep their meaning; where the engine does the work itself, the
+Trainer's code path that would act on ``p.grad`` (None under the engine) is turned off:
+
+- the optimizer the Trainer builds (``optim`` adamw_torch, adamw_torch_fused, adamw_hf) is
+  converted by wrap() with its groups, learning rate, betas, eps and weight decay; the
+  scheduler is built on the wrapped optimizer, so it drives the learning rate the updates
+  read;
+- ``max_grad_norm`` clips inside the engine (wrap(max_grad_norm=...)), and the logged
+  grad_norm is the global norm the engine computed for that step;
+- ``gradient_accumulation_steps`` is wrap(accumulation_steps=...): the gradients of the
+  window's backward passes are summed in host memory, as p.grad would sum them, with the
+  Trainer's loss normalisation (``num_items_in_batch``) unchanged;
+- the model is wrapped once, when the Trainer is built, on the device the Trainer chose
+  (``args.device``): the Trainer does not move it there first, wrap() does, placing what fits.
+
+With ``chunked_loss`` (default True) a causal LM's training loss is computed by
+:func:`trainstream.causal_lm_loss` from the final hidden states and the output layer's
+weight, in chunks, so the full logits never exist (see [Note: chunked loss] below).
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Mapping
+
+import torch
+import transformers
+
+from ... import options as _options
+from ...api import _engine_of
+from .wrap import _is_peft, rng_preserved, wrap_hf
+
+WHERE = "TrainStreamTrainer(trainstream=...)"
+
+# The Trainer's optimizers that are AdamW as torch.optim.AdamW computes it.
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+
+# Options of the trainer itself, beside wrap()'s: name -> (default, accepted).
+TRAINER_OPTIONS = {
+    "chunked_loss": (True, "True, False"),
+    "loss_chunk_size": (1024, "an integer >= 1"),
+}
+
+# wrap() options that TrainingArguments already set: one place for each setting.
+SET_BY_ARGS = {
+    "max_grad_norm": "TrainingArguments.max_grad_norm",
+    "accumulation_steps": "TrainingArguments.gradient_accumulation_steps",
+    "lr": "TrainingArguments.learning_rate",
+    "device": "the device the Trainer chooses (TrainingArguments.use_cpu, CUDA_VISIBLE_DEVICES)",
+}
+
+# Config fields through which a model changes its logits after the output layer; the
+# chunked loss computes plain logits, so such a model keeps its own loss.
+LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def parse_trainstream(given) -> tuple[dict, dict, frozenset]:
+    """(wrap() options, trainer options, names given) from the ``trainstream=`` argument;
+    every value checked as wrap() checks it, a bad name or value a ValueError naming it."""
+    if given is None:
+        given = {}
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{WHERE}: trainstream must be a dict of options, got {type(given).__name__}")
+    accepted = [n for n in _options.WRAP_OPTIONS if n not in SET_BY_ARGS] + list(TRAINER_OPTIONS)
+    wrap_opts, own = {}, {name: default for name, (default, _) in TRAINER_OPTIONS.items()}
+    for name, value in given.items():
+        if name in SET_BY_ARGS:
+            raise ValueError(f"{WHERE}: option {name!r} is set by {SET_BY_ARGS[name]}; set it there")
+        if name in TRAINER_OPTIONS:
+            own[name] = _trainer_option(name, value)
+        elif name in _options.WRAP_OPTIONS:
+            _options.check(name, value, where=WHERE)
+            wrap_opts[name] = value
+        else:
+            close = difflib.get_close_matches(str(name), accepted, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{WHERE}: unknown option {name!r}{hint}; accepted options: {', '.join(accepted)}")
+    return wrap_opts, own, frozenset(given)
+
+
+def _trainer_option(name: str, value):
+    ok = isinstance(value, bool) if name == "chunked_loss" else (type(value) is int and value >= 1)
+    if not ok:
+        raise ValueError(f"{WHERE}: option {name!r} got {value!r}; accepted: {TRAINER_OPTIONS[name][1]}")
+    return value
+
+
+def _check_args(args, check_optim: bool) -> None:
+    """TrainingArguments the engine cannot honour: a clear error before anything is wrapped."""
+    if args.fp16:
+        raise ValueError(
+            "TrainStreamTrainer: fp16=True is not supported (an update queued during backward cannot be "
+            "skipped by fp16 loss scaling); use bf16=True, or fp32"
+        )
+    for name in ("fp16_full_eval", "bf16_full_eval"):
+        if getattr(args, name, False):
+            raise ValueError(
+                f"TrainStreamTrainer: {name}=True is not supported (it casts the wrapped model for "
+                "evaluation); evaluate under the training precision"
+            )
+    optim = str(getattr(args.optim, "value", args.optim))
+    if check_optim and optim not in ADAMW_OPTIMS:
+        raise ValueError(
+            f"TrainStreamTrainer: optim={optim!r} is not supported; accepted: {', '.join(ADAMW_OPTIMS)} "
+            "(each trains as torch.optim.AdamW)"
+        )
+
+
+class TrainStreamTrainer(transformers.Trainer):
+    """A :class:`transformers.Trainer` whose model and optimizer are wrapped by TrainStream.
+
+    ``trainstream={...}`` takes every :func:`trainstream.wrap` option except those
+    TrainingArguments set (``max_grad_norm``, ``accumulation_steps``, ``lr``, ``device``),
+    plus ``"chunked_loss"`` (default True) and ``"loss_chunk_size"`` (default 1024). The
+    model is wrapped here, with the optimizer the Trainer builds (or the torch AdamW/Adam
+    passed in ``optimizers=(optimizer, None)``); schedules, clipping, accumulation,
+    checkpoints, ``resume_from_checkpoint``, ``evaluate()`` and activation checkpointing
+    work as with the stock Trainer. bf16=True or fp32; fp16=True raises ValueError.
+    """
+
+    def __init__(self, *args, trainstream: Mapping | None = None, **kwargs):
+        self._ts_wrap, self._ts_own, self._ts_given = parse_trainstream(trainstream)
+        self._ts_chunk_checked = False
+        super().__init__(*args, **kwargs)
+        given_optimizer, given_scheduler = self.optimizer, self.lr_scheduler
+        _check_args(self.args, check_optim=given_optimizer is None and self.optimizer_cls_and_kwargs is None)
+        if given_optimizer is not None:  # optimizers=(torch AdamW/Adam, ...): converted by wrap()
+            self.optimizer = self._wrap(self.model, given_optimizer)
+        else:
+            self.create_optimizer()
+        if given_scheduler is not None:
+            _check_scheduler(given_scheduler, self.optimizer)
+
+    # -- wrapping ----------------------------------------------------------------------------
+
+    def _move_model_to_device(self, model, device) -> None:
+        # wrap() places the weights on args.device itself: what fits, the rest streamed. A
+        # whole-model move first would need the whole model's memory there.
+        pass
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, converted by wrap() along with the model (once per model:
+        a model_init run builds a new model, which is wrapped afresh)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        super().create_optimizer(model)  # torch.optim.AdamW over the Trainer's param groups
+        torch_optimizer, self.optimizer = self.optimizer, None
+        self.optimizer = self._wrap(model, torch_optimizer)
+        return self.optimizer
+
+    def _wrap(self, model, optimizer):
+        try:
+            _engine_of(model)
+        except ValueError:
+            pass
+        else:
+            raise ValueError(
+                "TrainStreamTrainer: this model is already wrapped (by another trainer or wrap()); "
+                "pass a model that is not, or trainstream.unwrap() it first"
+            )
+        clip = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+        model, optimizer = wrap_hf(
+            model,
+            optimizer,
+            device=self.args.device,
+            max_grad_norm=clip,
+            accumulation_steps=self.args.gradient_accumulation_steps,
+            **self._ts_wrap,
+        )
+        return optimizer
+
+    # -- clipping and the logged norm --------------------------------------------------------
+
+    def _clip_grad_norm(self, model):
+        # The engine clips inside step() at wrap(max_grad_norm=args.max_grad_norm); p.grad is
+        # None, so the Trainer's clip would find nothing.
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Known only once step() has computed it: _maybe_log_save_evaluate reads it.
+        return None
+
+    def _maybe_log_save_evaluate(
+        self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
+    ):
+        grad_norm = _engine_of(self.model).last_grad_norm
+        return super()._maybe_log_save_evaluate(
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
+        )
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def _save(self, output_dir=None, state_dict=None) -> None:
+        # Every update in flight is written before the weights are read: model.state_dict()
+        # then gives the host weights (adapters only, for a peft model, through peft).
+        _synchronize(self.optimizer)
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        _synchronize(self.optimizer)
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    # -- the loss ----------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        reason = None if not self._ts_own["chunked_loss"] else self._chunk_refusal(model, inputs, return_outputs)
+        if reason is not None:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        loss = _chunked_causal_lm_loss(
+            model,
+            inputs,
+            self._ts_own["loss_chunk_size"],
+            num_items_in_batch if self.model_accepts_loss_kwargs else None,
+            self.accelerator.autocast,  # the precision the model's own output layer ran in
+        )
+        if (
+            self.args.average_tokens_across_devices
+            and self.model_accepts_loss_kwargs
+            and num_items_in_batch is not None
+        ):
+            # As the stock compute_loss: the sum over this process's tokens was divided by
+            # every process's token count.
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        return loss
+
+    def _chunk_refusal(self, model, inputs, return_outputs) -> str | None:
+        """Why this call keeps the model's own loss (None: it is chunked). Training calls of a
+        causal LM are chunked; evaluation wants the logits. A training model the chunked loss
+        cannot stand in for is said once, in a warning (an error when chunked_loss=True was
+        asked for)."""
+        if return_outputs or not model.training or "labels" not in inputs:
+            return "not a training call with labels"
+        reason = self._unchunkable(model, inputs)
+        if reason is not None and not self._ts_chunk_checked:
+            self._ts_chunk_checked = True
+            message = f"TrainStreamTrainer: chunked_loss does not apply: {reason}; the model computes its own loss"
+            if "chunked_loss" in self._ts_given:
+                raise ValueError(message.replace("; the model computes its own loss", "; pass chunked_loss=False"))
+            warnings.warn(message, stacklevel=3)
+        return reason
+
+    def _unchunkable(self, model, inputs) -> str | None:
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            return "the Trainer computes the loss itself (label_smoothing_factor or compute_loss_func)"
+        if "shift_labels" in inputs:
+            return "the batch brings shift_labels"
+        return unchunkable_model(model)
+
+
+def unchunkable_model(model) -> str | None:
+    """Why the chunked causal-LM loss cannot stand in for `model`'s own (None: it can)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hf = model.get_base_model() if _is_peft(model) else model
+    if _is_peft(model) and model.active_peft_config.is_prompt_learning:
+        return "a prompt-learning peft model adds its own inputs"
+    if type(hf).__name__ not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return f"{type(hf).__name__} is not a causal LM"
+    head = hf.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return f"its output layer is a {type(head).__name__}, not an nn.Linear"
+    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    for name in LOGIT_MODIFIERS:
+        value = getattr(config, name, None)
+        if value not in (None, 1, 1.0):
+            return f"its config sets {name}={value!r}, which changes the logits"
+    return None
+
+
+class _HiddenOut:
+    """Stands in for the output layer's forward during one call: returns its input, so the
+    model's "logits" are the final hidden states."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, hidden):
+        self.seen.append(hidden)
+        return hidden
+
+
+# [Note: chunked loss]
+# The model is called as usual (so the engine's hooks on the model see the whole forward and
+# the gradient of its output), without labels and with its output layer's forward replaced by
+# the identity: the "logits" it returns are the hidden states the output layer would read.
+# causal_lm_loss then applies the output layer's weight chunk by chunk. A model that changes
+# its logits after the output layer (softcapping, scaling) would return something else; that
+# is checked on every call (identity, or the same values cast to fp32 by accelerate's
+# autocast wrapper), so the loss is never silently another one.
+def _chunked_causal_lm_loss(model, inputs, chunk_size: int, num_items, autocast):
+    from ...loss import causal_lm_loss
+
+    hf = model.get_base_model() if _is_peft(model) else model
+    head = hf.get_output_embeddings()
+    inputs = dict(inputs)
+    labels = inputs.pop("labels")
+    stand_in = _HiddenOut()
+    own = head.__dict__.get("forward")  # an instance-level forward someone installed, kept
+    head.forward = stand_in
+    try:
+        outputs = model(**inputs)
+    finally:
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
+    returned = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    if len(stand_in.seen) != 1 or not _same_hidden(returned, stand_in.seen[0]):
+        raise RuntimeError(
+            f"TrainStreamTrainer: {type(hf).__name__} does not return its output layer's result as its "
+            "logits (it changes them after the layer, or calls it more than once); pass "
+            "trainstream={'chunked_loss': False}"
+        )
+    with autocast():
+        return causal_lm_loss(
+            returned,
+            head.weight,
+            labels.to(returned.device),
+            head.bias,
+            chunk_size=chunk_size,
+            ignore_index=-100,
+            num_items=num_items,
+        )
+
+
+def _same_hidden(returned, hidden) -> bool:
+    if returned is hidden:
+        return True
+    # accelerate's mixed-precision wrapper returns bf16/fp16 outputs as fp32 copies
+    return (
+        returned.dtype == torch.float32
+        and hidden.dtype in (torch.bfloat16, torch.float16)
+        and returned.shape == hidden.shape
+        and torch.equal(returned, hidden.float())
+    )
+
+
+def _check_scheduler(scheduler, optimizer) -> None:
+    """A scheduler passed in must drive the wrapped optimizer's groups."""
+    target = getattr(scheduler, "optimizer", None)
+    groups = getattr(target, "param_groups", None)
+    if (
+        groups is None
+        or len(groups) != len(optimizer.param_groups)
+        or any(a is not b for a, b in zip(groups, optimizer.param_groups))
+    ):
+        raise ValueError(
+            "TrainStreamTrainer: the scheduler passed in optimizers=(optimizer, scheduler) does not drive the "
+            "wrapped optimizer's param groups; pass optimizers=(optimizer, None) and set "
+            "TrainingArguments.lr_scheduler_type / lr_scheduler_kwargs instead"
+        )
+
+
+def _synchronize(optimizer) -> None:
+    """Wait for every update in flight (the weights and moments read next are current)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer holds ours
+    sync = getattr(inner, "synchronize", None) or getattr(inner, "_synchronize", None)
+    if sync is not None:
+        sync()
+
+
+__all__ = ["TrainStreamTrainer", "parse_trainstream", "unchunkable_model", "rng_preserved"]
