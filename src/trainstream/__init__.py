@@ -2,7 +2,7 @@
 
 Public API of this release: :func:`wrap`, :func:`unwrap`, :func:`memory_report`,
 :func:`profile_hardware`, :class:`HardwareProfile`, :class:`DoesNotFit`,
-:class:`OffloadAdamW`, :class:`QuantizedWeight` and the low-level :mod:`trainstream.ops`.
+:class:`OffloadAdamW`, :class:`QuantizedWeight`, :func:`quantize_model` and the low-level :mod:`trainstream.ops`.
 """
 
 from . import ops
@@ -11,7 +11,7 @@ from .api import memory_report, unwrap, wrap
 from .errors import DoesNotFit
 from .optim import OffloadAdamW
 from .planner import HardwareProfile, profile_hardware
-from .quant import QuantizedWeight
+from .quant import QuantizedWeight, quantize_model
 
 __all__ = [
     "__version__",
@@ -23,5 +23,6 @@ __all__ = [
     "DoesNotFit",
     "OffloadAdamW",
     "QuantizedWeight",
+    "quantize_model",
     "ops",
 ]

@@ -128,7 +128,7 @@ def test_trainable_weights_are_never_quantized():
     _, _, (model, _) = train("gpt", dict(RESIDENT, quantize="int8"), steps=1)
     report = trainstream.memory_report(model)
     assert report["params"]["quantize"] == "none"
-    assert "no frozen Linear weight in the blocks to quantize" in report["events"]
+    assert "no frozen weight matrix in the blocks to quantize" in report["events"]
 
 
 def test_state_dict_load_requantizes_and_unwrap_gives_dequantized_weights():

@@ -218,43 +218,105 @@ def arena_bytes(units: list, stage: bool = True) -> int:
 
 
 QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Modules whose weights are looked up, not multiplied: their rows are read a few at a time,
+# and QLoRA leaves them as they are.
+_LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def _kept_reason(s: Slot, lookup: set) -> str | None:
+    """Why block weight `s` is never stored quantized, or None when it may be. Any frozen
+    weight tensor of two or more dimensions may be: nn.Linear's (out, in), GPT-2's Conv1D
+    (in, out), the fused (experts, out, in) tensors of transformers' MoE blocks, convolution
+    kernels. The codes are blockwise over the flat values, so the layout does not matter:
+    dequantizing gives the same shape back."""
+    if s.trainable or s.param.requires_grad:  # autograd would give it a full-size gradient
+        return "trainable"
+    if s.param.dim() < 2:
+        return "1-D (biases, norms, scales)"
+    if s.param in lookup:
+        return "embeddings"
+    if s.dtype not in QUANT_DTYPES:
+        return f"dtype {s.dtype}"
+    return None
 
 
 def quantizable_slots(block_units: list, blocks: list, unpageable: list) -> tuple[list, list]:
-    """The weights wrap(quantize=...) may store quantized: frozen nn.Linear weight matrices
-    of the blocks (as QLoRA: not biases, norms, anything the optimizer holds, or anything that
-    still requires grad, which autograd would give a full-size gradient). Weights of a block
-    that shares a parameter with the outside, and weights shared between blocks, are left as
-    they are: other modules would read the placeholder. Returns the slots and notes."""
+    """The weights wrap(quantize=...) may store quantized: the frozen weight tensors of the
+    blocks (see _kept_reason: as QLoRA, not biases, norms, anything the optimizer holds, or
+    anything that still requires grad). Weights of a block that shares a parameter with the
+    outside, and weights shared between blocks, are left as they are: other modules would read
+    the placeholder. Weights that arrived quantized (quantize_model, load_model) keep their own
+    codes and are not among them. Returns the slots and a note of what stays unquantized in
+    the blocks, with its bytes, by reason."""
     in_blocks: dict = {}
+    lookup = set()
     for block in blocks:
         for p in dict.fromkeys(block.parameters()):
             in_blocks[p] = in_blocks.get(p, 0) + 1
-    slots, shared = [], []
+        for m in block.modules():
+            if isinstance(m, _LOOKUP_MODULES):
+                lookup.update(m.parameters(recurse=False))
+    slots, kept = [], {}
     for unit in block_units:
         for s in unit.slots:
-            if (
-                s.trainable
-                or s.param.requires_grad
-                or not s.is_linear
-                or s.param.dim() != 2
-                or s.dtype not in QUANT_DTYPES
-            ):
+            if s.quant_format is not None:
                 continue
-            if unit.block in unpageable or in_blocks.get(s.param, 0) > 1:
-                shared.append(s.name)
-                continue
-            slots.append(s)
-    notes = (
-        [
-            f"quantize: {len(shared)} frozen weights in blocks that share parameters with other modules stay "
-            f"unquantized "
-            f"({', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''})"
-        ]
-        if shared
-        else []
-    )
+            reason = _kept_reason(s, lookup)
+            if reason is None and (unit.block in unpageable or in_blocks.get(s.param, 0) > 1):
+                reason = "shared with other modules"
+            if reason is None:
+                slots.append(s)
+            else:
+                kept.setdefault(reason, []).append(s)
+    notes = [unquantized_note(kept)] if kept else []
     return slots, notes
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
+
+
+def unquantized_note(kept: dict) -> str:
+    """The event line for the block weights no quantize setting stores quantized."""
+    parts = []
+    for reason, slots in kept.items():
+        names = ", ".join(s.name for s in slots[:2]) + (" ..." if len(slots) > 2 else "")
+        parts.append(f"{reason}: {len(slots)} tensors, {_kib(sum(s.full_nbytes for s in slots))} ({names})")
+    return "quantize: never quantized in the blocks: " + "; ".join(parts)
+
+
+def adopt_stored_codes(block_units: list, outside_units: list) -> tuple[list, list]:
+    """Parameters that arrive holding codes (quantize_model, load_model): their slots take
+    the codes' format and block size, which no plan changes (there are no values left to
+    quantize otherwise). Returns those slots and their event line. Such a parameter outside
+    the block stack, or one the optimizer would train, cannot be served: ValueError."""
+    from ..quant.stored import codes_of
+
+    for u in outside_units:
+        for s in u.slots:
+            if codes_of(s.param) is not None:
+                raise ValueError(
+                    f"wrap(): {s.name} holds quantized codes but is outside the block stack wrap() uses; pass "
+                    "the blocks= given to quantize_model(), or quantize only the stack wrap() finds"
+                )
+    stored = []
+    for u in block_units:
+        for s in u.slots:
+            q = codes_of(s.param)
+            if q is None:
+                continue
+            if s.trainable:
+                raise ValueError(f"wrap(): {s.name} holds quantized codes and cannot be trained; leave it frozen")
+            s.quant_format, s.quant_block = q.format, q.block_size
+            stored.append(s)
+    if not stored:
+        return [], []
+    formats = sorted({s.quant_format for s in stored})
+    before, after = sum(s.full_nbytes for s in stored), sum(s.nbytes for s in stored)
+    return stored, [
+        f"quantize: {len(stored)} frozen weights arrived quantized as {'/'.join(formats)} (quantize_model or "
+        f"load_model) and keep their codes, {_kib(before)} -> {_kib(after)}"
+    ]
 
 
 def set_quantization(slots: list, fmt: str | None, block_size: int) -> None:
@@ -274,6 +336,7 @@ class ModelLayout:
     notes: list  # events: what could not be quantized and why
     on_device: int  # bytes of its weights already on the target GPU
     stack: object = None  # the BlockStack the block units were made from (blocks.py)
+    prequantized: list = field(default_factory=list)  # slots whose parameters arrived holding codes (quant.stored)
 
     @property
     def units(self) -> list:
@@ -284,6 +347,7 @@ def lay_out_model(model: torch.nn.Module, stack, trainable: set, device: torch.d
     """The units of `model`: one per block of `stack`, one per module outside it holding
     parameters; `trainable`: the parameters the optimizer updates."""
     block_units, outside_units, unpageable = build_units(model, stack.blocks, trainable)
+    prequantized, stored_notes = adopt_stored_codes(block_units, outside_units)
     quantizable, notes = quantizable_slots(block_units, stack.blocks, unpageable)
     on_device = sum(
         s.nbytes
@@ -291,4 +355,6 @@ def lay_out_model(model: torch.nn.Module, stack, trainable: set, device: torch.d
         for s in u.slots
         if s.param.device == device and device.type == "cuda"
     )
-    return ModelLayout(block_units, outside_units, unpageable, quantizable, notes, on_device, stack)
+    return ModelLayout(
+        block_units, outside_units, unpageable, quantizable, [*stored_notes, *notes], on_device, stack, prequantized
+    )

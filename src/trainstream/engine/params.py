@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from ..quant.stored import codes_of
+from ..quant.stored import take as take_codes
 from ..quant.weight import QuantizedWeight
 from ..sizes import GiB
 from .device import DeviceUpdate, HostArena
@@ -110,8 +112,12 @@ class WeightPager:
     def _place_quantized(self, s, paged: bool, buffers) -> None:
         """Quantize a frozen weight where it is (host or device); keep the codes in host
         transfer memory (paged unit) or on the device (resident), and give the param a
-        placeholder: the weight is dequantized for each use."""
-        q = QuantizedWeight.quantize(s.param.data, s.quant_format, s.quant_block)
+        placeholder: the weight is dequantized for each use. A parameter that arrived holding
+        codes (quant.stored: quantize_model, load_model) hands them over as they are."""
+        if codes_of(s.param) is not None:
+            q = take_codes(s.param)
+        else:
+            q = QuantizedWeight.quantize(s.param.data, s.quant_format, s.quant_block)
         if paged:
             held = {kind: self.arena.take((numel,), dtype) for kind, dtype, numel in buffers}
             held["codes"].copy_(q.codes)

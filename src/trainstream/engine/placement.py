@@ -521,15 +521,16 @@ def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, lis
             set_quantization(quantizable, fmt, opts.quant_block_size)
             fit = _fit(opts, model, profile, backend)
     if fmt is None:
+        more = " more" if model.prequantized else ""  # beside the weights that arrived quantized
         if opts.quantize in ("int8", "nf4"):
             notes.append(
-                f"quantize={opts.quantize!r}: no frozen Linear weight in the blocks to quantize "
+                f"quantize={opts.quantize!r}: no{more} frozen weight matrix in the blocks to quantize "
                 "(trainable weights are never quantized)"
             )
         elif opts.quantize == "auto":
             notes.append(
-                "quantize='auto': nothing quantized"
-                + ("" if quantizable else " (no frozen Linear weights in the blocks)")
+                f"quantize='auto': nothing{more} quantized"
+                + ("" if quantizable else " (no frozen weight matrices in the blocks)")
             )
         return fit, None, notes, None
     warning = None

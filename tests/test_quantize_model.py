@@ -1,0 +1,271 @@
+"""quantize_model(): frozen block weights stored as codes in place, before wrap(), and kept by
+wrap() as they are; which weights of the layer zoo (nn.Linear, GPT-2's Conv1D, fused MoE
+expert tensors) are stored quantized, and the events naming what is not.
+
+The reference for a quantized model is the same model whose quantized weights hold their
+quantize-dequantize values instead: it must compute, save and train to the same bits."""
+
+import hf_models
+import pytest
+import torch
+from helpers import PAGED, RESIDENT, assert_same_bits, train
+
+import trainstream
+from trainstream import ops
+from trainstream.quant import QuantizedWeight, stored
+
+BLOCK_WEIGHT = lambda n: ".layers." in n and n.endswith("proj.weight")  # noqa: E731
+
+
+def _frozen(kind, frozen=BLOCK_WEIGHT, seed=0):
+    model = hf_models.build(kind, seed=seed)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not frozen(n))
+    return model
+
+
+def _round_trip(model, names, fmt, block_size=64):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in names:
+                p.copy_(QuantizedWeight.quantize(p, fmt, block_size).dequantize())
+    return model
+
+
+def _held(model) -> dict:
+    return {n: stored.codes_of(p) for n, p in model.named_parameters() if stored.codes_of(p) is not None}
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_codes_are_the_ops_codes_of_each_frozen_block_weight(fmt):
+    model = _frozen("llama")
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    result = trainstream.quantize_model(model, fmt, block_size=32)
+    held = _held(model)
+    assert sorted(held) == sorted(n for n in original if BLOCK_WEIGHT(n))  # 7 Linear weights x 3 blocks
+    quantize = ops.quantize_nf4 if fmt == "nf4" else ops.quantize_int8
+    for n, q in held.items():
+        codes, absmax = quantize(original[n], 32)
+        assert torch.equal(q.codes, codes) and torch.equal(q.absmax, absmax), n
+        assert q.block_size == 32 and q.shape == original[n].shape and q.dtype == original[n].dtype
+        p = dict(model.named_parameters())[n]
+        assert p is params[n]  # the same parameter object: optimizers and peft still refer to it
+        assert p.untyped_storage().nbytes() == 4 and torch.isnan(p).all()  # no values kept
+    assert result == {
+        "tensors": 21,
+        "bytes_before": sum(original[n].numel() * 4 for n in held),
+        "bytes_after": sum(q.nbytes for q in held.values()),
+    }
+    again = trainstream.quantize_model(model, fmt)  # codes already held are left as they are
+    assert again == {"tensors": 0, "bytes_before": 0, "bytes_after": 0}
+    assert all(stored.codes_of(params[n]) is held[n] for n in held)
+
+
+def test_a_quantized_model_computes_saves_and_backpropagates_as_its_round_trip():
+    model = _frozen("llama")
+    reference = _round_trip(_frozen("llama"), {n for n, _ in model.named_parameters() if BLOCK_WEIGHT(n)}, "nf4")
+    trainstream.quantize_model(model)
+    ids = hf_models.batch(0)
+    losses = []
+    for m in (model, reference):
+        loss = hf_models.loss_fn(m, ids)
+        loss.backward()
+        losses.append(loss)
+    assert_same_bits(losses[0].detach(), losses[1].detach())
+    grads = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (grads[n].grad is None), n
+        if p.grad is not None:
+            assert_same_bits(p.grad, grads[n].grad)
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert_same_bits(ours[k], theirs[k])
+    param = model.model.layers[0].self_attn.q_proj.weight  # forward put the parameter back
+    assert isinstance(param, torch.nn.Parameter) and stored.codes_of(param) is not None
+    with pytest.raises(RuntimeError):  # writing into the placeholder fails, it does not write one element
+        model.load_state_dict(theirs)
+
+
+def _prequantized(kind, fmt):
+    def build():
+        model = _frozen(kind)
+        trainstream.quantize_model(model, fmt)
+        return model, hf_models.batch, hf_models.loss_fn
+
+    return build
+
+
+def _reference(kind, fmt):
+    def build():
+        model = _frozen(kind)
+        names = {n for n, _ in model.named_parameters() if BLOCK_WEIGHT(n)}
+        return _round_trip(model, names, fmt), hf_models.batch, hf_models.loss_fn
+
+    return build
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_wrap_keeps_the_codes_and_trains_as_the_round_trip(fmt):
+    model_factory = _prequantized("llama", fmt)
+    kept = {}
+
+    def remembering():
+        model, batch, loss = model_factory()
+        kept.update(_held(model))
+        return model, batch, loss
+
+    # quantize="none": there are no values left to keep unquantized; the codes are served as they are
+    resident = train("llama", dict(RESIDENT, quantize="none"), steps=4, model_factory=remembering)
+    engine = resident[2][0]._trainstream_engine
+    slots = {s.name: s for u in engine.units for s in u.slots}
+    for n, q in kept.items():  # the very codes quantize_model made, not quantized a second time
+        assert slots[n].quant.codes.data_ptr() == q.codes.data_ptr(), n
+    report = trainstream.memory_report(resident[2][0])
+    assert report["plan"]["quantized"]["tensors"] == 21
+    assert f"21 frozen weights arrived quantized as {fmt}" in report["events"]
+    paged = train("llama", dict(PAGED, quantize="nf4"), steps=4, model_factory=_prequantized("llama", fmt))
+    reference = train("llama", RESIDENT, steps=4, model_factory=_reference("llama", fmt))
+    assert_same_bits(resident, reference)
+    assert_same_bits(paged, reference)
+    assert resident[0][-1] < resident[0][0]
+
+
+def test_wrap_refuses_codes_it_cannot_serve():
+    model = _frozen("llama")
+    trainstream.quantize_model(model)
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    q_proj.requires_grad_(True)
+    with pytest.raises(ValueError, match="q_proj.weight holds quantized codes and cannot be trained"):
+        trainstream.wrap(model, device="cpu", offload=True)
+    q_proj.requires_grad_(False)
+    with pytest.raises(ValueError, match="outside the block stack"):  # a stack that leaves them outside
+        trainstream.wrap(model, device="cpu", offload=True, blocks=[model.model.norm, model.lm_head])
+    with pytest.raises(ValueError, match="cannot hold quantized codes"):
+        stored.store(model.lm_head, "weight", QuantizedWeight.quantize(model.lm_head.weight.detach()))
+
+
+def test_bad_arguments_name_themselves():
+    model = _frozen("llama")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        trainstream.quantize_model("llama")
+    for fmt in ("fp8", "NF4", None, "none", 4):
+        with pytest.raises(ValueError, match=r"quantize must be one of \['nf4', 'int8'\]"):
+            trainstream.quantize_model(model, fmt)
+    for size in (3, 0, True, 8192, 64.0):
+        with pytest.raises(ValueError, match="block_size must be an even integer >= 2 and <= 4096"):
+            trainstream.quantize_model(model, block_size=size)
+    for budget in (0, 1 << 30, "1GiB"):
+        with pytest.raises(ValueError, match="pin_budget accepts only None"):
+            trainstream.quantize_model(model, pin_budget=budget)
+    for blocks in ("layers", [], [1, 2]):
+        with pytest.raises(ValueError, match="blocks must be None or a non-empty list of modules"):
+            trainstream.quantize_model(model, blocks=blocks)
+    with pytest.raises(ValueError, match="is not a submodule of the model"):
+        trainstream.quantize_model(model, blocks=[torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="no repeated block stack found"):
+        trainstream.quantize_model(torch.nn.Linear(4, 4).requires_grad_(False))
+    assert not _held(model)  # nothing was changed by a refused call
+    wrapped, _ = trainstream.wrap(model, device="cpu", offload=True)
+    with pytest.raises(ValueError, match="the model is wrapped"):
+        trainstream.quantize_model(wrapped)
+
+
+def test_explicit_blocks_are_quantized_and_nothing_else():
+    model = _frozen("llama", frozen=lambda n: "proj.weight" in n)
+    layers = list(model.model.layers)
+    result = trainstream.quantize_model(model, blocks=layers[:2])
+    assert result["tensors"] == 14
+    assert sorted({n.split(".")[2] for n in _held(model)}) == ["0", "1"]
+
+
+# -- the layer zoo: which weights are stored quantized -------------------------------------------
+
+
+def _frozen_everything_in_blocks(kind):
+    model = hf_models.build(kind)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not any(f".{k}." in n for k in ("h", "layers")))
+    return model
+
+
+def _wrapped_quantized(kind, fmt="nf4"):
+    model = _frozen_everything_in_blocks(kind)
+    model, _ = trainstream.wrap(model, device="cpu", offload=True, quantize=fmt, **RESIDENT)
+    engine = model._trainstream_engine
+    slots = [s for u in engine.units if u.block is not None for s in u.slots]
+    return model, {s.name: s for s in slots if s.quant is not None}, slots
+
+
+@pytest.mark.parametrize(
+    "kind, weights",
+    [
+        ("gpt2", ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")),
+        ("mixtral", ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "mlp.gate.weight",
+                     "mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
+    ],
+)  # fmt: skip
+def test_conv1d_and_fused_expert_weights_are_quantized(kind, weights):
+    model, quantized, slots = _wrapped_quantized(kind)
+    assert sorted(quantized) == sorted(s.name for s in slots if s.name.endswith(weights))
+    assert len(quantized) == 3 * len(weights)
+    matrices = [s for s in slots if s.param.dim() >= 2]
+    assert sum(s.full_nbytes for s in quantized.values()) == sum(s.full_nbytes for s in matrices)
+    events = trainstream.memory_report(model)["events"]
+    left = [s for s in slots if s.name not in quantized]  # every one 1-D: biases and norms
+    assert left and all(s.param.dim() == 1 for s in left)
+    kib = sum(s.full_nbytes for s in left) / 1024
+    assert f"1-D (biases, norms, scales): {len(left)} tensors, {kib:.1f} KiB" in events
+
+
+def test_fused_experts_train_as_their_round_trip():
+    frozen = lambda n: ".layers." in n and n.endswith(("proj.weight", "gate_up_proj", "down_proj"))  # noqa: E731
+    quantized = train("mixtral", dict(PAGED, quantize="nf4"), steps=3, freeze=frozen,
+                      model_factory=hf_models.factory("mixtral"))  # fmt: skip
+
+    def reference():
+        model = hf_models.build("mixtral")
+        names = {n for n, _ in model.named_parameters() if frozen(n)}
+        return _round_trip(model, names, "nf4"), hf_models.batch, hf_models.loss_fn
+
+    expected = train("mixtral", RESIDENT, steps=3, freeze=frozen, model_factory=reference)
+    assert_same_bits(quantized, expected)
+    engine = quantized[2][0]._trainstream_engine
+    assert sum(s.quant is not None for u in engine.units for s in u.slots) == 3 * 6
+
+
+def test_the_events_name_trainable_and_embedding_weights_left_unquantized():
+    model = hf_models.build("llama")
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.endswith("q_proj.weight"))
+    trainable = [p for n, p in model.named_parameters() if ".layers." in n and p.requires_grad]
+    model, _ = trainstream.wrap(model, device="cpu", offload=True, quantize="int8", **RESIDENT)
+    events = trainstream.memory_report(model)["events"]
+    assert "quantize='int8': 3 frozen weights as int8" in events
+    kib = sum(p.numel() * 4 for p in trainable) / 1024
+    assert len(trainable) == 3 * 8 and f"trainable: 24 tensors, {kib:.1f} KiB" in events
+
+
+def test_embeddings_inside_a_block_stay_unquantized():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x, ids):
+            return self.lin(x) + self.emb(ids)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x, ids):
+            for b in self.layers:
+                x = b(x, ids)
+            return x
+
+    model = Model().requires_grad_(False)
+    assert trainstream.quantize_model(model)["tensors"] == 2
+    assert sorted(_held(model)) == ["layers.0.lin.weight", "layers.1.lin.weight"]
