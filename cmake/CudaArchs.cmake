@@ -7,10 +7,8 @@
 #                                  also embedded as PTX so future GPUs can JIT it.
 #   TRAINSTREAM_CUDA_ARCHS=80;90   an explicit CMake list, used as given.
 #
-# Also checks TRAINSTREAM_EXPECT_CUDA_MAJOR (set by the wheel workflow): the distribution
-# trainstream-cuXYZ must be built with CUDA X.
+# The CUDA major itself is checked by cmake/CudaMajor.cmake, in every build.
 set(TRAINSTREAM_CUDA_ARCHS "native" CACHE STRING "native, wheel, or a CMake CUDA_ARCHITECTURES list")
-set(TRAINSTREAM_EXPECT_CUDA_MAJOR "" CACHE STRING "fail unless nvcc has this CUDA major version")
 
 # Data-center and desktop architectures; embedded parts (87, 88, 101, 110) are left out.
 set(_ts_family 75 80 86 89 90 100 103 120 121)
@@ -70,10 +68,6 @@ endif()
 execute_process(COMMAND ${CMAKE_CUDA_COMPILER} --version OUTPUT_VARIABLE _ts_nvcc_version)
 string(REGEX MATCH "release ([0-9]+)\\.([0-9]+)" _ts_m "${_ts_nvcc_version}")
 set(TS_NVCC_MAJOR ${CMAKE_MATCH_1})
-if(TRAINSTREAM_EXPECT_CUDA_MAJOR AND NOT TRAINSTREAM_EXPECT_CUDA_MAJOR STREQUAL TS_NVCC_MAJOR)
-  message(FATAL_ERROR "this distribution is for CUDA ${TRAINSTREAM_EXPECT_CUDA_MAJOR}, "
-                      "but ${CMAKE_CUDA_COMPILER} is CUDA ${TS_NVCC_MAJOR}.x")
-endif()
 
 string(REPLACE ";" " " TS_CUDA_ARCHS_DESCRIPTION "${CMAKE_CUDA_ARCHITECTURES}")
 message(STATUS "TrainStream: CUDA ${TS_NVCC_MAJOR}, architectures ${TS_CUDA_ARCHS_DESCRIPTION}")

@@ -5,17 +5,22 @@ from __future__ import annotations
 import platform
 import sys
 
-from . import __version__, _native
+from . import __version__, _distribution, _native
 
 
 def build_report() -> list[tuple[str, str]]:
     import torch
 
+    dists = _distribution.installed()
+    ours = ", ".join(d.name for d in dists if d.ours) or "none installed: a source checkout"
     rows = [
-        ("trainstream", __version__),
+        ("trainstream", f"{__version__} (distribution: {ours})"),
         ("python", sys.version.split()[0]),
         ("platform", f"{platform.system()} {platform.machine()}"),
     ]
+    clash = _distribution.conflict(dists, _distribution.dist_for_torch(torch.version.cuda))
+    if clash is not None:
+        rows.append(("distributions", f"CONFLICT: {clash}"))
     try:
         native = _native.lib()
     except RuntimeError as exc:
@@ -27,7 +32,7 @@ def build_report() -> list[tuple[str, str]]:
         rows.append(("CUDA architectures", info["cuda_archs"]))
         cuda = native.cuda_info()
         driver = cuda["driver_version"]
-        rows.append(("NVIDIA driver supports CUDA", _native._cuda_version_text(driver) if driver else "no driver"))
+        rows.append(("NVIDIA driver supports CUDA", _native.driver_summary(driver, cuda["runtime_version"])))
     else:
         rows.append(("CUDA (wheel built for)", "none: built without CUDA kernels"))
     rows.append(("SIMD (host AdamW)", f"{native.simd_level()} (best on this CPU: {native.best_simd_level()})"))
