@@ -2,13 +2,15 @@
 
 Public API of this release: :func:`wrap`, :func:`unwrap`, :func:`memory_report`,
 :func:`profile_hardware`, :class:`HardwareProfile`, :class:`DoesNotFit`,
-:class:`OffloadAdamW`, :class:`QuantizedWeight`, :func:`quantize_model` and the low-level :mod:`trainstream.ops`.
+:class:`OffloadAdamW`, :class:`QuantizedWeight`, :func:`chunked_cross_entropy`,
+:func:`causal_lm_loss`, :func:`quantize_model` and the low-level :mod:`trainstream.ops`.
 """
 
 from . import ops
 from ._version import __version__
 from .api import memory_report, unwrap, wrap
 from .errors import DoesNotFit
+from .loss import causal_lm_loss, chunked_cross_entropy
 from .optim import OffloadAdamW
 from .planner import HardwareProfile, profile_hardware
 from .quant import QuantizedWeight, quantize_model
@@ -23,6 +25,8 @@ __all__ = [
     "DoesNotFit",
     "OffloadAdamW",
     "QuantizedWeight",
+    "chunked_cross_entropy",
+    "causal_lm_loss",
     "quantize_model",
     "ops",
 ]
