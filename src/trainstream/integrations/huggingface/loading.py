@@ -1,0 +1,512 @@
+"""load_model(): a transformers causal LM built from its config with every parameter on the
+meta device, then filled one tensor at a time from its .safetensors shards (or initialized,
+random_weights=True). Each frozen block weight is quantized as soon as it is read, so a
+quantized base never exists in full precision: host memory while loading stays near the
+quantized size plus the tensor being read (the shards are memory-mapped; their pages are
+the file's, not the process's).
+
+What is quantized is what wrap(quantize=...) would quantize (quant.model.block_slots): the
+weight tensors of the block stack. The model comes back with those parameters holding
+their codes (quant.stored), which wrap() then streams as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import glob
+import json
+import logging
+import math
+import os
+
+import torch
+
+from ...errors import DoesNotFit
+from ...quant import stored
+from ...quant.model import block_slots, check_block_size
+from ...quant.weight import QuantizedWeight, quantized_nbytes
+from ...sizes import GiB
+
+CALLER = "load_model()"
+QUANTIZE = ("auto", "none", "int8", "nf4")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX = "model.safetensors.index.json"
+VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the quantize ops read
+
+log = logging.getLogger(__name__)
+
+
+def load_model(
+    name_or_path,
+    *,
+    quantize="auto",
+    dtype=torch.bfloat16,
+    quant_block_size=64,
+    random_weights=False,
+    ram_fraction=0.85,
+    trust_remote_code=False,
+    **config_overrides,
+) -> torch.nn.Module:
+    """A transformers causal LM (``AutoModelForCausalLM``; ``AutoModelForSeq2SeqLM`` for an
+    encoder-decoder config) from a folder or a hub id, read one tensor at a time.
+
+    `name_or_path`: a folder with config.json and .safetensors shards (model.safetensors, or
+    the shards model.safetensors.index.json lists), or a hub id: downloaded with
+    huggingface_hub when the hub answers, taken from the local cache otherwise.
+    `quantize`: "none" (also None or False), "int8", "nf4", or "auto": quantize only if the
+    model in `dtype` would not fit in `ram_fraction` of the available RAM (this process's
+    share), int8 before NF4; DoesNotFit when even NF4 would not. `dtype`: the model's
+    floating-point dtype (float32, bfloat16 or float16). `quant_block_size`: values per fp32
+    scale. `random_weights`: no checkpoint is read (only config.json); every tensor is
+    initialized by the model's own ``_init_weights`` (one module at a time, each block weight
+    quantized right after), as a benchmark of a base's shapes. `config_overrides`: fields of
+    the config to change (an unknown field is a ValueError naming it).
+
+    What trains: quantized ("int8", "nf4", or "auto" that quantized), every parameter comes
+    back frozen (requires_grad=False), the base of a LoRA (add adapters with peft, or unfreeze
+    what you mean to train: never a quantized weight). "none": requires_grad as transformers
+    leaves it (all True), for a full fine-tune. Tied embeddings stay tied; biases, norms,
+    embeddings and the output layer load as they are, in `dtype`. The model is returned in
+    eval() mode, as ``from_pretrained`` returns it.
+
+    Errors name what is wrong: a folder with only .bin files, a tensor the model needs that
+    no shard holds, a shape that differs from the config's, an unknown config field.
+    """
+    fmt = _check_quantize(quantize)
+    if dtype not in DTYPES:
+        raise ValueError(f"{CALLER}: dtype must be one of {[str(d) for d in DTYPES]}, got {dtype!r}")
+    block_size = check_block_size(quant_block_size, CALLER, "quant_block_size")
+    for name, value in (("random_weights", random_weights), ("trust_remote_code", trust_remote_code)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{CALLER}: {name} must be True or False, got {value!r}")
+    if isinstance(ram_fraction, bool) or not isinstance(ram_fraction, (int, float)) or not 0 < ram_fraction <= 1:
+        raise ValueError(f"{CALLER}: ram_fraction must be a number in (0, 1], got {ram_fraction!r}")
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"{CALLER}: name_or_path must be a folder or a hub id (str), got {type(name_or_path).__name__}")
+
+    folder = resolve(os.fspath(name_or_path), random_weights)
+    config = read_config(folder, trust_remote_code, config_overrides)
+    checkpoint = None if random_weights else Checkpoint(folder)
+    with contextlib.ExitStack() as stack:
+        if checkpoint is not None:
+            stack.enter_context(checkpoint)
+        model = build_on_meta(config, dtype, trust_remote_code)
+        fmt = choose_format(model, fmt, ram_fraction, block_size)
+        if fmt is not None:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        quantized = {s.param for s in block_slots(model)[0]} if fmt is not None else set()
+        fill = _Filler(model, quantized, fmt, block_size)
+        if checkpoint is None:
+            fill.initialize()
+        else:
+            fill.read(checkpoint)
+    return model.eval()
+
+
+def _check_quantize(quantize) -> str | None:
+    if quantize is None or quantize is False:
+        return None
+    if not isinstance(quantize, str) or quantize not in QUANTIZE:
+        raise ValueError(f"{CALLER}: quantize must be one of {list(QUANTIZE)}, None or False, got {quantize!r}")
+    return None if quantize == "none" else quantize
+
+
+# -- where the files are ------------------------------------------------------------------------
+
+
+def resolve(name: str, random_weights: bool) -> str:
+    """The local folder of `name`: itself when it is one; a hub id's snapshot otherwise,
+    downloaded when the hub answers, from the local cache when it does not."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name):
+        raise ValueError(
+            f"{CALLER}: {name!r} is a file; pass the folder holding config.json and the .safetensors files"
+        )
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"{CALLER}: no folder {name!r}")
+    import huggingface_hub
+
+    patterns = ["*.json"] if random_weights else ["*.json", "*.safetensors"]
+    try:
+        return huggingface_hub.snapshot_download(name, allow_patterns=patterns)
+    except Exception as online:  # no network, an unknown repo, a gated one: the cache may still have it
+        try:
+            return huggingface_hub.snapshot_download(name, allow_patterns=patterns, local_files_only=True)
+        except Exception as cached:
+            raise FileNotFoundError(
+                f"{CALLER}: {name!r} is not a local folder, the hub did not serve it ({type(online).__name__}: "
+                f"{online}) and it is not in the local cache ({type(cached).__name__}: {cached})"
+            ) from None
+
+
+def read_config(folder: str, trust_remote_code: bool, overrides: dict):
+    import transformers
+
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"{CALLER}: no config.json in {folder}")
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    known = set(config.to_dict())
+    for key, value in overrides.items():
+        if key not in known and not hasattr(config, key):
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            raise ValueError(
+                f"{CALLER}: unknown config field {key!r} for {type(config).__name__}"
+                + (f" (close: {', '.join(close)})" if close else "")
+            )
+        setattr(config, key, value)
+    return config
+
+
+# -- the model, without its tensors ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter a module registers is made on the meta device (no memory, no init
+    work); buffers stay real: they are small, and non-persistent ones (rotary frequencies)
+    are computed by the modules' constructors, not read from checkpoints."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def build_on_meta(config, dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module:
+    import transformers
+
+    with _parameters_on_meta():
+        try:
+            return transformers.AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code
+            )
+        except ValueError:
+            if not getattr(config, "is_encoder_decoder", False):
+                raise
+            return transformers.AutoModelForSeq2SeqLM.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code
+            )
+
+
+def _unique_params(model) -> list:
+    return list(dict.fromkeys(model.parameters()))
+
+
+def model_bytes(model, fmt: str | None, block_size: int) -> int:
+    """Host bytes `model` takes loaded with `fmt` (every parameter frozen for a format)."""
+    if fmt is None:
+        return sum(p.numel() * p.element_size() for p in _unique_params(model))
+    grads = {p: p.requires_grad for p in _unique_params(model)}
+    for p in grads:
+        p.requires_grad_(False)
+    try:
+        quantized = {s.param for s in block_slots(model)[0]}
+    finally:
+        for p, g in grads.items():
+            p.requires_grad_(g)
+    return sum(
+        quantized_nbytes(p.numel(), fmt, block_size) if p in quantized else p.numel() * p.element_size() for p in grads
+    )
+
+
+def available_ram() -> int:
+    """This process's share of the RAM available now (MemAvailable, split between the
+    processes of a torchrun or Slurm job on this machine)."""
+    from ...engine.placement import local_processes
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // local_processes()
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // local_processes()
+
+
+def choose_format(model, fmt: str | None, ram_fraction: float, block_size: int) -> str | None:
+    """quantize='auto': the first of no quantization, int8, NF4 whose bytes fit in
+    `ram_fraction` of the available RAM; DoesNotFit when none does."""
+    if fmt != "auto":
+        return fmt
+    budget = int(ram_fraction * available_ram())
+    needs = {}
+    for candidate in (None, "int8", "nf4"):
+        needs[candidate] = model_bytes(model, candidate, block_size)
+        if needs[candidate] <= budget:
+            if candidate is not None:
+                log.info(
+                    "load_model(quantize='auto'): %s, since %s would need %.2f GiB of the %.2f GiB allowed",
+                    candidate,
+                    "no quantization" if candidate == "int8" else "int8",
+                    needs[{"int8": None, "nf4": "int8"}[candidate]] / GiB,
+                    budget / GiB,
+                )
+            return candidate
+    raise DoesNotFit(
+        needs={"ram": needs["nf4"]},
+        has={"ram": budget},
+        problems=[
+            f"host RAM: the model needs {needs[None] / GiB:.2f} GiB unquantized, {needs['int8'] / GiB:.2f} as int8, "
+            f"{needs['nf4'] / GiB:.2f} as nf4; ram_fraction={ram_fraction} of the available RAM is "
+            f"{budget / GiB:.2f} GiB"
+        ],
+        suggestions=["a larger ram_fraction", "more RAM", "a smaller model"],
+        where="load_model()",
+    )
+
+
+# -- the checkpoint -------------------------------------------------------------------------------
+
+
+class Checkpoint:
+    """The .safetensors shards of a folder, opened for reading tensor by tensor (memory-mapped:
+    a tensor is copied out only when read)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        index = os.path.join(folder, INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{CALLER}: {index} has no weight_map")
+            files = sorted(set(weight_map.values()))
+            for file in files:
+                if not os.path.isfile(os.path.join(folder, file)):
+                    raise FileNotFoundError(f"{CALLER}: {index} lists {file}, which is not in {folder}")
+        else:
+            files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(folder, "*.safetensors")))
+            weight_map = None
+            if not files:
+                others = sorted(
+                    os.path.basename(f)
+                    for pat in ("*.bin", "*.pt", "*.pth")
+                    for f in glob.glob(os.path.join(folder, pat))
+                )
+                if others:
+                    raise ValueError(
+                        f"{CALLER}: {folder} holds only PyTorch pickle files ({', '.join(others[:3])}); load_model "
+                        "reads .safetensors only (convert them, e.g. with save_pretrained(safe_serialization=True))"
+                    )
+                raise FileNotFoundError(f"{CALLER}: no .safetensors file in {folder}")
+        self.files = files
+        self._weight_map = weight_map
+        self._stack = contextlib.ExitStack()
+        self.handles: dict = {}
+        self.where: dict = {}  # tensor name -> file
+
+    def __enter__(self):
+        from safetensors import safe_open
+
+        for file in self.files:
+            handle = self._stack.enter_context(safe_open(os.path.join(self.folder, file), framework="pt"))
+            self.handles[file] = handle
+            for key in handle.keys():
+                self.where.setdefault(key, file)
+        if self._weight_map is not None:
+            for key, file in self._weight_map.items():
+                if self.where.get(key) != file:
+                    raise ValueError(f"{CALLER}: the index lists tensor {key!r} in {file}, which does not hold it")
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        self.handles.clear()
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
+
+    def nbytes(self, key: str) -> int:
+        sl = self.handles[self.where[key]].get_slice(key)
+        sizes = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+        return math.prod(sl.get_shape()) * sizes.get(sl.get_dtype(), 4)
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.handles[self.where[key]].get_tensor(key)
+
+
+# -- filling the meta model ---------------------------------------------------------------------
+
+
+class _Filler:
+    """Gives each meta parameter its tensor, one at a time: read (or initialized), then either
+    quantized into codes the parameter holds (`quantized`) or kept in the model's dtype. A
+    parameter shared by several modules (tied embeddings) becomes one new parameter for all."""
+
+    def __init__(self, model, quantized: set, fmt: str | None, block_size: int):
+        self.model = model
+        self.quantized = quantized
+        self.fmt = fmt
+        self.block_size = block_size
+        self.done: dict = {}  # meta parameter -> its replacement
+        self.names: dict = {}  # meta parameter -> every qualified name it has
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(p, []).append(name)
+
+    def _slots(self):
+        """(module, local name, meta parameter) of every parameter, in module order."""
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    yield module, name, p
+
+    def _place(self, module, name: str, meta, values: torch.Tensor) -> None:
+        """`values` (as read or initialized) become `module`'s parameter `name`."""
+        if meta in self.quantized:
+            x = values if values.dtype in VALUE_DTYPES else values.to(meta.dtype)
+            quantize = QuantizedWeight.quantize(x, self.fmt, self.block_size)
+            q = QuantizedWeight(quantize.codes, quantize.absmax, meta.shape, meta.dtype, self.fmt, self.block_size)
+            param = torch.nn.Parameter(stored.placeholder(meta.shape, meta.dtype, "cpu"), requires_grad=False)
+            module._parameters[name] = param
+            stored.store(module, name, q)
+        else:
+            if values.is_floating_point() and values.dtype != meta.dtype:
+                values = values.to(meta.dtype)
+            param = torch.nn.Parameter(values, requires_grad=meta.requires_grad)
+            module._parameters[name] = param
+        self.done[meta] = param
+
+    def _reuse(self, module, name, meta) -> bool:
+        if meta in self.done:
+            module._parameters[name] = self.done[meta]
+            return True
+        return False
+
+    def _keys(self, meta, checkpoint) -> str | None:
+        """The checkpoint's name for `meta`: one of its names, with or without the model's
+        base prefix ("model.", "transformer.": checkpoints of the bare model lack it)."""
+        prefix = getattr(self.model, "base_model_prefix", "") or ""
+        for name in self.names[meta]:
+            candidates = [name]
+            if prefix and name.startswith(prefix + "."):
+                candidates.append(name[len(prefix) + 1 :])
+            elif prefix:
+                candidates.append(f"{prefix}.{name}")
+            for key in candidates:
+                if key in checkpoint.where:
+                    return key
+        return None
+
+    def read(self, checkpoint: Checkpoint) -> None:
+        keys, missing = {}, []
+        for _, _, meta in self._slots():
+            if meta not in keys:
+                keys[meta] = self._keys(meta, checkpoint)
+                if keys[meta] is None:
+                    missing.append(self.names[meta][0])
+        if missing:
+            raise ValueError(
+                f"{CALLER}: the checkpoint in {checkpoint.folder} has no tensor {missing[0]!r}"
+                + (
+                    f" (nor {len(missing) - 1} more: {', '.join(missing[1:4])}{' ...' if len(missing) > 4 else ''})"
+                    if len(missing) > 1
+                    else ""
+                )  # fmt: skip
+            )
+        for meta, key in keys.items():
+            if checkpoint.shape(key) != tuple(meta.shape):
+                raise ValueError(
+                    f"{CALLER}: tensor {key!r} in {checkpoint.where[key]} has shape {checkpoint.shape(key)}, the model "
+                    f"built from the config expects {tuple(meta.shape)} for {self.names[meta][0]}"
+                )
+        buffers = self._persistent_buffers(checkpoint)
+        used = set(keys.values()) | {key for _, _, key in buffers}
+        unexpected = [k for k in checkpoint.where if k not in used]
+        if unexpected:
+            log.warning(
+                "load_model(): %d checkpoint tensors are not used (%s)", len(unexpected), ", ".join(unexpected[:3])
+            )
+        total = sum(checkpoint.nbytes(k) for k in used)
+        with _progress(total) as bar:
+            for module, name, meta in self._slots():
+                if self._reuse(module, name, meta):
+                    continue
+                key = keys[meta]
+                self._place(module, name, meta, checkpoint.read(key))
+                bar.update(checkpoint.nbytes(key))
+            for module, name, key in buffers:
+                values = checkpoint.read(key)
+                old = module._buffers[name]
+                if tuple(values.shape) != tuple(old.shape):
+                    raise ValueError(
+                        f"{CALLER}: tensor {key!r} in {checkpoint.where[key]} has shape {tuple(values.shape)}, the "
+                        f"model's buffer expects {tuple(old.shape)}"
+                    )
+                module._buffers[name] = values.to(old.dtype) if values.is_floating_point() else values
+                bar.update(checkpoint.nbytes(key))
+
+    def _persistent_buffers(self, checkpoint) -> list:
+        """(module, name, key) of the persistent buffers the checkpoint holds (the others keep
+        what the constructor computed)."""
+        found = []
+        prefix = getattr(self.model, "base_model_prefix", "") or ""
+        for mod_name, module in self.model.named_modules():
+            for name in module._buffers:
+                if module._buffers[name] is None or name in module._non_persistent_buffers_set:
+                    continue
+                full = f"{mod_name}.{name}" if mod_name else name
+                for key in (full, full[len(prefix) + 1 :] if full.startswith(prefix + ".") else f"{prefix}.{full}"):
+                    if key in checkpoint.where:
+                        found.append((module, name, key))
+                        break
+        return found
+
+    def initialize(self) -> None:
+        """random_weights=True: one module at a time, its own parameters made (NaN first) and
+        initialized by the model's _init_weights, then its block weights quantized. A tensor
+        _init_weights leaves alone gets normal(0, initializer_range) (a 1-D weight: ones, a
+        bias: zeros), never uninitialized memory."""
+        std = getattr(self.model.config, "initializer_range", 0.02) or 0.02
+        for module in self.model.modules():
+            fresh = []
+            for name, meta in list(module._parameters.items()):
+                if meta is None or self._reuse(module, name, meta):
+                    continue
+                values = torch.full(meta.shape, float("nan"), dtype=meta.dtype)
+                module._parameters[name] = torch.nn.Parameter(values, requires_grad=meta.requires_grad)
+                fresh.append((name, meta))
+            if not fresh:
+                continue
+            with torch.no_grad():
+                init = getattr(self.model, "_init_weights", None)
+                if init is not None:
+                    init(module)
+                for name, _ in fresh:
+                    values = module._parameters[name].data
+                    if values.is_floating_point() and torch.isnan(values).any():
+                        if values.dim() == 1:
+                            values.fill_(0.0 if name.endswith("bias") else 1.0)
+                        else:
+                            values.normal_(0.0, std)
+            for name, meta in fresh:
+                self._place(module, name, meta, module._parameters[name].data)
+
+
+@contextlib.contextmanager
+def _progress(total: int):
+    """A tqdm bar over the bytes read (on a terminal, when tqdm is installed)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is None:
+
+        class _Silent:
+            def update(self, n):
+                pass
+
+        yield _Silent()
+        return
+    with tqdm(total=total, unit="B", unit_scale=True, desc="load_model", disable=None) as bar:
+        yield bar
