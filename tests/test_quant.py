@@ -40,7 +40,7 @@ def at_each_simd_level(call):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [2, 6, 32, 64, 100, 128, 256, 4096, 8192])
+@pytest.mark.parametrize("block_size", [2, 6, 32, 64, 100, 128, 256, 4096])
 @pytest.mark.parametrize("n", [1, 7, 64, 1001, 70_003])
 def test_native_matches_reference(fmt, dtype, block_size, n):
     quantize, dequantize, ref_quantize, ref_dequantize = FORMATS[fmt]
@@ -196,7 +196,7 @@ def test_out_argument_and_shapes():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: ops.quantize_nf4(torch.zeros(8), 3), "block_size must be an even integer >= 2, got 3"),
+        (lambda: ops.quantize_nf4(torch.zeros(8), 3), "block_size must be an even integer >= 2 and <= 4096, got 3"),
         (lambda: ops.quantize_nf4(torch.zeros(8), 0), "block_size must be an even integer >= 2"),
         (lambda: ops.quantize_int8(torch.zeros(8), True), "block_size must be an even integer >= 2"),
         (lambda: ops.quantize_nf4(torch.zeros(8, dtype=torch.float64)), "x dtype must be one of"),

@@ -15,7 +15,7 @@ import torch
 
 from .. import options
 from .._native import lib
-from . import _dtypes
+from . import _args, _dtypes
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -42,12 +42,12 @@ def get_pool(threads: int | None = None):
     """The shared native thread pool with `threads` workers (None: ``options.default_threads()``,
     the one meaning of the default). Pools are kept for the life of the process, one per
     size, so optimizers that ask for the same size share workers instead of oversubscribing
-    the cores. Any count >= 1 runs here; the public options bound it by the cores."""
+    the cores. `threads` is bounded as the threads option is: 1 to the cores this process may
+    use (more workers than cores only contend, and a count in the thousands fails to start)."""
+    threads = _args.threads("get_pool", threads)
     native = lib()
     if threads is None:
         threads = options.default_threads()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be None or an integer >= 1, got {threads!r}")
     with _pools_lock:
         pool = _pools.get(threads)
         if pool is None:
@@ -142,18 +142,23 @@ def adamw_step(
     the oldest); jobs on the same buffers always run in the order they were queued.
     Returns an :class:`AdamWHandle`; call ``wait()`` before reading any of the tensors.
     """
+    op = "adamw_step"
+    for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        _args.tensors(op, name, value)
+    if param_copies is not None:
+        _args.tensors(op, "param_copies", param_copies)
+    scalars = _scalars(op, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    decoupled = _args.flag(op, "decoupled", decoupled)
+    priority = _args.integer(op, "priority", priority)
+    threads = _args.threads(op, threads)
     n = len(params)
     _check_same("params", params, (torch.float32,), n)
     grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n)
     copy_dtype = None
     if param_copies is not None:
         copy_dtype = _check_same("param_copies", param_copies, COPY_DTYPES, n)
-    if len(steps) != n:
-        raise ValueError(f"adamw_step: steps has {len(steps)} entries, params has {n}")
-    if seeds is None:
-        seeds = [0] * n
-    elif len(seeds) != n:
-        raise ValueError(f"adamw_step: seeds has {len(seeds)} entries, params has {n}")
+    steps = _args.integers(op, "steps", steps, n, low=1)
+    seeds = [0] * n if seeds is None else _args.integers(op, "seeds", seeds, n)
     for i, p in enumerate(params):
         numel = p.numel()
         _check_tensor("params", i, p, numel)
@@ -162,8 +167,6 @@ def adamw_step(
         _check_tensor("exp_avg_sqs", i, exp_avg_sqs[i], numel)
         if param_copies is not None:
             _check_tensor("param_copies", i, param_copies[i], numel)
-        if int(steps[i]) < 1:
-            raise ValueError(f"adamw_step: steps[{i}] must be >= 1, got {steps[i]}")
 
     held = [*params, *grads, *exp_avgs, *exp_avg_sqs, *(param_copies or ())]
     job = lib().adamw_queue(
@@ -174,21 +177,25 @@ def adamw_step(
         [v.data_ptr() for v in exp_avg_sqs],
         [c.data_ptr() for c in param_copies] if param_copies is not None else [0] * n,
         [p.numel() for p in params],
-        [int(s) for s in steps],
-        [int(s) & 0xFFFF_FFFF_FFFF_FFFF for s in seeds],
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        float(grad_scale),
-        bool(decoupled),
+        steps,
+        [s & 0xFFFF_FFFF_FFFF_FFFF for s in seeds],
+        *scalars,
+        decoupled,
         _dtypes.code(grad_dtype),
         _dtypes.code(moment_dtype),
         _dtypes.code(copy_dtype),
-        int(priority),
+        priority,
     )
     return AdamWHandle(job, held)
+
+
+def _scalars(op: str, lr, beta1, beta2, eps, weight_decay, grad_scale) -> tuple[float, ...]:
+    """The hyper-parameters as floats, in the native order. Their ranges are the optimizer's
+    to check (options.py); here each must be a real number, so a string or a tensor fails
+    with its name rather than inside float()."""
+    names = ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")
+    values = (lr, beta1, beta2, eps, weight_decay, grad_scale)
+    return tuple(_args.real(op, name, v) for name, v in zip(names, values))
 
 
 def _check_pinned(kind: str, i: int, t: torch.Tensor, numel: int) -> None:
@@ -246,7 +253,7 @@ def adamw_step_gpu(
     from .._native import require_cuda
 
     require_cuda("the GPU AdamW")
-    if not params:
+    if not _args.tensors("adamw_step_gpu", "params", params):
         return
     device = params[0].device
     if device.type != "cuda":
@@ -326,6 +333,15 @@ def _gpu_launch(
     seeds=None,
     max_blocks: int = 0,
 ) -> None:
+    op = "adamw_step_gpu"
+    for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        _args.tensors(op, name, value)
+    if masters is not None:
+        _args.tensors(op, "masters", masters)
+    if grad_scale_tensor is not None:
+        _args.tensor(op, "grad_scale_tensor", grad_scale_tensor)
+    lr, beta1, beta2, eps, weight_decay, grad_scale = _scalars(op, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    decoupled = _args.flag(op, "decoupled", decoupled)
     n = len(params)
     param_dtype = _check_same(
         "params", params, (torch.float32,) if masters is None else (torch.float32, torch.bfloat16, torch.float16), n
@@ -333,8 +349,8 @@ def _gpu_launch(
     grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n, "adamw_step_gpu")
     if masters is not None:
         _check_same("masters", masters, (torch.float32,), n)
-    if len(steps) != n or (seeds is not None and len(seeds) != n):
-        raise ValueError(f"adamw_step_gpu: steps and seeds need one entry per param ({n})")
+    steps = _args.integers(op, "steps", steps, n, low=1)
+    seeds = None if seeds is None else _args.integers(op, "seeds", seeds, n)
     if grad_scale_tensor is not None and (
         grad_scale_tensor.device != device or grad_scale_tensor.numel() != 1 or grad_scale_tensor.dtype != torch.float32
     ):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from .._native import lib
-from . import _dtypes, reference
+from . import _args, _dtypes, reference
 from .adamw import AdamWHandle, get_pool
 
 
@@ -18,6 +18,9 @@ def accumulate_(
     """Queue ``dst += src`` on the host thread pool for each pair (dst float32, src float32
     or bfloat16, both contiguous host tensors of equal size) and return a handle at once.
     The same result as ``dst.add_(src)``; ordered after earlier queued work on these buffers."""
+    _args.tensors("accumulate_", "dsts", dsts)
+    _args.tensors("accumulate_", "srcs", srcs)
+    threads = _args.threads("accumulate_", threads)
     if len(dsts) != len(srcs):
         raise ValueError(f"accumulate_: {len(dsts)} destinations but {len(srcs)} sources")
     src_dtypes = {s.dtype for s in srcs}
@@ -48,7 +51,7 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensors on one device, accumulated in float32. On CUDA a deterministic two-pass kernel
     on the current stream, without a host sync; on the CPU the pure-torch twin.
     ``sqrt(result.sum())`` is the global L2 norm that ``clip_grad_norm_`` uses."""
-    if not tensors:
+    if not _args.tensors("grad_sq_norms", "tensors", tensors):
         return torch.zeros(0)
     device = tensors[0].device
     dtypes = {t.dtype for t in tensors}

@@ -12,11 +12,17 @@ value within one ulp of a decision threshold, or in a float32 block whose absmax
 in bitsandbytes). Dequantizing the same codes gives the same values on both (NaN payloads
 aside).
 
-Non-finite input: a NaN quantizes to code 0 and does not affect its block's absmax (NF4:
-it dequantizes to -absmax; int8: to 0). An infinity makes its block's absmax infinite,
-and that whole block then dequantizes to NaN or infinities. An all-zero block (or, for
-NF4, one of denormals only, which count as zero as in bitsandbytes) has absmax 0 and
-dequantizes to zeros. Frozen weights are expected to be finite.
+Non-finite input: a NaN quantizes to code 0 and the absmax is the largest |x| of the
+block's other values (NF4: the NaN dequantizes to -absmax; int8: to 0). An all-NaN block
+has no other value: NF4 reduces from -FLT_MAX with fmaxf, as bitsandbytes' CUDA kernel
+does, so its absmax is -3.4028235e38 and its values dequantize to +3.4028235e38 (code 0
+is -1.0); int8 reduces from 0, so its absmax is 0 and it dequantizes to zeros.
+(bitsandbytes' pure-torch CPU path differs there: torch's max propagates NaN, giving a NaN
+absmax for any block holding a NaN; the CUDA kernel, which QLoRA runs, is the reference.)
+An infinity makes its block's absmax infinite, and that whole block then dequantizes to
+NaN or infinities. An all-zero block (or, for NF4, one of denormals only, which count as
+zero as in bitsandbytes) has absmax 0 and dequantizes to zeros. Frozen weights are
+expected to be finite.
 
 Each op is a ``torch.library`` custom op with a fake implementation, so ``torch.compile``
 can trace it; eager calls on plain tensors run the same implementation without the
@@ -31,7 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from .._native import lib
-from . import _dtypes
+from . import _args, _dtypes
 from .adamw import get_pool
 
 NF4, INT8 = 0, 1  # native QuantFormat
@@ -40,10 +46,25 @@ VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FORMAT_NAMES = {NF4: "nf4", INT8: "int8"}
 
 
-def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
-        raise ValueError(f"block_size must be an even integer >= 2, got {block_size!r}")
-    return block_size
+def check_block_size(block_size, op: str = "QuantizedWeight") -> int:
+    """An even integer from 2 to options.MAX_QUANT_BLOCK_SIZE (quant_block_size's bounds)."""
+    return _args.block_size(op, block_size)
+
+
+def check_out(op: str, out, shape: torch.Size, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """`out` for dequantized values: a contiguous tensor of `shape` on `device`, of `dtype`
+    (None: any value dtype). The native op writes numel(shape) values of out's dtype at its
+    address, so a larger or strided `out` would be written past its values, a smaller one
+    past its end."""
+    _args.tensor(op, "out", out)
+    dtype_ok = out.dtype == dtype if dtype is not None else out.dtype in VALUE_DTYPES
+    if out.shape != shape or not dtype_ok or out.device != device or not out.is_contiguous():
+        wanted = str(dtype) if dtype is not None else f"({', '.join(map(str, VALUE_DTYPES))})"
+        raise ValueError(
+            f"{op}: out must be a contiguous {wanted} tensor of shape {tuple(shape)} on {device}, got "
+            f"{'a' if out.is_contiguous() else 'a non-contiguous'} {out.dtype} tensor of shape "
+            f"{tuple(out.shape)} on {out.device}"
+        )
 
 
 def code_numel(fmt: int, n: int) -> int:
@@ -146,16 +167,18 @@ _nf4_ops = _make_ops(NF4)
 _int8_ops = _make_ops(INT8)
 
 
-def _check_values(x: torch.Tensor, what: str) -> None:
+def _check_values(op: str, x) -> None:
+    _args.tensor(op, "x", x)
     if x.dtype not in VALUE_DTYPES:
-        raise ValueError(f"{what} dtype must be one of {[str(d) for d in VALUE_DTYPES]}, got {x.dtype}")
+        raise ValueError(f"{op}: x dtype must be one of {[str(d) for d in VALUE_DTYPES]}, got {x.dtype}")
     if x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{what} must be a CPU or CUDA tensor, got {x.device}")
+        raise ValueError(f"{op}: x must be a CPU or CUDA tensor, got {x.device}")
 
 
 def _quantize(fmt: int, x: torch.Tensor, block_size: int):
-    _check_values(x, "x")
-    block_size = check_block_size(block_size)
+    op = f"quantize_{_FORMAT_NAMES[fmt]}"
+    _check_values(op, x)
+    block_size = check_block_size(block_size, op)
     if _direct(x):
         return _quantize_impl(fmt, x, block_size)
     return (_nf4_ops if fmt == NF4 else _int8_ops)[0](x, block_size)
@@ -163,8 +186,12 @@ def _quantize(fmt: int, x: torch.Tensor, block_size: int):
 
 def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
     name = _FORMAT_NAMES[fmt]
-    block_size = check_block_size(block_size)
-    shape = tuple(int(s) for s in shape)
+    op = f"dequantize_{name}"
+    _args.tensor(op, "codes" if fmt == INT8 else "packed", codes)
+    _args.tensor(op, "absmax", absmax)
+    block_size = check_block_size(block_size, op)
+    shape = _args.shape(op, "shape", shape)
+    dtype = _args.dtype(op, "dtype", dtype, VALUE_DTYPES)
     n = math.prod(shape)
     code_dtype = _code_dtype(fmt)
     if codes.dtype != code_dtype or codes.numel() != code_numel(fmt, n) or not codes.is_contiguous():
@@ -182,18 +209,12 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
         raise ValueError(f"dequantize_{name}: codes must be a CPU or CUDA tensor, got {codes.device}")
     if absmax.device != codes.device:
         raise ValueError(f"dequantize_{name}: codes on {codes.device} but absmax on {absmax.device}")
-    if dtype not in VALUE_DTYPES:
-        raise ValueError(f"dequantize_{name}: dtype must be one of {[str(d) for d in VALUE_DTYPES]}, got {dtype}")
     ops = _nf4_ops if fmt == NF4 else _int8_ops
     if out is None:
         if _direct(codes, absmax):
             return _dequantize_impl(fmt, codes, absmax, shape, dtype, block_size)
         return ops[1](codes, absmax, list(shape), dtype, block_size)
-    if out.shape != torch.Size(shape) or out.dtype != dtype or out.device != codes.device or not out.is_contiguous():
-        raise ValueError(
-            f"dequantize_{name}: out must be a contiguous {dtype} tensor of shape {shape} on "
-            f"{codes.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
+    check_out(op, out, torch.Size(shape), codes.device, dtype)
     if _direct(codes, absmax, out):
         _run(True, fmt, out, codes, absmax, block_size)
     else:

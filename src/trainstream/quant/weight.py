@@ -57,8 +57,9 @@ class QuantizedWeight:
 
     def dequantize_into(self, out: torch.Tensor) -> None:
         """Dequantize into `out`, a contiguous tensor of this weight's shape on its device
-        (in any value dtype), without re-checking codes this class holds (the engine's
-        fetches: qops.dequantize_trusted)."""
+        (float32, bfloat16 or float16). `out` is checked (ValueError otherwise); the codes
+        this class holds are not re-checked (the engine's fetches: qops.dequantize_trusted)."""
+        qops.check_out("QuantizedWeight.dequantize_into", out, self.shape, self.codes.device)
         qops.dequantize_trusted(self.format, self.codes, self.absmax, self.block_size, out)
 
     @property
