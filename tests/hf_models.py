@@ -32,19 +32,10 @@ def _config(kind: str, **overrides):
         return transformers.MixtralConfig(
             **{**common, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96, **overrides}
         )
-    if kind == "gpt2":  # Conv1D layers: weights stored (in, out)
-        return transformers.GPT2Config(
-            **{
-                "n_embd": 64,
-                "n_layer": 3,
-                "n_head": 4,
-                "vocab_size": VOCAB,
-                "n_positions": 64,
-                "bos_token_id": 0,
-                "eos_token_id": 0,
-                **overrides,
-            }
-        )
+    if kind == "gpt2":  # Conv1D layers: weights stored (in, out); no dropout, so runs compare bit for bit
+        gpt2 = dict(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0)
+        dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2Config(**{**gpt2, **dropout, **overrides})
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 
