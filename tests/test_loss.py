@@ -313,9 +313,12 @@ def test_gpu_fp32_matches_full_logits(bias):
     hidden, weight, b, targets = _inputs(
         shape=(3000,), dtype=torch.float32, bias=bias, device="cuda", vocab=5000, dim=256
     )
-    ours = chunked_cross_entropy(hidden, weight, targets, b, chunk_size=512)
-    ref = _reference(hidden, weight, targets, b)
-    _assert_close(_loss_and_grads(ours, [hidden, weight, b]), _loss_and_grads(ref, [hidden, weight, b]), 1e-6)
+    ours = _loss_and_grads(chunked_cross_entropy(hidden, weight, targets, b, chunk_size=512), [hidden, weight, b])
+    ref = _loss_and_grads(_reference(hidden, weight, targets, b), [hidden, weight, b])
+    _assert_close(ours[:1], ref[:1], 1e-6)
+    # cuBLAS rounds the logits of a slice and of the whole matrix differently, by about 1e-6 of
+    # the gradients here: measured against the fp64 truth instead.
+    _assert_as_close_to_truth(ours, ref, [hidden, weight, b], targets, 1e-6)
 
 
 @pytest.mark.gpu

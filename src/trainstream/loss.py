@@ -11,7 +11,7 @@ Both passes walk the vocabulary in the same slices: every token times as many wo
 slice's logits at ``chunk_size * vocab`` elements (chunk_size tokens' worth; one slice when
 there are at most chunk_size tokens). A slice's logits are one matmul in the input dtype (the
 matmul runs at the input's speed), upcast to fp32 (fp64 for fp64 inputs) as transformers
-upcasts. Forward keeps each token's running max, its sum of exp(z - max) (rescaled when the max
+upcasts, a block of rows at a time (see [Note: row blocks]). Forward keeps each token's running max, its sum of exp(z - max) (rescaled when the max
 grows) and its target's logit; it saves hidden, weight, bias, targets and those per-token max and
 sum. Backward recomputes each slice's logits, the same calls on the same slices, so they are
 forward's bit for bit and the saved max and sum fit them exactly (a recompute of other shapes
@@ -128,16 +128,19 @@ class _SummedCrossEntropy(torch.autograd.Function):
         ref = torch.zeros(n, dtype=compute, device=hidden.device)  # exp's reference: row_max, finite
         exp_sum = torch.zeros(n, dtype=compute, device=hidden.device)  # sum of exp(z - ref)
         picked = torch.zeros(n, dtype=compute, device=hidden.device)  # the target's logit
+        slice_sum = torch.empty(n, dtype=compute, device=hidden.device)
         with _no_autocast(hidden.device):
             for v0, v1 in _slices(n, vocab, chunk_size):
-                logits = _slice_logits(hidden, weight, bias, v0, v1, compute)
+                logits = _slice_logits(hidden, weight, bias, v0, v1)
                 in_slice, column = _targets_in_slice(targets, valid, v0, v1)
                 picked = torch.where(in_slice, logits.gather(1, column).squeeze(1), picked)
-                torch.maximum(row_max, logits.amax(dim=1), out=row_max)
+                torch.maximum(row_max, logits.amax(dim=1), out=row_max)  # exact in any dtype
                 # torch.logsumexp's reference point: the max, or 0 where it is infinite.
                 new_ref = row_max.masked_fill(row_max.abs() == math.inf, 0)
+                for r0, r1 in _row_blocks(n):
+                    slice_sum[r0:r1] = _exp_minus(logits[r0:r1], new_ref[r0:r1]).sum(dim=1)
                 rescaled = torch.where(exp_sum == 0, 0, exp_sum * (ref - new_ref).exp())
-                exp_sum = rescaled + logits.sub_(new_ref.unsqueeze(1)).exp_().sum(dim=1)
+                exp_sum = rescaled + slice_sum
                 ref = new_ref
                 del logits
         # log_softmax's order, log(sum exp(z - m)) - (z_t - m): m + log(s) rounded first would
@@ -157,23 +160,29 @@ class _SummedCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         compute = ref.dtype
         d_hidden_sum = torch.zeros(n, d, dtype=compute, device=hidden.device) if need_hidden else None
-        d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
-        d_bias = torch.empty(vocab, dtype=bias.dtype, device=bias.device) if need_bias else None
+        # Each slice writes its rows of d_weight and d_bias whole; with no token there is no slice.
+        alloc = torch.empty if n else torch.zeros
+        d_weight = alloc(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
+        d_bias = alloc(vocab, dtype=bias.dtype, device=bias.device) if need_bias else None
         valid = targets != ctx.ignore_index
         # Each token's d(loss)/d(its loss); ignored tokens get 0, also when grad_total is not
         # finite (the mean over no token divides by 0), as torch's gradient is 0 there.
         scale = torch.where(valid, grad_total.to(compute), 0)
-        # softmax * scale = exp(z - m) * (scale / s): the exponent is taken from the row max, as
-        # log_softmax's backward takes it, so the largest probabilities keep full precision.
+        # d_logits = scale * (softmax - onehot) = (e - s * onehot) * (scale / s) with
+        # e = exp(z - m): the exponent is taken from the row max, as log_softmax's backward
+        # takes it, so the largest probabilities keep full precision.
         prob_scale = (scale / exp_sum).unsqueeze(1)
         with _no_autocast(hidden.device):
             for v0, v1 in _slices(n, vocab, ctx.chunk_size):
-                logits = _slice_logits(hidden, weight, bias, v0, v1, compute)
-                d_logits = logits.sub_(ref.unsqueeze(1)).exp_().mul_(prob_scale)
+                d_logits = _slice_logits(hidden, weight, bias, v0, v1)
                 in_slice, column = _targets_in_slice(targets, valid, v0, v1)
-                d_logits.scatter_add_(1, column, torch.where(in_slice, -scale, 0).unsqueeze(1))
-                d_logits = d_logits.to(hidden.dtype)
-                del logits
+                minus_sum = torch.where(in_slice, -exp_sum, 0).unsqueeze(1)
+                for r0, r1 in _row_blocks(n):
+                    e = _exp_minus(d_logits[r0:r1], ref[r0:r1])
+                    e.scatter_add_(1, column[r0:r1], minus_sum[r0:r1])
+                    # rounded once to the input dtype, over the logits they came from
+                    torch.mul(e, prob_scale[r0:r1], out=d_logits[r0:r1])
+                    del e
                 if need_weight:
                     torch.mm(d_logits.t(), hidden, out=d_weight[v0:v1])
                 if need_hidden:
@@ -184,10 +193,6 @@ class _SummedCrossEntropy(torch.autograd.Function):
                 if need_bias:
                     torch.sum(d_logits, 0, out=d_bias[v0:v1])
                 del d_logits
-        if need_weight and n == 0:
-            d_weight.zero_()
-        if need_bias and n == 0:
-            d_bias.zero_()
         d_hidden = d_hidden_sum.to(hidden.dtype) if need_hidden else None
         return d_hidden, d_weight, d_bias, None, None, None
 
@@ -206,10 +211,27 @@ def _slices(tokens: int, vocab: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(v0, min(v0 + width, vocab)) for v0 in range(0, vocab, width)]
 
 
-def _slice_logits(hidden, weight, bias, v0: int, v1: int, compute: torch.dtype) -> torch.Tensor:
-    """Every token's logits over words v0:v1: the matmul in the input dtype, then upcast. Forward
-    and backward call it with the same slices, so backward's logits are forward's, bit for bit."""
-    return F.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]).to(compute)
+def _slice_logits(hidden, weight, bias, v0: int, v1: int) -> torch.Tensor:
+    """Every token's logits over words v0:v1, in the input dtype. Forward and backward call it
+    with the same slices, so backward's logits are forward's, bit for bit."""
+    return F.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
+
+
+# [Note: row blocks] A slice's upcast work runs on this many blocks of its rows, so the
+# compute-dtype temporary is a quarter of the slice: with bf16 logits, half the bytes of the
+# logits themselves, instead of twice them.
+_ROW_BLOCKS = 4
+
+
+def _row_blocks(tokens: int) -> list[tuple[int, int]]:
+    step = max(1, -(-tokens // _ROW_BLOCKS))
+    return [(r0, min(r0 + step, tokens)) for r0 in range(0, tokens, step)]
+
+
+def _exp_minus(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """exp(logits - ref[:, None]) in ref's (compute) dtype: the subtraction promotes the input
+    dtype's logits exactly, in the same kernel, so no upcast copy of the logits is made."""
+    return torch.sub(logits, ref.unsqueeze(1)).exp_()
 
 
 def _targets_in_slice(targets, valid, v0: int, v1: int):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import engine, lora, optimizer, optimizer_gpu, planner, quant, readme
+from . import engine, lora, loss, optimizer, optimizer_gpu, planner, quant, readme
 from .common import env_line, environment, write_result
 
 # suite name -> (needs a GPU, runner(args) -> result dict)
@@ -27,6 +27,7 @@ SUITES = {
     "engine": (True, lambda a: engine.run(quick=a.quick)),
     "planner": (True, lambda a: planner.run(quick=a.quick)),
     "lora": (True, lambda a: lora.run(quick=a.quick)),
+    "loss": (True, lambda a: loss.run(quick=a.quick)),
 }
 
 
