@@ -23,6 +23,8 @@ weight, in chunks, so the full logits never exist (see [Note: chunked loss] belo
 from __future__ import annotations
 
 import difflib
+import json
+import os
 import warnings
 from collections.abc import Mapping
 
@@ -31,9 +33,11 @@ import transformers
 
 from ... import options as _options
 from ...api import _engine_of
+from ...engine.adapt import SwitchToStock
 from .wrap import _is_peft, rng_preserved, wrap_hf
 
 WHERE = "TrainStreamTrainer(trainstream=...)"
+ENGINE_STATE_NAME = "trainstream_state.json"  # in each checkpoint: the engine's mode when it was saved
 
 # The Trainer's optimizers that are AdamW as torch.optim.AdamW computes it.
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -203,6 +207,26 @@ class TrainStreamTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         _synchronize(self.optimizer)
         super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            with open(os.path.join(output_dir, ENGINE_STATE_NAME), "w") as f:
+                json.dump({"mode": _engine_of(self.model).mode}, f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        # [Note: resuming in the checkpoint's mode]
+        # offload='auto' switches to torch's fused AdamW after its measured steps, and the two
+        # optimizers round differently. A run resumed from a checkpoint taken after the switch
+        # switches before its first step, so it continues with the optimizer the uninterrupted
+        # run had; the optimizer state then loads into that one.
+        if checkpoint is not None:
+            path = os.path.join(checkpoint, ENGINE_STATE_NAME)
+            engine = _engine_of(self.model)
+            if os.path.isfile(path) and engine.mode != "stock":
+                with open(path) as f:
+                    saved = json.load(f).get("mode")
+                if saved == "stock":
+                    engine.events.add(f"resume: the checkpoint {checkpoint} was trained by torch's fused AdamW")
+                    engine.apply(SwitchToStock(need={}))
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     # -- the loss ----------------------------------------------------------------------------
 

@@ -1,0 +1,437 @@
+"""TrainStreamTrainer against the stock transformers.Trainer, and wrap_hf, on tiny models.
+
+The stock Trainer over the same model, data and arguments is the reference: the same losses
+(within float tolerance: the engine's host AdamW and the chunked loss round differently from
+torch's fused AdamW and the full logits), the same logged grad_norm, the same learning rates.
+The runs are shared by the tests of one module (each Trainer run costs seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import trainstream  # noqa: E402
+import trainstream.loss  # noqa: E402
+from trainstream.integrations.huggingface import TrainStreamTrainer, wrap_hf  # noqa: E402
+from trainstream.integrations.huggingface.wrap import decoder_layers, rng_preserved  # noqa: E402
+
+VOCAB = 128
+STEPS = 6
+
+
+def tiny_causal_lm(kind: str = "llama", seed: int = 0):
+    """hidden 64, 2 layers, vocab 128, initialized by transformers from `seed`."""
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
+    config = transformers.LlamaConfig(**common) if kind == "llama" else transformers.Qwen2Config(**common)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Token rows with a padded tail of random length (labels -100 there), so the Trainer's
+    num_items_in_batch differs from batch to batch."""
+
+    def __init__(self, rows: int = 24, length: int = 16, seed: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (rows, length), generator=g)
+        self.lengths = torch.randint(6, length + 1, (rows,), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[self.lengths[i] :] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def training_args(output_dir, **overrides):
+    values = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        weight_decay=0.01,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        log_level="error",
+        seed=0,
+    )
+    values.update(overrides)
+    return transformers.TrainingArguments(**values)
+
+
+def logged(trainer, key: str) -> list:
+    return [h[key] for h in trainer.state.log_history if "loss" in h and key in h]
+
+
+def assert_close_rel(got, want, rel):
+    assert len(got) == len(want) and len(want) > 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= rel * abs(w), f"step {i + 1}: {g} vs {w} (relative tolerance {rel})"
+
+
+class CountCalls:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The stock Trainer, TrainStreamTrainer with the chunked loss (saving a checkpoint at
+    step 3) and without it, over the same model, data and arguments."""
+    out = {}
+    base = tmp_path_factory.mktemp("hf")
+    stock = transformers.Trainer(
+        model=tiny_causal_lm(), args=training_args(base / "stock"), train_dataset=RandomTokens()
+    )
+    stock.train()
+    out["stock"] = stock
+
+    spy = CountCalls(trainstream.loss.causal_lm_loss)
+    real, trainstream.loss.causal_lm_loss = trainstream.loss.causal_lm_loss, spy
+    try:
+        chunked = TrainStreamTrainer(
+            model=tiny_causal_lm(),
+            args=training_args(base / "chunked", save_strategy="steps", save_steps=3),
+            train_dataset=RandomTokens(),
+        )
+        chunked.train()
+    finally:
+        trainstream.loss.causal_lm_loss = real
+    out["chunked"], out["chunked_calls"] = chunked, spy.calls
+    out["checkpoint"] = base / "chunked" / "checkpoint-3"
+
+    full = TrainStreamTrainer(
+        model=tiny_causal_lm(),
+        args=training_args(base / "full"),
+        train_dataset=RandomTokens(),
+        trainstream={"chunked_loss": False},
+    )
+    full.train()
+    out["full"] = full
+    return out
+
+
+# -- against the stock Trainer ---------------------------------------------------------------
+
+
+def test_losses_match_the_stock_trainer(runs):
+    want = logged(runs["stock"], "loss")
+    assert len(want) == STEPS
+    assert_close_rel(logged(runs["chunked"], "loss"), want, 2e-3)
+    assert_close_rel(logged(runs["full"], "loss"), want, 2e-3)
+
+
+def test_logged_grad_norm_is_the_true_global_norm(runs):
+    # The stock Trainer logs the norm clip_grad_norm_ measured before clipping; p.grad is
+    # None under the engine, so a Trainer that clipped p.grad would log 0.0.
+    want = logged(runs["stock"], "grad_norm")
+    assert len(want) == STEPS and min(want) > 1.0  # every step clips at max_grad_norm=1.0
+    assert_close_rel(logged(runs["chunked"], "grad_norm"), want, 1e-4)
+    assert_close_rel(logged(runs["full"], "grad_norm"), want, 1e-4)
+
+
+def test_learning_rate_schedule_carries_over(runs):
+    want = logged(runs["stock"], "learning_rate")
+    assert len(set(want)) > 2  # the cosine schedule moves
+    assert logged(runs["chunked"], "learning_rate") == pytest.approx(want, rel=1e-12)
+
+
+def test_the_trainers_adamw_is_converted_with_its_groups(runs):
+    trainer = runs["chunked"]
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+    assert isinstance(inner, trainstream.OffloadAdamW)
+    groups = inner.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]  # the Trainer's decay groups
+    assert trainer.lr_scheduler.optimizer.param_groups is groups
+
+
+# -- the chunked loss ------------------------------------------------------------------------
+
+
+def test_chunked_loss_is_used_and_equals_the_full_logits_loss(runs):
+    micro_batches = STEPS * 2
+    assert runs["chunked_calls"] == micro_batches
+    assert_close_rel(logged(runs["chunked"], "loss"), logged(runs["full"], "loss"), 1e-5)
+
+
+def test_chunked_loss_refuses_a_model_that_changes_its_logits(tmp_path):
+    model = tiny_causal_lm()
+    head = model.lm_head
+
+    class Scaled(torch.nn.Module):  # the model returns 2 * lm_head(x): not the layer's output
+        def forward(self, x):
+            return 2 * head(x)
+
+    model.lm_head = Scaled()
+    model.get_output_embeddings = lambda: head
+    trainer = TrainStreamTrainer(model=model, args=training_args(tmp_path, max_steps=1), train_dataset=RandomTokens())
+    with pytest.raises(RuntimeError, match="chunked_loss"):
+        trainer.train()
+
+
+# -- resume ----------------------------------------------------------------------------------
+
+
+def test_resume_from_checkpoint_equals_the_uninterrupted_run(runs, tmp_path):
+    checkpoint = runs["checkpoint"]
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "model.safetensors"} <= set(os.listdir(checkpoint))
+    resumed = TrainStreamTrainer(
+        model=tiny_causal_lm(seed=5), args=training_args(tmp_path), train_dataset=RandomTokens()
+    )
+    # offload='auto' switched the uninterrupted run to torch's fused AdamW after its measured
+    # steps, before the checkpoint: the resumed run must continue with that optimizer.
+    assert runs["chunked"].model._trainstream_engine.mode == "stock"
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    want = logged(runs["chunked"], "loss")
+    got = logged(resumed, "loss")
+    assert got[3:] == want[3:]  # bit for bit on the CPU path
+    sd, ref = resumed.model.state_dict(), runs["chunked"].model.state_dict()
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def test_resume_in_offload_mode_equals_the_uninterrupted_run(tmp_path):
+    def trainer(path, seed):
+        args = training_args(path, max_steps=4, save_strategy="steps", save_steps=2)
+        return TrainStreamTrainer(
+            model=tiny_causal_lm(seed=seed), args=args, train_dataset=RandomTokens(), trainstream={"offload": True}
+        )
+
+    whole = trainer(tmp_path / "whole", 0)
+    whole.train()
+    assert whole.model._trainstream_engine.mode == "offload"
+    resumed = trainer(tmp_path / "resumed", 5)  # other initial weights: the checkpoint's are loaded
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert logged(resumed, "loss")[2:] == logged(whole, "loss")[2:]
+    assert logged(resumed, "grad_norm")[2:] == logged(whole, "grad_norm")[2:]
+
+
+# -- saving, evaluating, checkpointing -------------------------------------------------------
+
+
+def test_save_model_writes_the_trained_weights(runs, tmp_path):
+    trainer = runs["chunked"]
+    trainer.save_model(str(tmp_path))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    trained = trainer.model.state_dict()
+    fresh = tiny_causal_lm().state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    assert not torch.equal(
+        loaded.state_dict()["model.layers.0.mlp.up_proj.weight"], fresh["model.layers.0.mlp.up_proj.weight"]
+    )
+
+
+def test_evaluate_matches_the_stock_trainer(tmp_path):
+    data = RandomTokens(rows=8, seed=3)
+    stock = transformers.Trainer(model=tiny_causal_lm(), args=training_args(tmp_path / "a"), eval_dataset=data)
+    ours = TrainStreamTrainer(model=tiny_causal_lm(), args=training_args(tmp_path / "b"), eval_dataset=data)
+    want, got = stock.evaluate()["eval_loss"], ours.evaluate()["eval_loss"]
+    assert math.isfinite(want) and got == pytest.approx(want, rel=1e-6)
+
+
+def test_gradient_checkpointing_recomputes_and_trains_the_same(runs, tmp_path):
+    trainer = TrainStreamTrainer(
+        model=tiny_causal_lm(),
+        args=training_args(tmp_path, activation_checkpointing=True),
+        train_dataset=RandomTokens(),
+    )
+    # A module inside the layer (the layer's own hooks stay outside the checkpoint), and a
+    # pre-hook: the recomputation stops once it has rebuilt what backward needs.
+    inside = trainer.model.model.layers[0].mlp
+    counter = CountCalls(lambda *a: None)
+    inside.register_forward_pre_hook(lambda m, a: counter())
+    trainer.train()
+    assert trainer.model.is_activation_checkpointing
+    assert counter.calls == 2 * STEPS * 2  # each micro-batch's forward and its recomputation
+    assert_close_rel(logged(trainer, "loss"), logged(runs["chunked"], "loss"), 1e-6)
+
+
+# -- LoRA through peft -----------------------------------------------------------------------
+
+
+def test_lora_trains_only_the_adapters_and_saves_them(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_causal_lm("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = TrainStreamTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=2, gradient_accumulation_steps=1, save_strategy="steps", save_steps=2),
+        train_dataset=RandomTokens(),
+    )
+    trainer.train()
+    after = trainer.model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    adapters = {k for k in before if "lora_" in k}
+    assert changed == adapters and len(adapters) == 2 * 2 * 2  # A and B of q and v, 2 layers
+    files = set(os.listdir(tmp_path / "checkpoint-2"))
+    assert "adapter_model.safetensors" in files and "model.safetensors" not in files
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "checkpoint-2" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+
+
+# -- refused arguments -----------------------------------------------------------------------
+
+
+def test_optim_other_than_adamw_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="optim='sgd'.*adamw_torch, adamw_torch_fused, adamw_hf"):
+        TrainStreamTrainer(model=tiny_causal_lm(), args=training_args(tmp_path, optim="sgd"))
+
+
+def test_fp16_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="fp16=True"):
+        TrainStreamTrainer(model=tiny_causal_lm(), args=training_args(tmp_path, fp16=True))
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"chunked_los": True}, "unknown option 'chunked_los'.*did you mean 'chunked_loss'"),
+        ({"nonsense": 1}, "unknown option 'nonsense'; accepted options: .*loss_chunk_size"),
+        ({"chunked_loss": "yes"}, "'chunked_loss' got 'yes'; accepted: True, False"),
+        ({"loss_chunk_size": 0}, "'loss_chunk_size' got 0; accepted: an integer >= 1"),
+        ({"loss_chunk_size": 2.0}, "'loss_chunk_size' got 2.0"),
+        ({"offload": "sometimes"}, "option 'offload' got 'sometimes'"),
+        ({"quantize": "fp3"}, "option 'quantize' got 'fp3'"),
+        ({"max_grad_norm": 1.0}, "'max_grad_norm' is set by TrainingArguments.max_grad_norm"),
+        ({"accumulation_steps": 2}, "'accumulation_steps' is set by TrainingArguments.gradient_accumulation_steps"),
+        ({"lr": 1e-3}, "'lr' is set by TrainingArguments.learning_rate"),
+        ({"device": "cpu"}, "'device' is set by the device the Trainer chooses"),
+    ],
+)
+def test_bad_trainstream_options_are_refused_by_name(tmp_path, options, match):
+    model = tiny_causal_lm()
+    with pytest.raises(ValueError, match=match):
+        TrainStreamTrainer(model=model, args=training_args(tmp_path), trainstream=options)
+    assert not hasattr(model, "_trainstream_engine")  # refused before anything was wrapped
+
+
+def test_trainstream_must_be_a_dict(tmp_path):
+    with pytest.raises(TypeError, match="trainstream must be a dict"):
+        TrainStreamTrainer(model=tiny_causal_lm(), args=training_args(tmp_path), trainstream=["offload"])
+
+
+def test_a_scheduler_on_another_optimizer_is_refused(tmp_path):
+    model = tiny_causal_lm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    other = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(other, lambda step: 1.0)
+    with pytest.raises(ValueError, match="optimizers=\\(optimizer, None\\)"):
+        TrainStreamTrainer(model=model, args=training_args(tmp_path), optimizers=(optimizer, scheduler))
+
+
+def test_a_scheduler_on_the_given_optimizer_drives_the_wrapped_one(tmp_path):
+    # wrap() shares the param groups of the optimizer it converts, so a scheduler made on it
+    # sets the learning rate the wrapped optimizer's updates read.
+    model = tiny_causal_lm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    trainer = TrainStreamTrainer(model=model, args=training_args(tmp_path), optimizers=(optimizer, scheduler))
+    scheduler.step()
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [5e-4]
+
+
+def test_a_given_torch_optimizer_is_converted(tmp_path):
+    model = tiny_causal_lm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.8, 0.9), weight_decay=0.5)
+    trainer = TrainStreamTrainer(model=model, args=training_args(tmp_path), optimizers=(optimizer, None))
+    assert isinstance(trainer.optimizer, trainstream.OffloadAdamW)
+    group = trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.8, 0.9), 0.5)
+
+
+def test_a_wrapped_model_is_not_wrapped_again(tmp_path):
+    model = tiny_causal_lm()
+    trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="already wrapped"):
+        TrainStreamTrainer(model=model, args=training_args(tmp_path))
+
+
+# -- wrap_hf ---------------------------------------------------------------------------------
+
+
+def test_wrap_hf_streams_the_decoder_layers_and_trains_without_a_cache():
+    model = tiny_causal_lm("qwen2")
+    model.config.use_cache = True
+    layers = list(model.model.layers)
+    assert decoder_layers(model) == layers
+    model, optimizer = wrap_hf(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert model._trainstream_engine.stack.blocks == layers
+    batch = RandomTokens(rows=2)[0]
+    ids, labels = batch["input_ids"][None], batch["labels"][None]
+    before = model.state_dict()["model.layers.1.mlp.down_proj.weight"].clone()
+    model.train()
+    out = model(input_ids=ids, labels=labels)
+    assert out.past_key_values is None  # no cache while training
+    out.loss.backward()  # the update may run during backward already
+    optimizer.step()
+    optimizer.zero_grad()
+    assert not torch.equal(model.state_dict()["model.layers.1.mlp.down_proj.weight"], before)
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values is not None  # the config's use_cache=True again
+
+
+def test_wrap_hf_refuses_a_module_that_is_not_a_transformers_model():
+    with pytest.raises(TypeError, match="transformers.PreTrainedModel"):
+        wrap_hf(torch.nn.Linear(2, 2), None)
+
+
+def test_rng_preserved_restores_every_generator():
+    import random
+
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.random.get_rng_state())
+    with rng_preserved():
+        random.random(), np.random.rand(), torch.rand(3)
+    assert random.getstate() == states[0]
+    assert (np.random.get_state()[1] == states[1]).all()
+    assert torch.equal(torch.random.get_rng_state(), states[2])
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_parity_with_the_stock_trainer(tmp_path):
+    def run(cls, path):
+        args = training_args(path, use_cpu=False, bf16=True)
+        trainer = cls(model=tiny_causal_lm(), args=args, train_dataset=RandomTokens())
+        trainer.train()
+        return trainer
+
+    stock = run(transformers.Trainer, tmp_path / "stock")
+    ours = run(TrainStreamTrainer, tmp_path / "ours")
+    assert next(ours.model.parameters()).device.type == "cuda"
+    assert_close_rel(logged(ours, "loss"), logged(stock, "loss"), 1e-2)
+    assert_close_rel(logged(ours, "grad_norm"), logged(stock, "grad_norm"), 1e-2)
