@@ -91,6 +91,13 @@ def test_large_logits_keep_their_precision():
             _assert_as_close_to_truth(ours, ref, [hidden, weight], targets, 1e-6)
 
 
+def test_gradcheck():
+    """torch's numerical gradient check, fp64, several slices, bias and ignored tokens."""
+    hidden, weight, b, targets = _inputs(shape=(9,), bias=True, vocab=11, dim=4, ignored=2)
+    fn = lambda h, w, bias: chunked_cross_entropy(h, w, targets, bias, chunk_size=4)
+    assert torch.autograd.gradcheck(fn, (hidden, weight, b))
+
+
 def test_grad_output_scales_the_gradients():
     hidden, weight, b, targets = _inputs(bias=True)
     g = torch.tensor(2.5, dtype=torch.float64)
@@ -189,14 +196,15 @@ def test_int32_targets():
     _assert_close([ours], [_reference(hidden, weight, targets)], 1e-9)
 
 
-def test_bf16_matches_the_upcast_reference():
-    """bf16 inputs: the loss in fp32 from bf16 logits, the gradients in bf16; no farther from
-    the fp64 truth than the unchunked bf16 reference, to within a bf16 rounding."""
-    hidden, weight, b, targets = _inputs(shape=(4, 64), dtype=torch.bfloat16, bias=True, vocab=300, dim=32)
+@pytest.mark.parametrize("dtype,rounding", [(torch.bfloat16, 2**-8), (torch.float16, 2**-11)])
+def test_half_precision_matches_the_upcast_reference(dtype, rounding):
+    """bf16 and fp16 inputs: the loss in fp32 from logits in the input dtype, the gradients in
+    it; no farther from the fp64 truth than the unchunked reference, to within one rounding."""
+    hidden, weight, b, targets = _inputs(shape=(4, 64), dtype=dtype, bias=True, vocab=300, dim=32)
     ours = _loss_and_grads(chunked_cross_entropy(hidden, weight, targets, b, chunk_size=16), [hidden, weight, b])
     ref = _loss_and_grads(_reference(hidden, weight, targets, b), [hidden, weight, b])
-    assert ours[0].dtype == torch.float32 and ours[1].dtype == torch.bfloat16
-    _assert_as_close_to_truth(ours, ref, [hidden, weight, b], targets, 2**-8)
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == dtype
+    _assert_as_close_to_truth(ours, ref, [hidden, weight, b], targets, rounding)
 
 
 def test_autocast_casts_as_linear_does():

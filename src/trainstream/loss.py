@@ -11,13 +11,14 @@ Both passes walk the vocabulary in the same slices: every token times as many wo
 slice's logits at ``chunk_size * vocab`` elements (chunk_size tokens' worth; one slice when
 there are at most chunk_size tokens). A slice's logits are one matmul in the input dtype (the
 matmul runs at the input's speed), upcast to fp32 (fp64 for fp64 inputs) as transformers
-upcasts, a block of rows at a time (see [Note: row blocks]). Forward keeps each token's running max, its sum of exp(z - max) (rescaled when the max
-grows) and its target's logit; it saves hidden, weight, bias, targets and those per-token max and
-sum. Backward recomputes each slice's logits, the same calls on the same slices, so they are
-forward's bit for bit and the saved max and sum fit them exactly (a recompute of other shapes
-rounds differently, which in fp32 moved the gradients by more than 1e-6). It forms
-``dlogits = scale * (softmax - onehot)``, casts it to the input dtype (what the upcast's backward
-does in the unchunked loss), and then
+upcasts, a block of rows at a time (see [Note: row blocks]). Forward keeps each token's running
+max, its sum of exp(z - max) (rescaled when the max grows) and its target's logit; it saves
+hidden, weight, bias, targets and those per-token max and sum. Backward recomputes each slice's
+logits, the same calls on the same slices, so they are forward's bit for bit and the saved max
+and sum fit them exactly (logits recomputed in other shapes round differently, which in fp32
+moves the gradients by more than 1e-6). It forms ``dlogits = scale * (softmax - onehot)``,
+rounds it once to the input dtype (what the upcast's backward does in the unchunked loss), and
+then
 - d_weight of the slice's words is one matmul over all tokens, written in place: the unchunked
   loss's single rounding, and no accumulator the size of the weight (an fp32 one would be
   2.2 GB at 152064 x 3584, more than the rest of the loss holds);
@@ -61,7 +62,9 @@ def chunked_cross_entropy(
     one-element tensor) is transformers' ``num_items_in_batch``: the loss is the sum divided by
     it, in place of the mean's own count. The loss is fp32 (fp64 for fp64 inputs). Under
     autocast the floating inputs are cast to the autocast dtype first, as ``F.linear`` would.
-    See the module's note for how the two passes work.
+    ``chunk_size`` (an int >= 1) bounds the logits that exist at once to chunk_size tokens'
+    worth (``chunk_size * vocab``), taken as every token times a slice of the vocabulary; see
+    the module's note for how the two passes work.
     """
     _check_kinds(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
