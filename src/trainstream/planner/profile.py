@@ -287,12 +287,25 @@ def _measure_rates(device: torch.device, quick: bool) -> dict:
     return dict(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_adamw_params_per_s=adamw_rate, matmul_flops=flops)
 
 
-def _resolve(device) -> torch.device:
+def _resolve(device, where: str = "profile_hardware()") -> torch.device:
+    """`device` as wrap()'s device option takes it (ValueError naming it otherwise), with a
+    CUDA index filled in; a CUDA device needs a visible GPU of that index."""
+    from .. import options
+
+    device = options.check("device", device, where=where)
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        from .._native import require_cuda
+
+        require_cuda(f"{where} on {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{where}: option 'device' got {device}; accepted: a visible GPU, cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
     return device
 
 
@@ -315,13 +328,16 @@ def _now(device: torch.device, rates: dict, source: str) -> HardwareProfile:
 
 def conservative_profile(device=None) -> HardwareProfile:
     """profile=False: the machine's memory sizes with rates a slow machine still reaches."""
-    return _now(_resolve(device), dict(CONSERVATIVE_RATES), "conservative")
+    return _now(_resolve(device, "conservative_profile()"), dict(CONSERVATIVE_RATES), "conservative")
 
 
 def profile_hardware(device=None, quick: bool = True, force: bool = False) -> HardwareProfile:
     """Measure (or load from the cache) the hardware figures the planner uses for `device`
     (default: the current GPU, else the CPU). `quick` measures with smaller transfers;
     `force` re-measures and rewrites the cache."""
+    for name, value in (("quick", quick), ("force", force)):
+        if not isinstance(value, bool):
+            raise ValueError(f"profile_hardware(): option {name!r} got {value!r}; accepted: True, False")
     device = _resolve(device)
     key = _cache_key(device)
     path = cache_dir() / f"profile-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
