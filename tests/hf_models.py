@@ -36,24 +36,29 @@ def _config(kind: str, **overrides):
         gpt2 = dict(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0)
         dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2Config(**{**gpt2, **dropout, **overrides})
+    if kind == "t5":  # an encoder-decoder: two stacks of T5Block
+        t5 = dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=3, num_heads=4)
+        return transformers.T5Config(**{**t5, "dropout_rate": 0.0, "decoder_start_token_id": 0, **overrides})
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 
-KINDS = ("llama", "qwen2", "gpt2", "mixtral")
+KINDS = ("llama", "qwen2", "gpt2", "mixtral")  # causal LMs
+SEQ2SEQ = ("t5",)  # trained by the same batch and loss: labels become the decoder's inputs, shifted
 
 
 def config(kind: str, **overrides):
-    """The tiny config of `kind` (one of KINDS), with `overrides`."""
+    """The tiny config of `kind` (one of KINDS or SEQ2SEQ), with `overrides`."""
     cfg = _config(kind, **overrides)
     cfg.use_cache = False
     return cfg
 
 
 def build(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny causal LM of `kind`, initialized by transformers from `seed`."""
+    """A tiny model of `kind` (KINDS or SEQ2SEQ), initialized by transformers from `seed`."""
     transformers = __import__("pytest").importorskip("transformers")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config(kind, **overrides))
+    auto = transformers.AutoModelForSeq2SeqLM if kind in SEQ2SEQ else transformers.AutoModelForCausalLM
+    model = auto.from_config(config(kind, **overrides))
     model.config.use_cache = False
     return model
 

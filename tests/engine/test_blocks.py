@@ -85,3 +85,35 @@ def test_model_without_a_block_stack():
     report = trainstream.memory_report(wrapped[2][0])
     assert "no repeated block stack" in report["events"]
     assert report["params"]["paged_blocks"] == [] and report["params"]["resident_blocks"] == []
+
+
+def test_an_encoder_decoder_has_both_its_stacks_found_and_paged():
+    import hf_models
+
+    model = hf_models.build("t5")
+    stack = find_blocks(model)
+    assert stack.name == "encoder.block + decoder.block"
+    assert stack.blocks == list(model.encoder.block) + list(model.decoder.block)  # the order they run in
+    assert "5 x T5Block" in stack.describe()
+    t5 = hf_models.factory("t5")
+    paged = train(
+        "t5", dict(param_offload=True, activation_offload=True, min_offload_bytes=0), steps=4, model_factory=t5
+    )
+    resident = train("t5", dict(param_offload=False, activation_offload=False), steps=4, model_factory=t5)
+    stock = train("t5", None, steps=4, model_factory=t5)
+    assert paged[0] == resident[0] and all(torch.equal(paged[1][k], resident[1][k]) for k in paged[1])
+    assert max_diff(stock[1], paged[1]) < 5e-5
+    report = trainstream.memory_report(paged[2][0])
+    assert report["params"]["paged_blocks"] == [0, 1, 2, 3, 4]  # the encoder's blocks too
+
+
+def test_lists_of_plain_torch_layers_are_not_joined():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))
+            self.heads = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    model = Model()
+    stack = find_blocks(model)
+    assert stack.name == "body" and stack.blocks == list(model.body)

@@ -35,26 +35,62 @@ def _numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def find_blocks(model: torch.nn.Module) -> BlockStack:
-    """The nn.ModuleList / nn.Sequential of two or more modules of one class that holds the
-    most parameters (ties: the longer one, then the first in module order).
-
-    Ranking by parameters rather than length alone picks a transformer's layers over, say,
-    the 64 experts inside each layer of a mixture-of-experts model."""
-    total = _numel(model)
-    best = BlockStack("", [], 0, total)
-    best_key = (0, 0)
+def _stacks(model: torch.nn.Module) -> list:
+    """(name, parameters, children) of every nn.ModuleList / nn.Sequential of two or more
+    modules of one class holding parameters, in module order."""
+    found = []
     for name, module in model.named_modules():
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
-            continue
         params = _numel(module)
-        key = (params, len(children))
-        if params > 0 and key > best_key:
-            best, best_key = BlockStack(name, children, params, total), key
-    return best
+        if len(children) < 2 or len({type(c) for c in children}) != 1 or params == 0:
+            continue
+        found.append((name, params, children))
+    return found
+
+
+def _inside(name: str, other: str) -> bool:
+    return other == "" or name == other or name.startswith(other + ".")
+
+
+# A second stack of the same block class joins the first when it holds at least this share of
+# the first's parameters (T5's encoder blocks lack the decoder's cross-attention: about 2/3).
+SIBLING_SHARE = 0.25
+
+
+def find_blocks(model: torch.nn.Module) -> BlockStack:
+    """The nn.ModuleList / nn.Sequential of two or more modules of one class that holds the
+    most parameters (ties: the longer one, then the first in module order), joined by every
+    other such stack of the same block class, not inside it nor around it (an encoder-decoder's
+    encoder and decoder stacks, both T5Block in T5).
+
+    Ranking by parameters rather than length alone picks a transformer's layers over, say,
+    the 64 experts inside each layer of a mixture-of-experts model. The joined stacks'
+    blocks are in module order, which the engine takes as the order they run in (T5 runs
+    its encoder before its decoder); pass blocks=[...] where a model runs them otherwise.
+    Only block classes defined outside torch.nn join: two lists of plain nn.Linear layers
+    are no evidence of one model's repeated layers."""
+    total = _numel(model)
+    stacks = _stacks(model)
+    if not stacks:
+        return BlockStack("", [], 0, total)
+    index = {name: i for i, (name, _, _) in enumerate(stacks)}
+    best = max(stacks, key=lambda st: (st[1], len(st[2]), -index[st[0]]))
+    kind = type(best[2][0])
+    joined = [best]
+    if not kind.__module__.startswith("torch.nn"):
+        for st in stacks:
+            name, params, children = st
+            if (
+                type(children[0]) is kind
+                and params >= SIBLING_SHARE * best[1]
+                and not any(_inside(name, n) or _inside(n, name) for n, _, _ in joined)
+            ):
+                joined.append(st)
+    joined.sort(key=lambda st: index[st[0]])
+    blocks = [b for _, _, children in joined for b in children]
+    return BlockStack(" + ".join(st[0] for st in joined), blocks, sum(st[1] for st in joined), total)
 
 
 def named_stack(model: torch.nn.Module, blocks: list) -> BlockStack:

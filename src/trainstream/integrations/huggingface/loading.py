@@ -422,7 +422,8 @@ class _Filler:
                 )
         buffers = self._persistent_buffers(checkpoint)
         used = set(keys.values()) | {key for _, _, key in buffers}
-        unexpected = [k for k in checkpoint.where if k not in used]
+        aliases = {n for meta in keys for n in self.names[meta]}  # the other names of tied parameters
+        unexpected = [k for k in checkpoint.where if k not in used and k not in aliases]
         if unexpected:
             log.warning(
                 "load_model(): %d checkpoint tensors are not used (%s)", len(unexpected), ", ".join(unexpected[:3])
