@@ -36,6 +36,7 @@ SPEC_DEFAULTS = {
     "profile": True,
     "lr": 1e-3,
     "verbose": False,
+    "nonfinite": "skip",  # from "wrap() options being added"
 }
 
 
@@ -175,7 +176,7 @@ def test_every_option_of_the_specification_is_known():
 
 # wrap() options SPEC.md lists under "wrap() options being added" that options.py does not take
 # yet; a name leaves this set in the change that adds it to the table.
-PENDING_IN_SPEC = {"nonfinite"}
+PENDING_IN_SPEC: set = set()
 SPEC_FILE = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "SPEC.md"
 
 

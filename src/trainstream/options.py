@@ -347,6 +347,15 @@ OPTIONS: dict[str, Option] = {
             )
         },
     ),
+    "nonfinite": Option(
+        "skip",
+        "'skip', 'raise', 'ignore'",
+        _one_of("skip", "raise", "ignore"),
+        'a gradient that is not finite: `"skip"` updates nothing from it (the whole step when updates wait for '
+        "the end of backward, as with `max_grad_norm` or accumulation; otherwise that block and every block after "
+        'it in the pass) and says so in the events and `optimizer.skipped_steps`; `"raise"` raises '
+        'FloatingPointError naming the parameter; `"ignore"` is torch\'s behaviour',
+    ),
     "vram_headroom": Option(
         0.10,
         "a float in [0, 1]",

@@ -24,6 +24,8 @@ One training step, as the hooks see it:
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 import weakref
 
 import torch
@@ -130,6 +132,7 @@ class Engine:
                 clip=opts.max_grad_norm is not None,
                 on_device=plan.device_grads,
                 threads=opts.threads,
+                nonfinite=opts.nonfinite,
             ),
             self.events,
         )
@@ -153,6 +156,8 @@ class Engine:
         self._entered: set = set()  # blocks whose backward has started this pass
         self._handles: list = []
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
+        self._applies: dict = {}  # module -> its own _apply attribute, if it had one (install)
+        self._warned_groups: set = set()  # param groups warned about hyper-parameters changed after queuing
         self._log_plan()
 
     def __deepcopy__(self, memo):
@@ -261,11 +266,36 @@ class Engine:
 
     def install(self) -> None:
         """Put the plan into effect on the model: weights where the plan placed them, hooks
-        on the model, its blocks and its parameters, the optimizer attached."""
+        on the model, its blocks and its parameters, the optimizer attached. All or nothing:
+        if any of it raises, the model is left as it was (uninstall) and the error goes on."""
+        try:
+            self._install()
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def installed(self) -> None:
+        """wrap() is done: the model's tensors from before install() (kept for uninstall())
+        may go."""
+        self.weights.placed()
+
+    def uninstall(self) -> None:
+        """Undo install(), whole or in part (a wrap() that failed): hooks and forwards off,
+        every parameter and buffer back on the tensor it had."""
+        self.optimizer.detach()
+        self.remove()
+        self.weights.unplace()
+        for module, name, buf in reversed(self._moved_buffers):
+            module._buffers[name] = buf
+        self._moved_buffers = []
+
+    def _install(self) -> None:
+        self._moved_buffers = []  # (module, name, the buffer before install): what uninstall() puts back
         self.events.add(self.weights.place(stage=not self.plan.device_grads))
         for module in self.model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.device != self.backend.device:
+                    self._moved_buffers.append((module, name, buf))
                     module._buffers[name] = buf.to(self.backend.device)
         self._handles.append(self.model.register_forward_pre_hook(_Installed(lambda m, a: self.before_forward())))
         self._handles.append(self.model.register_forward_hook(_Installed(lambda m, a, out: self.after_forward(out))))
@@ -285,7 +315,16 @@ class Engine:
                     )
                 )
         self.state_hooks.install()
+        # model.to(), .double(), .half(), .cuda(), ... on the model or any submodule: each
+        # module's _apply runs first, so each refuses there, before anything has changed.
+        for module in self.model.modules():
+            self._applies[module] = module.__dict__.get("_apply")
+            module._apply = _Installed(functools.partial(self._converting, module, module._apply))
         self.optimizer.attach(self)
+
+    def _converting(self, module, apply, fn, *args, **kwargs):
+        self.weights.check_conversion(module, fn)
+        return apply(fn, *args, **kwargs)
 
     def remove(self) -> None:
         """Every hook off the model; the lander thread stopped."""
@@ -295,10 +334,16 @@ class Engine:
         self._handles = []
         for block, own in self._forwards.items():
             if own is None:
-                del block.forward
+                block.__dict__.pop("forward", None)  # absent if install() failed before patching it
             else:
                 block.forward = own
         self._forwards = {}
+        for module, own in self._applies.items():
+            if own is None:
+                module.__dict__.pop("_apply", None)
+            else:
+                module._apply = own
+        self._applies = {}
         self.state_hooks.remove()
 
     def unwrap(self) -> None:
@@ -509,17 +554,35 @@ class Engine:
             self._queue(self.grads.end_pass())
             self.weights.land_updates()
         except BaseException:
+            queued = self.grads.describe_queued()
             self.grads.drop_pass()  # no half-landed state for the next pass to count
-            self.events.add("the end of a backward pass raised: its gradients were dropped")
+            self.events.add("the end of a backward pass raised: its gradients were dropped" + queued)
             raise
         finally:
             self.grads.close_pass()
             self.after_backward()
+            self._report_skipped()
 
     def recover(self) -> None:
         """A backward pass that raised left its pass open: close it (its gradients dropped)."""
         if self.grads.raised_pass():
             self.after_backward()
+        self._report_skipped()
+
+    def _report_skipped(self) -> None:
+        """Units whose update a non-finite gradient made the streamer skip: into the events,
+        and the window into optimizer.skipped_steps (once)."""
+        found = self.grads.take_skipped()
+        if found is None:
+            return
+        first, units, first_report = found
+        if first_report:
+            self.optimizer.count_skipped_step()
+        what = f"the gradient of {first.name} is not finite" if first is not None else "a gradient is not finite"
+        self.events.add(
+            f"step {self.steps + 1}: {what}: skipped the updates of {[u.name for u in units]} (nonfinite='skip'; "
+            "their weights, moments and step counts are unchanged)"
+        )
 
     # -- the optimizer's side --------------------------------------------------------------------
 
@@ -544,6 +607,7 @@ class Engine:
         self.recover()
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.step() called during backward")
+        self._warn_changed_hyperparameters()
         self._queue(self.grads.flush())
         pending = self.grads.take_pending()
         if pending:
@@ -551,16 +615,54 @@ class Engine:
             if self.opts.max_grad_norm is not None:
                 slots = [s for u in self.units for s in u.trainable if s.has_grad]
                 total = self.grads.global_norm(slots)
+                self._last_grad_norm = float(total)
+                if not math.isfinite(self._last_grad_norm) and self.opts.nonfinite != "ignore":
+                    self._nonfinite_window(self.grads.first_nonfinite_in_window(slots))
+                    pending = self.grads.take_pending()  # none, unless the norm alone overflowed
                 clip = torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0)
                 scale = float(clip)
-                self._last_grad_norm = float(total)
             self._queue(pending, scale)
+        if self.grads.nonfinite is not None:
+            self.grads.skip_window()  # a held window found not finite before its end
+        self._report_skipped()
+        self.updates.end_window()
         self.grads.reset_window()
         self.steps += 1
         self.weights.land_updates()
         if not self.opts.guard_params:
             self.synchronize()
         self.apply(self.adapter.after_step(explicit_paging(self.opts) or quantized(self.units)))
+
+    def _nonfinite_window(self, first) -> None:
+        """step() with clipping found the window's global norm not finite: `first` is the
+        first slot whose gradient is not (None: only the norm overflowed, and the update
+        goes on, scaled by zero as torch's clipping does)."""
+        if first is None:
+            return
+        if self.opts.nonfinite == "raise":
+            self.grads.drop_pass()  # the next window starts clean
+            self.updates.end_window()
+            raise FloatingPointError(
+                f"trainstream: the gradient of {first.name} is not finite (wrap(nonfinite='raise')); "
+                "this step's gradients are dropped"
+            )
+        self.grads.skip_window(first)
+
+    def _warn_changed_hyperparameters(self) -> None:
+        """A param group's hyper-parameters changed after updates were queued with them
+        during backward (an lr set between backward() and step()): those updates keep the
+        old values; warned once per group."""
+        for group, key, used, now, units in self.updates.changed_hyperparameters():
+            if group in self._warned_groups:
+                continue
+            self._warned_groups.add(group)
+            warnings.warn(
+                f"trainstream: param group {group}'s {key} changed from {used!r} to {now!r} after the updates of "
+                f"{units} were queued with it during backward; they keep the old value, the rest of the step uses "
+                "the new one. Set hyper-parameters before the last backward() of a step (a scheduler stepped after "
+                "optimizer.step() does). Warned once per param group.",
+                stacklevel=4,
+            )
 
     def apply(self, decision) -> None:
         """Carry out the adapter's decision (None: nothing to do), between steps."""
@@ -591,6 +693,8 @@ class Engine:
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.zero_grad() called during backward")
         self._queue(self.grads.flush())  # a finished window's last units: their updates stand
+        self._report_skipped()
+        self.updates.end_window()
         self.grads.reset_window()
 
     def synchronize(self) -> None:

@@ -18,10 +18,27 @@ sends what waits at the end of the pass.
 Nothing here blocks the autograd thread on a copy: finished copies are noticed by polling
 their events at each hook, and whatever is still in flight when backward ends is waited
 for in the end-of-backward callback.
+
+[Note: non-finite gradients] (wrap(nonfinite=...)). Each batch of gradients gets its
+squared norms taken on the device, on the copy-out stream behind the copies, and sent to
+host memory with them (`unit.checks`): they are read where the unit is handed on, which
+already waits for that copy, so the check costs one reduction per batch and no host sync.
+A value that is not finite is confirmed on the gradient itself (a finite gradient's square
+can overflow), and then:
+- updates held for the end of the window (clipping, accumulation): the window is marked
+  and at its end every unit's gradients are dropped (GradWindow.SKIPPED), nothing updated;
+  with clipping the global norm at step() is the check, and nothing else runs;
+- updates queued as units land: that unit and every unit handed on after it in the pass
+  are SKIPPED; those queued before it stand.
+A SKIPPED unit's landing buffers and sums are rewritten by the next window's first pass,
+as after zero_grad(); its weights, moments and step count are untouched. "raise" raises
+FloatingPointError at the first one instead (the pass is then dropped, as any pass that
+raises); "ignore" checks nothing.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,6 +68,7 @@ class GradSettings:
     clip: bool  # max_grad_norm is set: every update waits for step() and the global norm
     on_device: bool  # gradients stay where autograd made them, for the device update
     threads: int | None  # host threads for the accumulation sums
+    nonfinite: str = "skip"  # a gradient that is not finite: "skip", "raise" or "ignore" (see the note)
 
 
 class GradStreamer:
@@ -67,6 +85,15 @@ class GradStreamer:
         self.settings = settings
         self.events = events
         self.clip_on_device = settings.clip and settings.accumulation_steps == 1
+        # Updates wait for the end of the window (step() with clipping, the end of the last
+        # backward pass with accumulation) rather than being queued as each unit lands.
+        self.hold = settings.clip or settings.accumulation_steps > 1
+        # The squared norms of every batch go to the host with it; with clipping the global
+        # norm computed at step() is the check (see the note).
+        self.check_batches = settings.nonfinite != "ignore" and not settings.clip
+        self.nonfinite = None  # the window's first slot whose gradient was not finite
+        self._skipped: list = []  # units SKIPPED and not yet reported (take_skipped)
+        self._reported = False  # this window's skip has been reported once
         self.passes = 0  # backward passes in the current accumulation window
         self.in_backward = False
         self._ready = deque()  # units whose gradients have all been issued D2H, in order
@@ -123,6 +150,8 @@ class GradStreamer:
             slot.device_grad = g
             p.grad = None
             self._landed(slot, DONE)
+            if self.check_batches and unit.landed == len(unit.trainable):
+                self._check_on_device(unit)
             return self.poll()
         if self.clip_on_device:
             # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
@@ -158,11 +187,71 @@ class GradStreamer:
             for slot, g, _ in batch:
                 slot.stage.copy_(g, non_blocking=True)
                 backend.keep_until(g, backend.copy_out)
+            if self.check_batches:
+                unit.checks += self._squares_to_host([slot for slot, *_ in batch], [g for _, g, _ in batch])
         event = backend.record(backend.copy_out)
         self.ledger.add(event, nbytes)  # the device gradients are freed once copied
         for slot, *_ in batch:
             self._landed(slot, event)
         return self.poll()
+
+    def _squares_to_host(self, slots: list, grads: list) -> list:
+        """The squared norm of each of `grads` (fp32), taken on the current stream and copied
+        into host memory behind it: readable once that stream's next event has passed.
+        Returns (host tensor, slots) per kernel launch (one per gradient dtype)."""
+        groups: dict = {}
+        for s, g in zip(slots, grads):
+            key = g.dtype if g.is_contiguous() and g.dtype in _SQ_NORM_DTYPES else None
+            groups.setdefault(key, []).append((s, g))
+        out = []
+        for key, items in groups.items():
+            gs = [g for _, g in items]
+            if key is None:  # a strided gradient: torch's norm answers the same question
+                sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in gs])
+            else:
+                sq = ops.grad_sq_norms(gs)
+            host = self.backend.host_empty((len(gs),), torch.float32)
+            host.copy_(sq, non_blocking=True)
+            out.append((host, [s for s, _ in items]))
+        return out
+
+    def _check_on_device(self, unit) -> None:
+        """optimizer_mode="gpu", gradients left on the device: the squared norms of the
+        unit's gradients of this pass go to the host on the copy-out stream; the unit is
+        handed on once they are there (its grad_event), so its kernel is never queued
+        before the check could read them."""
+        backend = self.backend
+        fresh = [s for s in unit.trainable if s.fresh and s.device_grad is not None]
+        if not fresh:
+            return
+        backend.follow_compute(backend.copy_out)
+        with backend.on(backend.copy_out):
+            unit.checks += self._squares_to_host(fresh, [s.device_grad for s in fresh])
+            for s in fresh:
+                backend.keep_until(s.device_grad, backend.copy_out)
+        unit.grad_event = backend.record(backend.copy_out)
+        # The gradients stay on the device until the update is queued after this event: the
+        # cap holds a backward that outruns the checks back, as it does the copies.
+        self.ledger.add(unit.grad_event, sum(s.device_grad.numel() * s.device_grad.element_size() for s in fresh))
+
+    def _first_nonfinite(self, unit):
+        """The first of `unit`'s freshly landed slots whose gradient is not finite, or None.
+        The squared norms say where to look; the gradient itself decides (a huge finite value
+        overflows its square). A slot no check covered is looked at directly."""
+        covered = set()
+        for host, slots in unit.checks:
+            covered.update(slots)
+            for value, s in zip(host.tolist(), slots):
+                if not math.isfinite(value) and not _all_finite(self._this_pass(s)):
+                    return s
+        for s in unit.trainable:
+            if s.fresh and s not in covered and not _all_finite(self._this_pass(s)):
+                return s
+        return None
+
+    def _this_pass(self, s) -> torch.Tensor:
+        """This pass's gradient of `s`, where it landed (before any sum)."""
+        return s.device_grad if s.device_grad is not None else s.stage
 
     def _landed(self, slot, event) -> None:
         """`slot`'s gradient is on its way (`event`: its copy); the unit is ready for its
@@ -183,10 +272,17 @@ class GradStreamer:
         gradients dropped) when one is found open while no backward runs. Updates already
         queued stand."""
         if self.in_backward and torch._C._current_graph_task_id() == -1:
+            self.events.add("a backward pass raised: its gradients were dropped" + self.describe_queued())
             self.drop_pass()
-            self.events.add("a backward pass raised: its gradients were dropped")
             return True
         return False
+
+    def describe_queued(self) -> str:
+        """Which units' updates this window already queued (they stand), for the events."""
+        queued = [u.name for u in self.units if u.window is GradWindow.QUEUED]
+        if not self.hold and queued:
+            return f"; updates queued before it stand, for {queued}; the other units are not updated"
+        return "; no unit was updated from them"
 
     def drop_pass(self) -> None:
         """Forget the window's gradients, landed, waiting or in flight."""
@@ -197,6 +293,7 @@ class GradStreamer:
         for unit in self.units:
             unit.landed = 0
             unit.waiting = []
+            unit.checks = []
             for s in unit.trainable:
                 s.fresh = False
                 s.device_grad = None
@@ -217,17 +314,63 @@ class GradStreamer:
         for unit in self.units:
             if unit.waiting:  # a unit with a parameter this pass did not reach
                 yield from self._send(unit)
+        if self.settings.on_device and self.check_batches:
+            for unit in self._partial:
+                self._check_on_device(unit)
         for unit in [*self._ready, *self._partial]:
             unit.grad_event.synchronize()
             yield from self._hand_on(unit)
         if self._window_complete():
-            yield from self.take_pending()  # got gradients only in earlier micro-batches
+            if self.nonfinite is not None:
+                self.skip_window()
+            else:  # every unit of a held window, and those that got gradients only in earlier passes
+                yield from self.take_pending()
 
     def take_pending(self) -> list:
         """Units with gradients in this window whose update has not been queued yet."""
+        if self.nonfinite is not None and self.hold:
+            return []  # the window is skipped whole (skip_window)
         return [
             u for u in self.update_order if u.window is not GradWindow.QUEUED and any(s.has_grad for s in u.trainable)
         ]
+
+    def skip_window(self, first=None) -> None:
+        """Drop every gradient of the window not yet handed to the optimizer: none of those
+        units is updated (GradWindow.SKIPPED). `first`: the slot found not finite, if the
+        caller found it (the global norm at step())."""
+        if self.nonfinite is None:
+            self.nonfinite = first
+        for unit in self.update_order:
+            if unit.window is not GradWindow.QUEUED and any(s.has_grad or s.fresh for s in unit.trainable):
+                self._skip(unit)
+
+    def _skip(self, unit) -> None:
+        unit.landed = 0
+        unit.checks = []
+        for s in unit.trainable:
+            s.fresh = False
+            s.has_grad = False
+            s.device_grad = None
+            s.norm = None
+        unit.window = GradWindow.SKIPPED
+        self._skipped.append(unit)
+
+    def take_skipped(self):
+        """(first non-finite slot, units SKIPPED since the last call, whether this is the
+        window's first report), or None when nothing was skipped since."""
+        if not self._skipped:
+            return None
+        units, self._skipped = self._skipped, []
+        first_report, self._reported = not self._reported, True
+        return self.nonfinite, units, first_report
+
+    def first_nonfinite_in_window(self, slots):
+        """The first of `slots` whose window gradient (the host sum, or the landed one) is
+        not finite; None if they all are (the global norm at step() overflowed)."""
+        for s in slots:
+            if not _all_finite(self.grad_of(s)):
+                return s
+        return None
 
     def queued(self, unit) -> None:
         """`unit`'s update for this window was queued (until then it stays pending: a step()
@@ -244,6 +387,20 @@ class GradStreamer:
         return self.passes == self.settings.accumulation_steps and not self.settings.clip
 
     def _hand_on(self, unit) -> list:
+        if self.check_batches:
+            bad = self._first_nonfinite(unit)
+            unit.checks = []
+            if bad is not None:
+                if self.settings.nonfinite == "raise":
+                    raise FloatingPointError(
+                        f"trainstream: the gradient of {bad.name} is not finite (wrap(nonfinite='raise')); "
+                        "this backward pass's gradients are dropped"
+                    )
+                if self.nonfinite is None:
+                    self.nonfinite = bad
+            if self.nonfinite is not None and not self.hold:
+                self._skip(unit)  # this unit and every later one of the pass
+                return []
         landed = [s for s in unit.trainable if s.fresh]
         unit.landed = 0
         if self.settings.accumulation_steps > 1:
@@ -267,7 +424,7 @@ class GradStreamer:
             s.fresh = False
             s.has_grad = True
         unit.window = GradWindow.LANDED
-        return [unit] if self._window_complete() else []
+        return [] if self.hold else [unit]
 
     # -- window bookkeeping ------------------------------------------------------------------
 
@@ -309,6 +466,8 @@ class GradStreamer:
 
     def reset_window(self) -> None:
         self.passes = 0
+        self.nonfinite = None
+        self._reported = False
         for unit in self.units:
             unit.window = GradWindow.EMPTY
             for s in unit.trainable:
@@ -327,6 +486,13 @@ class GradStreamer:
         if not norms:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms), 2.0).cpu()
+
+
+_SQ_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what ops.grad_sq_norms reads
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
 
 
 def _wait_read(reader) -> None:

@@ -81,6 +81,7 @@ class GradWindow(enum.Enum):
     LANDING = "landing"  # some of this pass's are waiting on the device or on their way to the host
     LANDED = "landed"  # landed (and summed, with accumulation), the update not handed on yet
     QUEUED = "queued"  # the window's update was handed to the optimizer
+    SKIPPED = "skipped"  # a gradient of the window was not finite (nonfinite="skip"): no update, gradients dropped
 
 
 @dataclass(eq=False)
@@ -102,6 +103,9 @@ class Unit:
     # of the pass) sends them out together: (slot, gradient).
     waiting: list = field(default_factory=list)
     grad_event = None  # the last of those gradients' copies to the host
+    # This pass's squared gradient norms in host memory, as (float32 tensor, slots), one per
+    # batch: readable once grad_event has passed (the non-finite check, grads.py).
+    checks: list = field(default_factory=list)
     window: GradWindow = GradWindow.EMPTY
     # Paged weights currently on the device: slot -> device tensor, and how they came.
     fetched: dict | None = None

@@ -41,6 +41,9 @@ class StreamedAdamW(OffloadAdamW):
     _stock_clip = None  # the max_grad_norm stock steps clip at, as torch does it
     stock_steps = 0  # steps taken by the stock optimizer
     last_grad_norm = None  # the global norm the last stock step clipped (the engine keeps its own)
+    # Steps (accumulation windows) whose updates were skipped, all or from one block on, for a
+    # gradient that was not finite (wrap(nonfinite="skip")); counted by the engine.
+    skipped_steps = 0
     # optimizer_mode="gpu": param -> its moments in the host arena (pinned on a GPU), which
     # the update copies to VRAM or maps. Their state exists from wrap() on, and a loaded
     # state_dict is copied into them. Moments made later (mode "cpu") are those of no kernel.
@@ -115,6 +118,9 @@ class StreamedAdamW(OffloadAdamW):
         self.state = stock.state
         self._mapped = {}  # the pinned moments the kernel read: freed with the old state
         self._stock, self._stock_clip, self._engine = stock, max_grad_norm, None
+
+    def count_skipped_step(self) -> None:
+        self.skipped_steps += 1
 
     def _engine_or_raise(self):
         if self._engine is None:

@@ -13,6 +13,12 @@ import torch
 
 from .device import DeviceUpdate
 
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # what an update reads from its param group
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {k: (float(group[k]) if k == "lr" else group[k]) for k in HYPERPARAMETERS}
+
 
 def _device_update_roles(s, paged: bool) -> tuple:
     """optimizer_mode="gpu": where the update writes `s`'s new weights, and its host fp32
@@ -36,6 +42,11 @@ class Updater:
         self.moments = moments  # the MomentStager (optimizer_mode="gpu"), else None
         self.ledger = ledger
         self.update_order = update_order
+        # Group positions (load_state_dict replaces the group dicts, never their order), and
+        # the hyper-parameters each group had when this window's first update of it was
+        # queued, with the units queued: step() compares them to the group's current ones.
+        self._group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._used: dict = {}  # group index -> (hyper-parameters, [unit names])
 
     def close(self) -> None:
         """No more updates (unwrap, the switch to stock): the moment regions may go."""
@@ -46,6 +57,9 @@ class Updater:
         (clipping); returns at once."""
         slots = [s for s in unit.trainable if s.has_grad]
         if slots:
+            groups = self.optimizer.param_groups
+            for i in {self._group_of[s.param] for s in slots}:
+                self._used.setdefault(i, (_hyperparameters(groups[i]), []))[1].append(unit.name)
             # Numbered by when the next forward needs the unit: blocks update in backward
             # order, but block 0 (and the embeddings before it) are needed first.
             unit.priority = self.update_order.index(unit)
@@ -53,6 +67,24 @@ class Updater:
                 self._queue_on_device(unit, slots, grad_scale)
             else:
                 self._queue_on_host(unit, slots, grad_scale)
+
+    def changed_hyperparameters(self) -> list:
+        """(group index, name, value the queued updates used, value now, their units) for
+        each group whose hyper-parameters changed since this window's updates of it were
+        queued."""
+        groups = self.optimizer.param_groups
+        out = []
+        for i, (used, units) in sorted(self._used.items()):
+            now = _hyperparameters(groups[i])
+            for key in HYPERPARAMETERS:
+                if now[key] != used[key]:
+                    out.append((i, key, used[key], now[key], units))
+                    break
+        return out
+
+    def end_window(self) -> None:
+        """The window's updates are all queued (step(), zero_grad())."""
+        self._used.clear()
 
     def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
         self.weights.before_host_update(unit)
@@ -73,6 +105,7 @@ class Updater:
         fetch reads them."""
         backend = self.backend
         stream = backend.update
+        self.weights.take_edits(unit)  # a param edited in place: the kernel reads the edit (params.py)
         backend.follow_compute(stream)
         if unit.paged and unit.fetch_event is not None:
             backend.wait(unit.fetch_event, stream)  # a copy from the host weights may still be reading them

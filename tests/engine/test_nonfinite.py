@@ -1,0 +1,298 @@
+"""wrap(nonfinite=...): a gradient that is not finite never reaches the weights ("skip", the
+default), raises FloatingPointError naming its parameter ("raise"), or is applied as torch
+applies it ("ignore"). Checked against torch.optim.AdamW on the same batches."""
+
+import pytest
+import torch
+from helpers import GPU_MODE, PAGED, RESIDENT, assert_same_bits, max_diff
+from models import tiny_mlp
+
+import trainstream
+
+LAYERS = 6  # tiny_mlp: blocks "block 0" .. "block 5", one weight each ("0.weight" ...)
+BAD = 3  # the block whose gradient gets a NaN
+
+
+def _poison(model, block: int, value: float = float("nan")):
+    """A hook that puts `value` into one element of block `block`'s weight gradient."""
+
+    def hook(g):
+        g = g.clone()
+        g.view(-1)[0] = value
+        return g
+
+    return model[block].weight.register_hook(hook)
+
+
+def _host_state(model) -> dict:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _steps(opt) -> dict:
+    """Parameter index -> its AdamW step count, for those updated at least once
+    (optimizer_mode="gpu" holds a state at step 0 for every parameter from wrap() on)."""
+    return {i: int(st["step"]) for i, st in opt.state_dict()["state"].items() if int(st.get("step", 0))}
+
+
+def _wrapped(device="cpu", base=RESIDENT, **options):
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_mlp(layers=LAYERS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    model, opt = trainstream.wrap(model, opt, device=device, offload=True, **base, **options)
+    return model, opt, batch, loss_fn
+
+
+def _stock_one_step(batch_index: int, updated: list, device="cpu"):
+    """torch AdamW after one step on batch `batch_index` where only the blocks in `updated`
+    are stepped (their gradients are those of the full backward)."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_mlp(layers=LAYERS)
+    model = model.to(device)
+    params = [model[i].weight for i in updated]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, foreach=False)
+    loss_fn(model, batch(batch_index, device)).backward()
+    opt.step()
+    return _host_state(model)
+
+
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+@pytest.mark.parametrize("options", [{}, dict(max_grad_norm=1.0), dict(accumulation_steps=2)])
+def test_a_nan_loss_then_zero_grad_leaves_every_weight_as_it_was(base, options):
+    model, opt, batch, loss_fn = _wrapped(base=base, **options)
+    before = _host_state(model)
+    (loss_fn(model, batch(0, "cpu")) * float("nan")).backward()
+    opt.zero_grad()
+    assert_same_bits((None, _host_state(model)), (None, before))
+    assert _steps(opt) == {}
+    # The next step trains normally.
+    loss_fn(model, batch(1, "cpu")).backward()
+    opt.step()
+    opt.zero_grad()
+    after = _host_state(model)
+    assert all(torch.isfinite(v).all() and not torch.equal(v, before[k]) for k, v in after.items())
+
+
+def test_a_nan_loss_is_counted_and_reported():
+    model, opt, batch, loss_fn = _wrapped()
+    (loss_fn(model, batch(0, "cpu")) * float("nan")).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1
+    events = trainstream.memory_report(model)["events"]
+    assert "the gradient of 5.weight is not finite" in events and "nonfinite='skip'" in events
+    loss_fn(model, batch(1, "cpu")).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1
+    assert set(_steps(opt).values()) == {1}
+
+
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_eager_updates_stop_at_the_block_with_the_nan(base):
+    """Updates queued as blocks land: the blocks after the bad one in backward order
+    (5, 4) are updated, as torch's AdamW updates them; it and the blocks before it in the
+    model are not touched."""
+    model, opt, batch, loss_fn = _wrapped(base=base)
+    before = _host_state(model)
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    after = _host_state(model)
+    updated = list(range(BAD + 1, LAYERS))
+    stock = _stock_one_step(0, updated)
+    for i in range(LAYERS):
+        key = f"{i}.weight"
+        if i in updated:
+            assert max_diff({key: after[key]}, {key: stock[key]}) < 1e-6, key
+        else:
+            assert torch.equal(after[key], before[key]), key
+    assert _steps(opt) == {i: 1 for i in updated}
+    assert opt.skipped_steps == 1
+    events = trainstream.memory_report(model)["events"]
+    assert "skipped the updates of ['block 3', 'block 2', 'block 1', 'block 0']" in events
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(max_grad_norm=1.0), dict(accumulation_steps=2), dict(accumulation_steps=2, max_grad_norm=1.0)],
+    ids=["clip", "accumulation", "accumulation+clip"],
+)
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_held_updates_skip_the_whole_step_and_training_goes_on_as_if_it_never_came(base, options):
+    """A NaN in one block's gradient, in one micro-batch of one window: nothing of that
+    window is applied; the run then holds the bits of a run that never saw that window."""
+    n = options.get("accumulation_steps", 1)
+
+    def run(bad_window: bool):
+        model, opt, batch, loss_fn = _wrapped(base=base, **options)
+        windows = [0, 1, "bad", 2, 3] if bad_window else [0, 1, 2, 3]
+        snapshots = []
+        for w in windows:
+            for micro in range(n):
+                handle = _poison(model, BAD) if w == "bad" and micro == n - 1 else None
+                index = 100 if w == "bad" else w * n + micro
+                (loss_fn(model, batch(index, "cpu")) / n).backward()
+                if handle is not None:
+                    handle.remove()
+            before = _host_state(model)
+            opt.step()
+            opt.zero_grad()
+            snapshots.append((w, before, _host_state(model), _steps(opt)))
+        return model, opt, snapshots
+
+    model, opt, snapshots = run(True)
+    w, before, after, steps = snapshots[2]
+    assert w == "bad"
+    assert_same_bits((None, after), (None, before))
+    assert steps == {i: 2 for i in range(LAYERS)}  # two windows were applied before it
+    assert opt.skipped_steps == 1
+    clean = run(False)[2]
+    assert_same_bits((None, snapshots[-1][2]), (None, clean[-1][2]))
+    assert snapshots[-1][3] == clean[-1][3]
+
+
+@pytest.mark.parametrize("options", [{}, dict(max_grad_norm=1.0), dict(accumulation_steps=2)])
+def test_raise_names_the_parameter_and_training_goes_on(options):
+    model, opt, batch, loss_fn = _wrapped(nonfinite="raise", **options)
+    before = _host_state(model)
+    handle = _poison(model, BAD)
+    with pytest.raises(FloatingPointError, match=r"3\.weight"):
+        loss_fn(model, batch(0, "cpu")).backward()
+        opt.step()
+    handle.remove()
+    opt.zero_grad()
+    after = _host_state(model)
+    for i in range(BAD + 1):
+        assert torch.equal(after[f"{i}.weight"], before[f"{i}.weight"])
+    for i in range(3):
+        loss_fn(model, batch(i + 1, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.isfinite(v).all() for v in _host_state(model).values())
+    assert opt.skipped_steps == 0
+
+
+def test_ignore_applies_the_nan_as_torch_does():
+    model, opt, batch, loss_fn = _wrapped(nonfinite="ignore")
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    wrapped = _host_state(model)
+
+    torch.manual_seed(0)
+    stock_model, batch, loss_fn = tiny_mlp(layers=LAYERS)
+    stock_opt = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    handle = _poison(stock_model, BAD)
+    loss_fn(stock_model, batch(0, "cpu")).backward()
+    stock_opt.step()
+    stock = _host_state(stock_model)
+    for k in stock:
+        assert torch.equal(torch.isnan(wrapped[k]), torch.isnan(stock[k])), k
+        finite = ~torch.isnan(stock[k])
+        assert (wrapped[k][finite] - stock[k][finite]).abs().max() < 1e-6, k
+    assert torch.isnan(wrapped[f"{BAD}.weight"]).any()
+    assert opt.skipped_steps == 0
+
+
+def test_a_huge_finite_gradient_is_not_skipped():
+    """A finite gradient whose square overflows fp32: the check looks at the gradient
+    itself, so the update runs, as torch's does."""
+    model, opt, batch, loss_fn = _wrapped()
+    handle = _poison(model, BAD, 1e30)
+    loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 0
+    assert _steps(opt) == {i: 1 for i in range(LAYERS)}
+    torch.manual_seed(0)
+    stock_model, batch, loss_fn = tiny_mlp(layers=LAYERS)
+    stock_opt = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    _poison(stock_model, BAD, 1e30)
+    loss_fn(stock_model, batch(0, "cpu")).backward()
+    stock_opt.step()
+    assert max_diff(_host_state(model), _host_state(stock_model)) < 1e-6
+
+
+def test_gpu_optimizer_mode_on_the_cpu_path_skips_from_the_bad_block_on():
+    model, opt, batch, loss_fn = _wrapped(**GPU_MODE)
+    before = _host_state(model)
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    after = _host_state(model)
+    assert all(torch.equal(after[f"{i}.weight"], before[f"{i}.weight"]) for i in range(BAD + 1))
+    assert _steps(opt) == {i: 1 for i in range(BAD + 1, LAYERS)}
+    assert opt.skipped_steps == 1
+
+
+def test_nonfinite_accepts_only_its_values():
+    with pytest.raises(ValueError, match=r"'nonfinite'.*'skip', 'raise', 'ignore'"):
+        _wrapped(nonfinite="warn")
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [{}, GPU_MODE], ids=["host", "gpu"])
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_gpu_eager_updates_stop_at_the_block_with_the_nan(mode, base):
+    model, opt, batch, loss_fn = _wrapped(device="cuda", base=base, **mode)
+    before = _host_state(model)
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(0, "cuda")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    after = _host_state(model)
+    updated = list(range(BAD + 1, LAYERS))
+    stock = _stock_one_step(0, updated, device="cuda")
+    for i in range(LAYERS):
+        key = f"{i}.weight"
+        if i in updated:
+            assert max_diff({key: after[key]}, {key: stock[key]}) < 1e-5, key
+        else:
+            assert torch.equal(after[key], before[key]), key
+    assert _steps(opt) == {i: 1 for i in updated}
+    assert opt.skipped_steps == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [{}, GPU_MODE], ids=["host", "gpu"])
+@pytest.mark.parametrize("options", [{}, dict(max_grad_norm=1.0), dict(accumulation_steps=2)])
+def test_gpu_a_nan_loss_then_training_goes_on(mode, options):
+    model, opt, batch, loss_fn = _wrapped(device="cuda", **mode, **options)
+    before = _host_state(model)
+    (loss_fn(model, batch(0, "cuda")) * float("nan")).backward()
+    opt.zero_grad()
+    assert_same_bits((None, _host_state(model)), (None, before))
+    n = options.get("accumulation_steps", 1)
+    for i in range(2):
+        for micro in range(n):
+            (loss_fn(model, batch(1 + i * n + micro, "cuda")) / n).backward()
+        opt.step()
+        opt.zero_grad()
+    after = _host_state(model)
+    assert all(torch.isfinite(v).all() and not torch.equal(v, before[k]) for k, v in after.items())
+    assert opt.skipped_steps == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [{}, GPU_MODE], ids=["host", "gpu"])
+def test_gpu_raise_names_the_parameter(mode):
+    model, opt, batch, loss_fn = _wrapped(device="cuda", nonfinite="raise", **mode)
+    handle = _poison(model, BAD)
+    with pytest.raises(FloatingPointError, match=r"3\.weight"):
+        loss_fn(model, batch(0, "cuda")).backward()
+    handle.remove()
+    opt.zero_grad()
+    loss_fn(model, batch(1, "cuda")).backward()
+    opt.step()
+    assert all(torch.isfinite(v).all() for v in _host_state(model).values())
