@@ -171,6 +171,19 @@ def test_the_trainers_adamw_is_converted_with_its_groups(runs):
     assert trainer.lr_scheduler.optimizer.param_groups is groups
 
 
+def test_bf16_matches_the_stock_trainer(tmp_path):
+    def run(cls, path):
+        trainer = cls(
+            model=tiny_causal_lm(), args=training_args(path, bf16=True, max_steps=3), train_dataset=RandomTokens()
+        )
+        trainer.train()
+        return trainer
+
+    stock, ours = run(transformers.Trainer, tmp_path / "stock"), run(TrainStreamTrainer, tmp_path / "ours")
+    assert_close_rel(logged(ours, "loss"), logged(stock, "loss"), 2e-3)
+    assert_close_rel(logged(ours, "grad_norm"), logged(stock, "grad_norm"), 1e-2)
+
+
 # -- the chunked loss ------------------------------------------------------------------------
 
 
@@ -275,28 +288,39 @@ def test_gradient_checkpointing_recomputes_and_trains_the_same(runs, tmp_path):
 # -- LoRA through peft -----------------------------------------------------------------------
 
 
-def test_lora_trains_only_the_adapters_and_saves_them(tmp_path):
+def test_lora_trains_only_the_adapters_saves_them_and_resumes(tmp_path):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(
-        tiny_causal_lm("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    )
+
+    def lora_model(adapter_seed):
+        base = tiny_causal_lm("qwen2")
+        torch.manual_seed(adapter_seed)  # random B too, so that another seed gives other adapters
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+        return peft.get_peft_model(base, config)
+
+    def trainer(model, path):
+        args = training_args(path, max_steps=4, gradient_accumulation_steps=1, save_strategy="steps", save_steps=2)
+        return TrainStreamTrainer(model=model, args=args, train_dataset=RandomTokens())
+
+    model = lora_model(1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = TrainStreamTrainer(
-        model=model,
-        args=training_args(tmp_path, max_steps=2, gradient_accumulation_steps=1, save_strategy="steps", save_steps=2),
-        train_dataset=RandomTokens(),
-    )
-    trainer.train()
-    after = trainer.model.state_dict()
+    whole = trainer(model, tmp_path / "whole")
+    whole.train()
+    after = whole.model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     adapters = {k for k in before if "lora_" in k}
     assert changed == adapters and len(adapters) == 2 * 2 * 2  # A and B of q and v, 2 layers
-    files = set(os.listdir(tmp_path / "checkpoint-2"))
+
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    files = set(os.listdir(checkpoint))
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / "checkpoint-2" / "adapter_model.safetensors"))
-    assert saved and all("lora_" in k for k in saved)
+    saved = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert len(saved) == len(adapters) and all("lora_" in k for k in saved)
+
+    resumed = trainer(lora_model(2), tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(resumed, "loss")[2:] == logged(whole, "loss")[2:]
 
 
 # -- refused arguments -----------------------------------------------------------------------
