@@ -193,6 +193,7 @@ def test_auto_raises_does_not_fit_when_not_even_nf4_fits(tmp_path, monkeypatch):
     with pytest.raises(trainstream.DoesNotFit, match="load_model\\(\\): this run does not fit") as e:
         load_model(folder, quantize="auto", ram_fraction=0.5)
     assert e.value.has["ram"] == 500 and e.value.needs["ram"] > 500
+    assert "check_memory" not in str(e.value)  # an option of wrap(), not of load_model()
 
 
 def test_config_overrides_apply_and_unknown_fields_are_named(tmp_path):

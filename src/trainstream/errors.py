@@ -21,10 +21,8 @@ class DoesNotFit(MemoryError):
         self.where = where
         *rest, last = self.suggestions
         helps = f"{', '.join(rest)}{',' if len(rest) > 1 else ''} or {last}" if rest else last
-        super().__init__(
-            f"{where}: this run does not fit. {'; '.join(self.problems)}. What would help: {helps}. "
-            "check_memory=False skips this check."
-        )
+        skip = " check_memory=False skips this check." if where == "trainstream.wrap()" else ""  # wrap()'s option
+        super().__init__(f"{where}: this run does not fit. {'; '.join(self.problems)}. What would help: {helps}.{skip}")
 
     def short(self) -> list:
         """(resource, needs, has) of each resource that falls short."""
