@@ -196,3 +196,37 @@ def test_a_wrapped_model_refuses_a_copy_or_a_pickle_at_once_and_allows_both_unwr
     twin = copy.deepcopy(model)
     torch.save(model, io.BytesIO())
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+
+
+def test_bf16_moments_resume_bit_exactly_whatever_the_initial_seed():
+    """The stochastic-rounding seed travels in optimizer.state_dict(): a run resumed in a
+    process seeded otherwise gives the bits of the run that never stopped."""
+
+    def run(steps, start=None, seed=0):
+        torch.manual_seed(seed)  # torch.initial_seed(): the default rounding seed
+        model, batch, loss_fn = tiny_gpt()
+        if start is not None:
+            model.load_state_dict(start[0])
+        model, opt = trainstream.wrap(
+            model, None, device="cpu", lr=1e-2, offload=True, moment_dtype="bfloat16", **RESIDENT
+        )
+        if start is not None:
+            opt.load_state_dict(start[1])
+        first = 0 if start is None else start[2]
+        for i in range(first, first + steps):
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+            opt.zero_grad()
+        return (
+            {k: v.clone() for k, v in model.state_dict().items()},
+            opt.state_dict(),
+            first + steps,
+        )
+
+    whole = run(4)
+    half = run(2)
+    resumed = run(2, start=half, seed=1234)
+    assert_same_bits((None, resumed[0]), (None, whole[0]))
+    for pid, st in whole[1]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_same_bits(resumed[1]["state"][pid][key], st[key])

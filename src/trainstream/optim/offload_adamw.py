@@ -26,6 +26,8 @@ _TORCH_GROUP_DEFAULTS = {
 
 
 WHERE = "OffloadAdamW()"
+# The state_dict key of the stochastic-rounding seed (bf16 moments).
+SEED_KEY = "stochastic_rounding_seed"
 
 
 def _check(name: str, value, where: str = WHERE):
@@ -169,6 +171,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             state["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])
+        if SEED_KEY in state_dict:  # absent from torch's own state dicts: the seed stays
+            self.seed = int(state_dict[SEED_KEY]) & 0xFFFF_FFFF_FFFF_FFFF
         self._grad_sums.clear()
         self._grad_seen.clear()
         self._micro_step = 0
@@ -183,6 +187,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 pid: {k: (v.clone() if k in ("exp_avg", "exp_avg_sq") else v) for k, v in st.items()}
                 for pid, st in sd["state"].items()
             }
+        # bf16 moments round stochastically from (seed, step, element): a resumed run gives the
+        # same bits only with the same seed. torch's optimizers ignore the extra key.
+        sd[SEED_KEY] = self.seed
         return sd
 
     def _synchronize(self) -> None:
