@@ -552,3 +552,38 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
     with pytest.raises(ValueError, match=r"parameter 2 \(shape \(3, 3\)\) is listed twice"):
         trainstream.wrap(model, doubled, device="cpu")
     assert not hasattr(model, "_trainstream_engine")
+
+
+@pytest.mark.gpu
+def test_gpu_synchronize_waits_for_the_step_kernels():
+    """optimizer.synchronize() (SPEC.md): a gpu-mode step() returns with its kernels queued on
+    the current stream; after synchronize() the host sees the new weights, read from another
+    stream too, equal to torch AdamW's."""
+    ours, theirs = cuda_twins()
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, mode="gpu")
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    x, y = batches(1)[0]
+    for model, o in ((ours, opt), (theirs, ref)):
+        loss_of(model, x.cuda(), y.cuda()).backward()
+        o.step()
+    opt.synchronize()
+    assert opt._inflight == []
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            assert (p.detach() - q.detach()).abs().max().item() < TOL
+
+
+def test_synchronize_in_cpu_mode_returns_with_the_weights_current():
+    """A cpu-mode step() has finished when it returns; synchronize() exists all the same (the
+    contract is the same in both modes) and changes nothing."""
+    model = OddModel()
+    reference = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    x, y = batches(1)[0]
+    for m, o in ((model, opt), (reference, ref)):
+        loss_of(m, x, y).backward()
+        o.step()
+    opt.synchronize()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.detach() - q.detach()).abs().max().item() < TOL

@@ -138,9 +138,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     device = _target_device(model, opts.device)
     backend = Backend(device)
     stack = named_stack(model, opts.blocks) if opts.blocks is not None else find_blocks(model)
-    optimizer = _convert(optimizer, model, opts)
-    in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
-    layout = lay_out_model(model, stack, in_optimizer, device)
+    source, optimizer = optimizer, _convert(optimizer, model, opts)
+    # Frozen parameters in the optimizer are skipped, as torch skips them (SPEC.md).
+    trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    layout = lay_out_model(model, stack, trainable, device)
     profile = _profile_for(opts, device)
 
     # 2. Every decision, before a byte moves (DoesNotFit here leaves the model as it was).
@@ -149,10 +150,18 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         warnings.warn(plan.warning, stacklevel=2)
     optimizer.set_moment_dtype(plan.moment_dtype)
 
-    # 3. The engine, built whole from the plan; 4. installed on the model.
+    # 3. The engine, built whole from the plan; 4. installed on the model. Up to here nothing
+    # of the model has changed; install() undoes itself if it raises, and so does what follows.
     engine = Engine(model, optimizer, plan, backend, layout)
     engine.install()
-    object.__setattr__(model, _ATTR, engine)
+    try:
+        if source is not None:  # a scheduler built on it before wrap() drives the updates (SPEC.md)
+            optimizer.share_param_groups(source)
+        object.__setattr__(model, _ATTR, engine)
+    except BaseException:
+        engine.uninstall()
+        raise
+    engine.installed()
     return model, optimizer
 
 

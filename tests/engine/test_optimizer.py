@@ -170,3 +170,74 @@ def test_gpu_optimizer_mode_gpu_loads_a_state_dict_into_the_mapped_moments():
     opt.step()
     opt._synchronize()
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def _scheduled_run(wrapped: bool, make_scheduler, steps: int = 5, reload: bool = False):
+    """tiny_gpt trained `steps` steps by torch AdamW with a scheduler built on it before
+    wrap() (when `wrapped`); `reload`: the wrapped optimizer loads its own state_dict first."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    scheduler = make_scheduler(opt)
+    source = opt
+    if wrapped:
+        model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **RESIDENT)
+        assert opt.param_groups is source.param_groups
+        assert all(a is b for a, b in zip(opt.param_groups, source.param_groups))
+        if reload:
+            opt.load_state_dict(opt.state_dict())
+            assert opt.param_groups is source.param_groups and opt.param_groups[0] is source.param_groups[0]
+    lrs = []
+    for i in range(steps):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return lrs, state
+
+
+SCHEDULERS = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+}
+
+
+@pytest.mark.parametrize("reload", [False, True], ids=["as_wrapped", "after_load_state_dict"])
+@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
+def test_a_scheduler_built_before_wrap_drives_the_updates(kind, reload):
+    """SPEC.md: the optimizer wrap() returns shares its param_groups (the list and its dicts)
+    with the one passed in, so a scheduler built on that one sets the learning rate the
+    updates read, as with torch alone; load_state_dict keeps the sharing. Without a warning:
+    the scheduler's check that step() ran sees the wrapped optimizer's steps."""
+    import warnings
+
+    stock_lrs, stock = _scheduled_run(False, SCHEDULERS[kind])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrs, wrapped = _scheduled_run(True, SCHEDULERS[kind], reload=reload)
+    assert lrs == stock_lrs
+    assert max_diff(stock, wrapped) < 2e-5
+
+
+def test_synchronize_makes_weights_read_after_it_current():
+    """optimizer.synchronize() (SPEC.md): every update finished and on the model's tensors,
+    so reading a weight right after step() gives torch AdamW's new value, on the wrapped
+    optimizer and after the switch to stock alike (there it waits for the fused kernels)."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_mlp()
+    reference, _, _ = tiny_mlp()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    model, opt = trainstream.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", offload=True, **RESIDENT
+    )
+    for i in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            loss_fn(m, batch(i, "cpu")).backward()
+            o.step()
+            o.zero_grad()
+        opt.synchronize()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert (p.detach() - q.detach()).abs().max().item() < 1e-5

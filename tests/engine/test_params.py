@@ -1,9 +1,12 @@
 """Weights on the device: paged weights are placeholders between uses, the guard, and blocks
 moved between paged and resident."""
 
+import pytest
 import torch
-from helpers import PAGED, assert_same_bits, gpt_steps, train
+from helpers import GPU_MODE, PAGED, RESIDENT, assert_same_bits, gpt_steps, max_diff, train
+from models import tiny_gpt
 
+import trainstream
 from trainstream.engine.adapt import Replan
 
 
@@ -13,11 +16,94 @@ def test_guard_params_false_gives_the_same_run():
     )
 
 
-def test_paged_weights_are_placeholders_between_uses():
-    _, _, (model, _) = train("gpt", PAGED, steps=1)
+def test_paged_weights_read_outside_forward_give_their_values():
+    """Between uses a paged param's data is its host weights (params.py, [Note: placeholders]):
+    every way of reading it gives the values state_dict() gives, current after synchronize(),
+    and it holds no copy of its own."""
+    _, state, (model, opt) = train("gpt", PAGED, steps=2)
+    engine = model._trainstream_engine
     w = model.layers[0].qkv.weight
-    assert w.shape == (192, 64) and w.untyped_storage().nbytes() == 4 and torch.isnan(w).all()
-    assert model.layers[0].qkv.weight.dtype == torch.float32
+    slot = next(s for s in engine.block_units[0].slots if s.param is w)
+    assert w.shape == (192, 64) and w.dtype == torch.float32 and w.device.type == "cpu"
+    assert w.untyped_storage().data_ptr() == slot.master.untyped_storage().data_ptr()
+    named = dict(model.named_parameters())
+    for read in (w, w.data, w.detach(), named["layers.0.qkv.weight"]):
+        assert torch.equal(read, state["layers.0.qkv.weight"])
+    _, batch, loss_fn = tiny_gpt()
+    loss_fn(model, batch(5, "cpu")).backward()
+    opt.step()
+    opt.synchronize()
+    assert not torch.equal(w, state["layers.0.qkv.weight"])
+    assert torch.equal(w.detach(), model.state_dict()["layers.0.qkv.weight"])
+
+
+def _edit(model):
+    """In-place edits after wrap(), as weight init, pruning masks and EMA copy-back make them:
+    on the params themselves, under no_grad (a resident head, paged or resident blocks)."""
+    with torch.no_grad():
+        model.head.weight.mul_(0.5)
+        model.layers[1].fc.weight.mul_(0.5)
+        torch.nn.init.constant_(model.layers[2].ln1.weight, 2.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [PAGED, RESIDENT, dict(RESIDENT, **GPU_MODE), dict(PAGED, max_grad_norm=0.5)],
+    ids=["paged", "resident", "gpu_mode", "paged_clipped"],
+)
+def test_in_place_edits_after_wrap_are_trained_on_as_torch_does(options):
+    """An edit made between steps (after synchronize(), before wrap's first step too) is what
+    the next forward computes with and what the next update starts from: the run equals
+    torch AdamW doing the same edits, and state_dict() shows each edit."""
+    clip = options.get("max_grad_norm")
+    runs = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        model, batch, loss_fn = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+        if wrapped:
+            model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **options)
+        for i in range(4):
+            if i in (0, 2):
+                if wrapped:
+                    opt.synchronize()
+                before = model.state_dict()["layers.1.fc.weight"].clone()
+                _edit(model)
+                assert torch.equal(model.state_dict()["layers.1.fc.weight"], before * 0.5)
+            loss_fn(model, batch(i, "cpu")).backward()
+            if clip is not None and not wrapped:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+        runs.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert max_diff(*runs) < 2e-5
+
+
+def test_dtype_and_device_changes_after_wrap_are_refused_at_the_call():
+    """model.double(), .half(), .to(dtype) and a move to another device, on the model or one
+    of its modules, would leave the engine's buffers and kernels laid out for the old ones:
+    refused before anything changes, with what to do instead; conversions that change
+    nothing pass, and after unwrap() the model converts as any other."""
+    _, state, (model, opt) = train("gpt", PAGED, steps=1)
+    calls = [
+        lambda: model.double(),
+        lambda: model.half(),
+        lambda: model.to(torch.bfloat16),
+        lambda: model.layers[2].to(dtype=torch.float64),
+        lambda: model.head.to("meta"),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"unwrap\(model\), convert or move it, then wrap\(\) it again"):
+            call()
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+    assert model.float() is model and model.to("cpu") is model and model.cpu() is model
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    _, batch, loss_fn = tiny_gpt()
+    loss_fn(model, batch(1, "cpu")).backward()  # still trains
+    opt.step()
+    trainstream.unwrap(model)
+    assert all(p.dtype == torch.float64 for p in model.double().parameters())
 
 
 def _train_and_move(mode: str) -> dict:
@@ -38,3 +124,43 @@ def test_gpu_mode_blocks_moved_between_steps_keep_their_weights():
     host, device = _train_and_move("cpu"), _train_and_move("gpu")
     for k in host:
         assert torch.equal(host[k], device[k]), k
+
+
+@pytest.mark.gpu
+def test_gpu_paged_weights_read_outside_forward_give_their_values():
+    """On a GPU a paged param's placeholder is a CUDA tensor over its pinned host weights (no
+    device memory of its own): reads outside forward give the values state_dict() gives, and
+    a move to the CPU is refused at the call."""
+    _, state, (model, opt) = train("gpt", PAGED, steps=2, device="cuda")
+    w = model.layers[0].qkv.weight
+    assert w.device.type == "cuda" and w.dtype == torch.float32
+    slot = next(s for s in model._trainstream_engine.block_units[0].slots if s.param is w)
+    assert w.data_ptr() == slot.master.data_ptr() and slot.master.is_pinned()
+    for read in (w, w.data, w.detach(), dict(model.named_parameters())["layers.0.qkv.weight"]):
+        assert torch.equal(read.cpu(), state["layers.0.qkv.weight"])
+    with pytest.raises(ValueError, match="unwrap"):
+        model.cpu()
+    assert w.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [PAGED, RESIDENT], ids=["paged", "resident"])
+def test_gpu_in_place_edits_after_wrap_are_trained_on_as_torch_does(options):
+    runs = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        model, batch, loss_fn = tiny_gpt()
+        model = model.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+        if wrapped:
+            model, opt = trainstream.wrap(model, opt, offload=True, **options)
+        for i in range(4):
+            if i in (0, 2):
+                if wrapped:
+                    opt.synchronize()
+                _edit(model)
+            loss_fn(model, batch(i, "cuda")).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    assert max_diff(*runs) < 2e-5

@@ -32,6 +32,10 @@ class Slot:
     # Frozen paged: the original weights, plus any compute-dtype copy made from them.
     host: dict = field(default_factory=dict)
     placeholder: torch.Tensor | None = None  # a paged param's data while it is not on the device
+    # The param's version counter (p._version) when the engine last knew its values: a user's
+    # in-place edit (p.zero_(), nn.init, p.copy_ under no_grad) moves it on; the engine's own
+    # writes go through p.data, which has a counter of its own, and leave it be.
+    version: int = 0
     spare: torch.Tensor | None = None  # reserved host room for a compute-dtype copy (paged fp32 Linear)
     # Gradient landing (trainable only).
     stage_region: torch.Tensor | None = None  # reserved host room for the landing buffer

@@ -10,6 +10,8 @@ moments.py brings the moments.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import ops
@@ -37,6 +39,7 @@ class StreamedAdamW(OffloadAdamW):
     """
 
     _engine = None
+    _source = None  # weakref to the optimizer passed to wrap(), whose param_groups these are
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
     _stock_clip = None  # the max_grad_norm stock steps clip at, as torch does it
     stock_steps = 0  # steps taken by the stock optimizer
@@ -73,7 +76,9 @@ class StreamedAdamW(OffloadAdamW):
     def _check_param(self, p: torch.Tensor) -> None:
         if self._engine is not None:
             raise ValueError("trainstream: add param groups before wrap(); the wrapped optimizer's groups are fixed")
-        if p.dtype not in PARAM_DTYPES:
+        # A frozen parameter is skipped, as torch skips it (no gradient ever reaches it): a
+        # peft model's AdamW(model.parameters()) holds its int8, fp16 or quantized base too.
+        if p.requires_grad and p.dtype not in PARAM_DTYPES:
             raise ValueError(
                 f"trainstream: trainable parameters must be float32 or bfloat16, got {p.dtype} "
                 "(for float16 weights keep fp32 parameters and train under torch.autocast)"
@@ -86,6 +91,34 @@ class StreamedAdamW(OffloadAdamW):
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state and state[key].dtype != dtype:
                     state[key] = state[key].to(dtype)
+
+    def share_param_groups(self, source: torch.optim.Optimizer) -> None:
+        """Take `source`'s param_groups as this optimizer's own: the same list and the same
+        dicts, so an LR scheduler built on `source` before wrap() drives these updates (and
+        one built on this optimizer shows in `source`). `source` was converted into this one
+        (optim.convert), so each group lists the same parameters in the same order; the keys
+        the update reads are written into its dicts as this optimizer checked them (betas as
+        floats, decoupled_weight_decay for torch.optim.Adam), and torch's other keys stay."""
+        if len(source.param_groups) != len(self.param_groups):
+            raise ValueError("trainstream internal: the converted optimizer has other param groups than its source")
+        for mine, theirs in zip(self.param_groups, source.param_groups):
+            if [id(p) for p in mine["params"]] != [id(p) for p in theirs["params"]]:
+                raise ValueError("trainstream internal: the converted optimizer's groups list other parameters")
+            for key, value in mine.items():
+                if key in _READ_BY_UPDATE or key not in theirs:
+                    theirs[key] = value
+        self.param_groups = source.param_groups
+        self._source = weakref.ref(source)
+
+    def _keep_group_dicts(self, groups: list) -> None:
+        """After torch's load_state_dict, which builds new group dicts: their contents go
+        into the dicts held before (`groups`), so schedulers and the optimizer passed to
+        wrap() keep sharing them."""
+        for old, new in zip(groups, self.param_groups):
+            if old is not new:
+                old.clear()
+                old.update(new)
+        self.param_groups = groups
 
     def attach(self, engine) -> None:
         """The engine that queues this optimizer's updates (wrap())."""
@@ -130,9 +163,19 @@ class StreamedAdamW(OffloadAdamW):
             )
         return self._engine
 
-    def _synchronize(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for every update in flight: weights read after it (``p``, ``p.data``,
+        ``p.detach()``, ``named_parameters()``) are those of the last ``step()``. Updates run
+        on host threads and reach the device when they finish, so a weight read right after
+        ``step()`` may still be the old one; the next forward always waits for its own
+        block's. ``state_dict()``, ``model.state_dict()`` and ``unwrap()`` call it
+        themselves. After the switch to stock training, the fused AdamW's kernels are
+        waited for."""
         if self._engine is not None:
             self._engine.synchronize()
+        elif self._stock is not None:
+            for device in {p.device for g in self.param_groups for p in g["params"] if p.is_cuda}:
+                torch.cuda.current_stream(device).synchronize()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -142,8 +185,14 @@ class StreamedAdamW(OffloadAdamW):
                 loss = closure()
         if self._stock is not None:
             self._stock_step()
-            return loss
-        self._engine_or_raise().step()
+        else:
+            self._engine_or_raise().step()
+        source = self._source() if self._source is not None else None
+        if source is not None:
+            # What an LR scheduler built on `source` records when source.step() runs (its
+            # wrapper of that method): without it, its first step() warns that step() was
+            # never called and that the schedule's first value will be skipped (it is not).
+            source._opt_called = True
         return loss
 
     def _stock_step(self) -> None:
@@ -167,11 +216,15 @@ class StreamedAdamW(OffloadAdamW):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        groups = self.param_groups
         if self._stock is not None:
             self._stock.load_state_dict(state_dict)  # torch builds new group dicts
             self.state, self.param_groups = self._stock.state, self._stock.param_groups
+            self._keep_group_dicts(groups)
+            self._stock.param_groups = self.param_groups
             return
         super().load_state_dict(state_dict)
+        self._keep_group_dicts(groups)
         self._into_mapped()  # the kernel keeps reading the buffers it was given at wrap()
 
     def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
@@ -268,6 +321,10 @@ class StreamedAdamW(OffloadAdamW):
             state["step"] += 1
             batches.setdefault((id(group), g.dtype, key(s)), (group, []))[1].append((s, g, state, index))
         return list(batches.values())
+
+
+# The group keys the update reads (_hyper): share_param_groups writes them as checked.
+_READ_BY_UPDATE = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
 
 
 def _hyper(group: dict) -> dict:

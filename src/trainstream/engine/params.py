@@ -4,11 +4,30 @@ Resident unit: the device holds its weights for good. When the host AdamW has up
 master, the new weights go H2D on the copy-in stream and an event is recorded; the next
 forward waits on the GPU for exactly that event (guard_params), nothing else.
 
-Paged unit: between uses, each param's ``.data`` is a one-element placeholder expanded to
-the param's shape (shape, dtype and device stay what the model expects; any accidental
-read gives NaN, not stale numbers). Before the unit's forward, and again before its
-backward, its weights are fetched from host memory into fresh device tensors; after use
-they are released. Under autocast, the weights and biases of nn.Linear layers travel in
+Paged unit: between uses, each param's ``.data`` is a placeholder: its host weights in its
+own dtype, seen from the device (see [Note: placeholders]), so shape, dtype and device stay
+what the model expects and a read outside forward gives the weights' values. Before the
+unit's forward, and again before its backward, its weights are fetched from host memory
+into fresh device tensors; after use they are released.
+
+[Note: placeholders] A read of a paged weight outside the engine's hooks can take any path
+(``p``, ``p.data``, ``p.detach()``, ``named_parameters()``, a user's own hook), and torch has
+no hook on a Parameter's reads; a tensor subclass cannot stand in for a Parameter's data.
+So the placeholder is the value itself, at no device memory: on the CPU backend the host
+tensor; on a GPU a CUDA tensor over the pinned host buffer (every pinned buffer is mapped
+into the device's address space), which a kernel reads across PCIe. Reads are current after
+``optimizer.synchronize()`` (the host threads write these buffers). An in-place edit through
+it writes the host weights, and the version counter tells the engine to level the other
+copies (_take_edit). A quantized weight has no full-precision host copy: its placeholder is
+one NaN expanded to its shape (reads give NaN, writes fail); state_dict() dequantizes it.
+
+[Note: edits] The engine's own writes to a param go through ``p.data`` (its own version
+counter) or raw pointers; a user's in-place edit (``p.zero_()``, ``nn.init``, ``p.copy_``
+under no_grad) moves ``p._version`` on. Before a unit's update is queued, and before a paged
+unit is fetched, an edited param's values become its host weights (_take_edit); a resident
+unit's pending push does not overwrite an edit made after its update was queued, it takes
+the edit instead (an edit after step() wins over that step's update, as in torch). Edits
+through ``p.data`` bypass the counter and are not seen. Under autocast, the weights and biases of nn.Linear layers travel in
 the autocast dtype: the host AdamW writes that copy in the same pass as the fp32 master,
 autocast would have rounded the fp32 weight to exactly those values (round to nearest
 even both ways), so the block computes the same bits with half the PCIe bytes.
@@ -52,11 +71,14 @@ class WeightPager:
         for s, (fmt, block) in (quantized or {}).items():
             set_quantization([s], fmt, block)
         self.ledger = ledger
+        self._slot_of = {s.param: s for u in units for s in u.slots}
         self.update_on_device = update_on_device  # a resident param's device data is newer than its host master
         self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
         self.resident_storages: set = set()  # device storage pointers of resident weights
         self.fetched_bytes = 0  # device bytes fetched since wrap (growth that is not activations)
         self.arena = None  # the host transfer memory, once place() has carved it
+        self._before = None  # set by place(), until placed(): see unplace()
+        self.unreadable: list = []  # paged params whose placeholder is NaN, not their values
         # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
         self.lock = threading.RLock()
         self.lander = Lander(self)
@@ -73,6 +95,9 @@ class WeightPager:
         needs to fit on the device. `stage`: landing buffers for the gradients. Returns the
         event line for the host memory it took."""
         backend = self.backend
+        # What unplace() gives back if wrap() fails later: each parameter's tensor and its
+        # Python attributes (codes that quant.stored hands over are one), kept until placed().
+        self._before = [(s.param, s.param.data, dict(vars(s.param))) for u in self.units for s in u.slots]
         layout = {s: host_buffers(s, u.paged, stage) for u in self.units for s in u.slots}
         total = arena_bytes(self.units, stage)
         self.arena = HostArena(backend, total)
@@ -95,19 +120,42 @@ class WeightPager:
                     else:
                         s.spare = buf
                 if unit.paged:
-                    s.placeholder = _placeholder(s, backend.device)
+                    s.placeholder = self._readable_placeholder(s)
                     s.param.data = s.placeholder
                 else:
                     if data.device != backend.device:
                         s.param.data = data.to(backend.device)
                     self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+                s.version = s.param._version
         # Quantized codes made on the device were written on the compute stream; the copy-in
         # stream dequantizes them.
         backend.follow_compute(backend.copy_in)
+        unreadable = (
+            f"; {len(self.unreadable)} paged weights read outside forward give NaN (their pinned host memory is "
+            f"mapped on another GPU): read them through state_dict() ({', '.join(self.unreadable[:3])})"
+            if self.unreadable
+            else ""
+        )
         return (
             f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
-            f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces"
+            f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces{unreadable}"
         )
+
+    def placed(self) -> None:
+        """wrap() succeeded: the model's tensors from before place() may go."""
+        self._before = None
+
+    def unplace(self) -> None:
+        """wrap() failed after place() began: every parameter back on the tensor it had
+        before, with the Python attributes it had (the engine's buffers are dropped with it)."""
+        for param, data, attrs in reversed(self._before or []):
+            param.data = data
+            for key, value in attrs.items():
+                if key not in vars(param):
+                    setattr(param, key, value)
+        self._before = None
+        self.resident_storages.clear()
+        self.fetched_storages.clear()
 
     def _place_quantized(self, s, paged: bool, buffers) -> None:
         """Quantize a frozen weight where it is (host or device); keep the codes in host
@@ -147,6 +195,7 @@ class WeightPager:
         push must wait for."""
         if unit.paged and unit.fetch_event is not None:
             unit.fetch_event.synchronize()
+        self.take_edits(unit)
         unit.update_mark = self.backend.record()
 
     def host_update_queued(self, unit, handles: list) -> None:
@@ -174,6 +223,35 @@ class WeightPager:
             for unit in units:
                 unit.stale = False
 
+    def values_known(self, slots) -> None:
+        """The host weights of `slots` and their params agree now (a state dict was loaded
+        through the params): the edits so far are taken."""
+        for s in slots:
+            s.version = s.param._version
+
+    def take_edits(self, unit) -> None:
+        """Before `unit`'s update is queued or its paged weights are fetched: the params the
+        user edited in place become their host weights ([Note: edits])."""
+        for s in unit.slots:
+            if s.param._version != s.version:
+                self._take_edit(s)
+
+    def _take_edit(self, s) -> None:
+        """`s`'s param was edited in place: a paged param's edit is in its host weights in
+        its dtype (the placeholder views them), a resident one's in its device tensor; every
+        other host copy is brought level (the fp32 master exactly, lower-precision copies
+        rounded to nearest even, as the optimizer writes them)."""
+        s.version = s.param._version
+        if s.quant is not None or not s.host:
+            return  # a quantized param cannot be edited; a frozen resident one has no host copy yet
+        edited = s.host[s.dtype] if s.unit.paged else s.param.data
+        master = s.host.get(torch.float32)
+        if master is not None and master is not edited:
+            master.copy_(edited)
+        for t in s.host.values():
+            if t is not edited and t is not master:
+                t.copy_(master if master is not None else edited)
+
     def land_updates(self) -> None:
         """Send every finished update of a resident unit to the device (no waiting)."""
         self.lander.raise_error()
@@ -191,8 +269,13 @@ class WeightPager:
         # Not before compute has finished every read queued when the update was (a no-grad
         # forward between backward and step() may still be reading the old weights).
         backend.wait(unit.update_mark, backend.copy_in)
+        edited = [s for s in unit.trainable if s.param._version != s.version]
+        for s in edited:  # edited after the update was queued: the edit wins ([Note: edits])
+            self._take_edit(s)
         with backend.on(backend.copy_in):
             for s in unit.trainable:
+                if s in edited:
+                    continue
                 src = s.host[s.dtype]  # the master, or the copy the optimizer wrote in the model's dtype
                 s.param.data.copy_(src, non_blocking=True)
         unit.h2d_event = backend.record(backend.copy_in)
@@ -259,8 +342,7 @@ class WeightPager:
             if s.dtype not in s.host:  # a frozen resident param has no host copy yet
                 s.host[s.dtype] = backend.to_host(s.param.data)
             self.resident_storages.discard(s.param.data.untyped_storage().data_ptr())
-            if s.placeholder is None:
-                s.placeholder = _placeholder(s, backend.device)
+            s.placeholder = self._readable_placeholder(s)
             s.param.data = s.placeholder
         unit.paged, unit.stale, unit.h2d_event = True, False, None
 
@@ -329,6 +411,7 @@ class WeightPager:
             self.ledger.make_room(nbytes, with_ahead=True)
         if unit.paged:  # the optimizer may still be writing these weights (quantized ones are frozen)
             self._after_updates(unit, self.backend.copy_in)
+            self.take_edits(unit)
         slots = unit.streamed_slots
         if dtypes is None:
             autocast = _autocast_dtype(self.backend.device.type)
@@ -395,6 +478,69 @@ class WeightPager:
         dev = unit.fetched[slot]
         return torch.empty(0, dtype=dtype, device=dev.device).set_(dev.untyped_storage(), offset, size, stride)
 
+    def _readable_placeholder(self, s) -> torch.Tensor:
+        """A paged param's data between uses ([Note: placeholders]): its host weights in its
+        dtype, on the device it computes on; one NaN for a quantized weight."""
+        host = s.host.get(s.dtype)
+        if host is None or s.quant is not None:
+            return _placeholder(s, self.backend.device)
+        if not self.backend.is_cuda:
+            return host
+        view = _mapped_view(host)
+        if view.device != self.backend.device:
+            # torch names a pinned buffer's device by the one current when it was pinned: a
+            # view on another device would move the param. Reads of this one give NaN (the
+            # events say so: place()).
+            self.unreadable.append(s.name)
+            return _placeholder(s, self.backend.device)
+        return view
+
+    def check_conversion(self, module, fn) -> None:
+        """`module._apply(fn)` is about to run (model.to(), .double(), .half(), .bfloat16(),
+        .cuda(), .cpu(), ...): refuse it, before anything changes, if it would give a wrapped
+        parameter another dtype or device. The engine's host buffers, gradient landing buffers
+        and kernels are laid out for the dtypes and the device of wrap(). `fn` is tried on an
+        empty tensor of each parameter's dtype and rank (no memory), which is what it returns
+        for a parameter of that kind."""
+        device = self.backend.device
+        tried = {}
+        for p in module.parameters():
+            s = self._slot_of.get(p)
+            if s is None:
+                continue
+            key = (s.dtype, p.dim())
+            if key not in tried:
+                tried[key] = fn(torch.empty((0,) * p.dim(), dtype=s.dtype, device=device))
+            out = tried[key]
+            if isinstance(out, torch.Tensor) and (out.dtype != s.dtype or out.device != device):
+                raise ValueError(
+                    f"trainstream: this would make {s.name} {out.dtype} on {out.device}; a wrapped model's "
+                    f"parameters stay as wrap() placed them ({s.dtype} on {device}). To change the dtype or "
+                    "the device: trainstream.unwrap(model), convert or move it, then wrap() it again"
+                )
+
+
+def _mapped_view(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the pinned host tensor `host` (same bytes, no copy): a device reads
+    it across PCIe through its mapping of pinned memory."""
+    if host.numel() == 0:
+        return torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    flat = host.reshape(-1).view(torch.uint8)  # bytes: the interface has no bfloat16
+
+    class _Interface:
+        __slots__ = ("__cuda_array_interface__", "owner")
+
+    interface = _Interface()
+    interface.owner = host  # the view keeps the pinned buffer alive
+    interface.__cuda_array_interface__ = {
+        "shape": (flat.numel(),),
+        "typestr": "|u1",
+        "data": (flat.data_ptr(), False),
+        "version": 2,
+        "strides": None,
+    }
+    return torch.as_tensor(interface, device="cuda").view(host.dtype).view(host.shape)
+
 
 def refresh_host(s) -> None:
     """optimizer_mode="gpu" updates a resident param on the device only (its host fp32
@@ -409,8 +555,8 @@ def refresh_host(s) -> None:
 
 
 def _placeholder(s, device) -> torch.Tensor:
-    """A paged param's data between uses: its shape, dtype and device, one NaN behind it
-    (an accidental read gives NaN, not stale numbers)."""
+    """A quantized param's data between uses: its shape, dtype and device, one NaN behind it
+    (a read gives NaN, not stale numbers; a write fails on the expanded tensor)."""
     return torch.full((1,), float("nan"), dtype=s.dtype, device=device).expand(s.param.shape)
 
 

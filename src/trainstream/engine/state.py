@@ -137,6 +137,10 @@ class StateHooks:
             if s.quant is not None and s not in self._saved:
                 continue  # not in the state dict: its codes stand
             _level(s)
+        # torch loads through the params (p.copy_), which moves their version counters on: the
+        # loaded values, now in every host copy, are no edit (params.py, [Note: edits]). A paged
+        # param the state dict does not hold keeps its count, and with it an edit of its own.
+        self.weights.values_known([s for s in slots if s in self._saved or s not in _exposed(slots)])
         self._restore([s for s in _exposed(slots) if s in self._saved])
         backend = self.backend
         backend.follow_compute(backend.copy_in)  # re-quantized codes were written on the compute stream

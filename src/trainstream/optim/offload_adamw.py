@@ -192,8 +192,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         sd[SEED_KEY] = self.seed
         return sd
 
-    def _synchronize(self) -> None:
-        """Wait for the kernels of the last gpu-mode step, whatever stream they ran on."""
+    def synchronize(self) -> None:
+        """Wait for every update in flight: parameters read after it hold the last step()'s
+        values. A gpu-mode step returns with its kernels queued (whatever stream they ran on);
+        a cpu-mode step has finished when it returns. state_dict() and load_state_dict() call
+        it themselves."""
         for event in self._inflight:
             event.synchronize()
         self._inflight = []
@@ -201,6 +204,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
         """Moments live in host memory; pinned in gpu mode, where the kernel maps them."""
         t = t.contiguous()
+    def _synchronize(self) -> None:
+        # The internal callers' name (convert_optimizer, state_dict): a subclass overrides
+        # synchronize() alone.
+        self.synchronize()
+
         return t.pin_memory() if self.mode == "gpu" and not t.is_pinned() else t
 
     def _state_for(self, p: torch.Tensor) -> dict:
