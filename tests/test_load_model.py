@@ -240,6 +240,33 @@ def test_checkpoint_errors_name_the_file_tensor_or_field(tmp_path):
         load_model(folder)
 
 
+def test_a_checkpoint_of_experts_one_by_one_is_named_as_such(tmp_path):
+    from safetensors.torch import save_file
+
+    built, _, tensors = _checkpoint(tmp_path, "mixtral")
+    per_expert = tmp_path / "per-expert"
+    built.config.save_pretrained(per_expert)
+    layout = {}
+    for k, v in tensors.items():
+        if k.endswith("experts.gate_up_proj"):
+            w1, w3 = v.chunk(2, dim=1)
+            for e in range(v.shape[0]):
+                base = k.replace("mlp.experts.gate_up_proj", f"block_sparse_moe.experts.{e}")
+                layout[f"{base}.w1.weight"], layout[f"{base}.w3.weight"] = w1[e].contiguous(), w3[e].contiguous()
+        elif k.endswith("experts.down_proj"):
+            for e in range(v.shape[0]):
+                layout[k.replace("mlp.experts.down_proj", f"block_sparse_moe.experts.{e}.w2.weight")] = v[
+                    e
+                ].contiguous()
+        else:
+            layout[k] = v
+    save_file(layout, per_expert / "model.safetensors")
+    with pytest.raises(
+        ValueError, match="has no tensor 'model.layers.0.mlp.experts.gate_up_proj'.*stores experts one by one"
+    ):
+        load_model(str(per_expert))
+
+
 def test_bad_arguments_name_themselves(tmp_path):
     _, folder, _ = _checkpoint(tmp_path, "llama")
     cases = [

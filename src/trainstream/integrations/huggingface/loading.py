@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 
 import torch
 
@@ -35,6 +36,9 @@ INDEX = "model.safetensors.index.json"
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the quantize ops read
 
 log = logging.getLogger(__name__)
+# A checkpoint of MoE experts one module each (Mixtral's ...experts.3.w1.weight), where
+# transformers 5 models hold one fused tensor per block.
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def load_model(
@@ -406,13 +410,17 @@ class _Filler:
                 if keys[meta] is None:
                     missing.append(self.names[meta][0])
         if missing:
+            more = f" (nor {len(missing) - 1} more: {', '.join(missing[1:4])}{' ...' if len(missing) > 4 else ''})"
+            per_expert = next((k for k in checkpoint.where if _PER_EXPERT.search(k)), None)
             raise ValueError(
                 f"{CALLER}: the checkpoint in {checkpoint.folder} has no tensor {missing[0]!r}"
+                + (more if len(missing) > 1 else "")
                 + (
-                    f" (nor {len(missing) - 1} more: {', '.join(missing[1:4])}{' ...' if len(missing) > 4 else ''})"
-                    if len(missing) > 1
+                    f"; it stores experts one by one ({per_expert!r}), which transformers fuses into one tensor "
+                    "per block as it loads: load_model does not convert that layout yet"
+                    if per_expert
                     else ""
-                )  # fmt: skip
+                )
             )
         for meta, key in keys.items():
             if checkpoint.shape(key) != tuple(meta.shape):
