@@ -112,28 +112,20 @@ def runs(tmp_path_factory):
     stock.train()
     out["stock"] = stock
 
-    spy = CountCalls(trainstream.loss.causal_lm_loss)
-    real, trainstream.loss.causal_lm_loss = trainstream.loss.causal_lm_loss, spy
-    try:
-        chunked = TrainStreamTrainer(
-            model=tiny_causal_lm(),
-            args=training_args(base / "chunked", save_strategy="steps", save_steps=3),
-            train_dataset=RandomTokens(),
-        )
-        chunked.train()
-    finally:
-        trainstream.loss.causal_lm_loss = real
-    out["chunked"], out["chunked_calls"] = chunked, spy.calls
-    out["checkpoint"] = base / "chunked" / "checkpoint-3"
+    def train_counting_chunked_losses(name, **kwargs):
+        spy = CountCalls(trainstream.loss.causal_lm_loss)
+        real, trainstream.loss.causal_lm_loss = trainstream.loss.causal_lm_loss, spy
+        try:
+            trainer = TrainStreamTrainer(model=tiny_causal_lm(), train_dataset=RandomTokens(), **kwargs)
+            trainer.train()
+        finally:
+            trainstream.loss.causal_lm_loss = real
+        out[name], out[name + "_calls"] = trainer, spy.calls
 
-    full = TrainStreamTrainer(
-        model=tiny_causal_lm(),
-        args=training_args(base / "full"),
-        train_dataset=RandomTokens(),
-        trainstream={"chunked_loss": False},
-    )
-    full.train()
-    out["full"] = full
+    args = training_args(base / "chunked", save_strategy="steps", save_steps=3)
+    train_counting_chunked_losses("chunked", args=args)
+    out["checkpoint"] = base / "chunked" / "checkpoint-3"
+    train_counting_chunked_losses("full", args=training_args(base / "full"), trainstream={"chunked_loss": False})
     return out
 
 
@@ -190,6 +182,7 @@ def test_bf16_matches_the_stock_trainer(tmp_path):
 def test_chunked_loss_is_used_and_equals_the_full_logits_loss(runs):
     micro_batches = STEPS * 2
     assert runs["chunked_calls"] == micro_batches
+    assert runs["full_calls"] == 0
     assert_close_rel(logged(runs["chunked"], "loss"), logged(runs["full"], "loss"), 1e-5)
 
 

@@ -105,6 +105,11 @@ def _check_args(args, check_optim: bool) -> None:
                 f"TrainStreamTrainer: {name}=True is not supported (it casts the wrapped model for "
                 "evaluation); evaluate under the training precision"
             )
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"TrainStreamTrainer: {args.n_gpu} GPUs are visible to one process, which the Trainer would train "
+            "through nn.DataParallel; the engine trains one device per process (set CUDA_VISIBLE_DEVICES to one GPU)"
+        )
     optim = str(getattr(args.optim, "value", args.optim))
     if check_optim and optim not in ADAMW_OPTIMS:
         raise ValueError(
@@ -220,7 +225,7 @@ class TrainStreamTrainer(transformers.Trainer):
         if checkpoint is not None:
             path = os.path.join(checkpoint, ENGINE_STATE_NAME)
             engine = _engine_of(self.model)
-            if os.path.isfile(path) and engine.mode != "stock":
+            if os.path.isfile(path) and engine.mode != "stock" and engine.opts.offload == "auto":
                 with open(path) as f:
                     saved = json.load(f).get("mode")
                 if saved == "stock":
@@ -231,8 +236,7 @@ class TrainStreamTrainer(transformers.Trainer):
     # -- the loss ----------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        reason = None if not self._ts_own["chunked_loss"] else self._chunk_refusal(model, inputs, return_outputs)
-        if reason is not None:
+        if not self._ts_own["chunked_loss"] or self._chunk_refusal(model, inputs, return_outputs) is not None:
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
