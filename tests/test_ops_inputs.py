@@ -266,3 +266,39 @@ def test_gpu_an_all_nan_nf4_block_matches_the_cpu_and_bitsandbytes():
     bnb_packed, state = bnb.quantize_4bit(x.cuda(), blocksize=64, quant_type="nf4")
     assert state.absmax[0].item() == -FLT_MAX
     assert torch.equal(bnb_packed.flatten()[:32].cpu(), cpu_packed[:32])
+
+
+# -- QuantizedWeight's parts --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (
+            dict(codes=torch.zeros(1, dtype=torch.uint8)),
+            ValueError,
+            r"codes must be a contiguous torch.uint8 tensor of 60",
+        ),
+        (dict(codes=torch.zeros(120, dtype=torch.int8)), ValueError, r"codes must be a contiguous torch.uint8 tensor"),
+        (dict(codes=None), TypeError, r"codes must be a torch.Tensor"),
+        (dict(absmax=torch.zeros(1)), ValueError, r"absmax must be a contiguous float32 tensor of 2 elements"),
+        (dict(absmax=torch.zeros(2, dtype=torch.float64)), ValueError, r"absmax must be a contiguous float32"),
+        (dict(absmax=torch.zeros(2, device="meta")), ValueError, r"codes and absmax must be on one CPU or CUDA"),
+        (dict(shape=(1000, 1000)), ValueError, r"codes must be a contiguous torch.uint8 tensor of 500000"),
+        (dict(shape=None), TypeError, r"shape must be a torch.Size, list or tuple"),
+        (dict(shape=(-12, -10)), ValueError, r"shape must hold integers >= 0"),
+        (dict(dtype="float32"), ValueError, r"dtype must be one of"),
+        (dict(dtype=torch.int32), ValueError, r"dtype must be one of"),
+        (dict(format="NF4"), ValueError, r"format must be one of \('nf4', 'int8'\)"),
+        (dict(format=["nf4"]), ValueError, r"format must be one of"),
+        (dict(block_size=2**40), ValueError, r"block_size must be an even integer >= 2 and <= 4096"),
+    ],
+)
+def test_quantized_weight_checks_its_parts(change, error, match):
+    # dequantize_into trusts the codes a QuantizedWeight holds: a weight of 10^6 values over
+    # one byte of codes would be read far past it.
+    q = QuantizedWeight.quantize(torch.randn(12, 10), "nf4")
+    parts = dict(codes=q.codes, absmax=q.absmax, shape=q.shape, dtype=q.dtype, format="nf4", block_size=64)
+    parts.update(change)
+    with pytest.raises(error, match=rf"^QuantizedWeight: {match}"):
+        QuantizedWeight(**parts)

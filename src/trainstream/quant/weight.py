@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..ops import _args
 from ..ops import quant as qops
 
 FORMATS = ("nf4", "int8")
@@ -22,6 +23,36 @@ def quantized_nbytes(numel: int, format: str, block_size: int) -> int:
     return code_layout(numel, format)[0] + 4 * -(-numel // block_size)
 
 
+def _check_format(format) -> None:
+    if not isinstance(format, str) or format not in FORMATS:
+        raise ValueError(f"QuantizedWeight: format must be one of {FORMATS}, got {format!r}")
+
+
+def _check_codes(codes, absmax, shape: torch.Size, format: str, block_size: int) -> None:
+    """Codes and absmax laid out as quantize makes them for `shape`: dequantize_into trusts
+    them (it reads numel(shape) codes and a scale per block at their addresses)."""
+    _args.tensor("QuantizedWeight", "codes", codes)
+    _args.tensor("QuantizedWeight", "absmax", absmax)
+    n = math.prod(shape)
+    numel, code_dtype = code_layout(n, format)
+    if codes.dtype != code_dtype or codes.numel() != numel or not codes.is_contiguous():
+        raise ValueError(
+            f"QuantizedWeight: codes must be a contiguous {code_dtype} tensor of {numel} elements for {format} "
+            f"of shape {tuple(shape)}, got {codes.dtype} with {codes.numel()}"
+        )
+    blocks = -(-n // block_size)
+    if absmax.dtype != torch.float32 or absmax.numel() != blocks or not absmax.is_contiguous():
+        raise ValueError(
+            f"QuantizedWeight: absmax must be a contiguous float32 tensor of {blocks} elements (one per block of "
+            f"{block_size}), got {absmax.dtype} with {absmax.numel()}"
+        )
+    if codes.device.type not in ("cpu", "cuda") or absmax.device != codes.device:
+        raise ValueError(
+            f"QuantizedWeight: codes and absmax must be on one CPU or CUDA device, got {codes.device} "
+            f"and {absmax.device}"
+        )
+
+
 class QuantizedWeight:
     """Codes, absmax, and what is needed to rebuild the weight: shape, dtype, format and
     block size. ``dequantize()`` gives the weight back in its dtype on the codes' device."""
@@ -31,19 +62,18 @@ class QuantizedWeight:
     def __init__(
         self, codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype, format: str, block_size: int = 64
     ):
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        _check_format(format)
+        self.block_size = qops.check_block_size(block_size)
+        self.shape = torch.Size(_args.shape("QuantizedWeight", "shape", shape))
+        self.dtype = _args.dtype("QuantizedWeight", "dtype", dtype, qops.VALUE_DTYPES)
+        _check_codes(codes, absmax, self.shape, format, self.block_size)
         self.codes = codes
         self.absmax = absmax
-        self.shape = torch.Size(shape)
-        self.dtype = dtype
         self.format = format
-        self.block_size = qops.check_block_size(block_size)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, format: str = "nf4", block_size: int = 64) -> QuantizedWeight:
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        _check_format(format)
         quantize = qops.quantize_nf4 if format == "nf4" else qops.quantize_int8
         codes, absmax = quantize(weight.detach(), block_size)
         return cls(codes, absmax, weight.shape, weight.dtype, format, block_size)
