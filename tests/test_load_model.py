@@ -135,6 +135,34 @@ def test_a_loaded_model_trains_under_wrap_as_the_model_it_was_saved_from(tmp_pat
         assert "21 frozen weights arrived quantized as nf4" in events  # wrapped with its codes, not again
 
 
+def test_lora_over_a_loaded_nf4_base_trains_as_over_its_round_trip(tmp_path):
+    peft = pytest.importorskip("peft")
+    _, folder, _ = _checkpoint(tmp_path, "llama")
+
+    def with_lora(model):
+        torch.manual_seed(1)  # the adapters' init, the same for both
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+        return peft.get_peft_model(model, config).train(), hf_models.batch, hf_models.loss_fn
+
+    def loaded():
+        return with_lora(load_model(folder, quantize="nf4", dtype=torch.float32))
+
+    def reference():
+        model = hf_models.build("llama")
+        names = _quantized_names("llama")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in names:
+                    p.copy_(QuantizedWeight.quantize(p, "nf4").dequantize())
+        return with_lora(model)
+
+    ours = train("llama", PAGED, steps=4, model_factory=loaded)
+    assert_same_bits(ours, train("llama", RESIDENT, steps=4, model_factory=reference))
+    assert trainstream.memory_report(ours[2][0])["plan"]["quantized"]["tensors"] == 21
+    lora_b = [v for k, v in ours[1].items() if "lora_B" in k]
+    assert len(lora_b) == 9 and all(v.abs().sum() > 0 for v in lora_b)  # the adapters trained (they start at 0)
+
+
 def test_a_full_fine_tune_of_an_unquantized_load_trains_as_the_built_model(tmp_path):
     _, folder, _ = _checkpoint(tmp_path, "llama")
     everything = lambda n: True  # noqa: E731
