@@ -81,3 +81,33 @@ def test_the_switch_to_stock_lets_go_of_the_moment_regions():
     engine.apply(SwitchToStock({}))
     gc.collect()
     assert engine.mode == "stock" and stager() is None
+
+
+def _lr_changed_after_backward(wrap_options: dict, steps: int = 2) -> list:
+    """Train tiny_mlp, halving the lr between each backward() and step(); the warnings."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **RESIDENT, **wrap_options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.param_groups[0]["lr"] /= 2
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught if "trainstream" in str(w.message)]
+
+
+def test_an_lr_changed_after_updates_were_queued_warns_once_naming_the_group():
+    """Updates queued during backward read the lr of their time: step() says so, once."""
+    messages = _lr_changed_after_backward({})
+    assert len(messages) == 1
+    assert "param group 0's lr changed from 0.01 to 0.005" in messages[0]
+    assert "block 5" in messages[0]
+
+
+def test_an_lr_changed_before_the_updates_are_queued_does_not_warn():
+    """With clipping every update is queued by step(), with the lr of that moment."""
+    assert _lr_changed_after_backward(dict(max_grad_norm=1.0)) == []
