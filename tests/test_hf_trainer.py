@@ -201,6 +201,24 @@ def test_chunked_loss_refuses_a_model_that_changes_its_logits(tmp_path):
         trainer.train()
 
 
+def test_chunked_loss_on_a_model_that_is_not_a_causal_lm(tmp_path):
+    def classifier():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
+        )
+        config.pad_token_id = 0
+        return transformers.LlamaForSequenceClassification(config)
+
+    with pytest.warns(UserWarning, match="chunked_loss does not apply.*not a causal LM.*computes its own loss"):
+        trainer = TrainStreamTrainer(model=classifier(), args=training_args(tmp_path))
+    assert not trainer._ts_chunked
+    model = classifier()
+    with pytest.raises(ValueError, match="chunked_loss=True does not apply: LlamaForSequenceClassification"):
+        TrainStreamTrainer(model=model, args=training_args(tmp_path), trainstream={"chunked_loss": True})
+    assert not hasattr(model, "_trainstream_engine")
+
+
 # -- resume ----------------------------------------------------------------------------------
 
 

@@ -132,10 +132,10 @@ class TrainStreamTrainer(transformers.Trainer):
 
     def __init__(self, *args, trainstream: Mapping | None = None, **kwargs):
         self._ts_wrap, self._ts_own, self._ts_given = parse_trainstream(trainstream)
-        self._ts_chunk_checked = False
         super().__init__(*args, **kwargs)
         given_optimizer, given_scheduler = self.optimizer, self.lr_scheduler
         _check_args(self.args, check_optim=given_optimizer is None and self.optimizer_cls_and_kwargs is None)
+        self._ts_chunked = self._decide_chunked()
         if given_optimizer is not None:  # optimizers=(torch AdamW/Adam, ...): converted by wrap()
             self.optimizer = self._wrap(self.model, given_optimizer)
         else:
@@ -236,7 +236,7 @@ class TrainStreamTrainer(transformers.Trainer):
     # -- the loss ----------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self._ts_own["chunked_loss"] or self._chunk_refusal(model, inputs, return_outputs) is not None:
+        if not self._ts_chunked or return_outputs or not model.training or not _chunkable_batch(inputs):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
@@ -257,28 +257,30 @@ class TrainStreamTrainer(transformers.Trainer):
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return loss
 
-    def _chunk_refusal(self, model, inputs, return_outputs) -> str | None:
-        """Why this call keeps the model's own loss (None: it is chunked). Training calls of a
-        causal LM are chunked; evaluation wants the logits. A training model the chunked loss
-        cannot stand in for is said once, in a warning (an error when chunked_loss=True was
-        asked for)."""
-        if return_outputs or not model.training or "labels" not in inputs:
-            return "not a training call with labels"
-        reason = self._unchunkable(model, inputs)
-        if reason is not None and not self._ts_chunk_checked:
-            self._ts_chunk_checked = True
-            message = f"TrainStreamTrainer: chunked_loss does not apply: {reason}; the model computes its own loss"
-            if "chunked_loss" in self._ts_given:
-                raise ValueError(message.replace("; the model computes its own loss", "; pass chunked_loss=False"))
-            warnings.warn(message, stacklevel=3)
-        return reason
-
-    def _unchunkable(self, model, inputs) -> str | None:
+    def _decide_chunked(self) -> bool:
+        """Whether training calls use the chunked loss. A model it cannot stand in for keeps its
+        own loss, said in a warning; an error when chunked_loss=True was asked for."""
+        if not self._ts_own["chunked_loss"]:
+            return False
         if self.label_smoother is not None or self.compute_loss_func is not None:
-            return "the Trainer computes the loss itself (label_smoothing_factor or compute_loss_func)"
-        if "shift_labels" in inputs:
-            return "the batch brings shift_labels"
-        return unchunkable_model(model)
+            reason = "the Trainer computes the loss itself (label_smoothing_factor or compute_loss_func)"
+        else:
+            reason = unchunkable_model(self.model)
+        if reason is None:
+            return True
+        if "chunked_loss" in self._ts_given:
+            raise ValueError(f"TrainStreamTrainer: chunked_loss=True does not apply: {reason}")
+        warnings.warn(
+            f"TrainStreamTrainer: chunked_loss does not apply ({reason}); the model computes its own loss",
+            stacklevel=3,
+        )
+        return False
+
+
+def _chunkable_batch(inputs) -> bool:
+    # Labels to shift; a batch with its own shift_labels (padding-free collators) keeps the
+    # model's loss, which reads them.
+    return "labels" in inputs and "shift_labels" not in inputs
 
 
 def unchunkable_model(model) -> str | None:
