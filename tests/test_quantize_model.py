@@ -269,3 +269,26 @@ def test_embeddings_inside_a_block_stay_unquantized():
     model = Model().requires_grad_(False)
     assert trainstream.quantize_model(model)["tensors"] == 2
     assert sorted(_held(model)) == ["layers.0.lin.weight", "layers.1.lin.weight"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_gpu_codes_made_by_quantize_model_train_as_the_round_trip(where):
+    """Codes made on the host or on the device, served by wrap() on CUDA, paged, under bf16
+    autocast: the bits of the round-tripped model (made on the same device) trained resident."""
+
+    def prequantized():
+        model = _frozen("llama").to(where)
+        trainstream.quantize_model(model, "nf4")
+        assert all(q.device.type == where for q in _held(model).values())
+        return model, hf_models.batch, hf_models.loss_fn
+
+    def reference():
+        model = _frozen("llama").to(where)
+        names = {n for n, _ in model.named_parameters() if BLOCK_WEIGHT(n)}
+        return _round_trip(model, names, "nf4"), hf_models.batch, hf_models.loss_fn
+
+    kw = dict(steps=4, device="cuda", autocast=torch.bfloat16)
+    ours = train("llama", dict(PAGED, quantize="none"), model_factory=prequantized, **kw)
+    assert_same_bits(ours, train("llama", RESIDENT, model_factory=reference, **kw))
+    assert trainstream.memory_report(ours[2][0])["plan"]["quantized"]["tensors"] == 21
