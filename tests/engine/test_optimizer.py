@@ -241,3 +241,27 @@ def test_synchronize_makes_weights_read_after_it_current():
         opt.synchronize()
         for p, q in zip(model.parameters(), reference.parameters()):
             assert (p.detach() - q.detach()).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no_clip", "max_grad_norm"])
+def test_the_switch_to_stock_warns_that_user_clipping_starts_to_work(clip):
+    """p.grad stays None under the engine, so a torch.nn.utils.clip_grad_norm_ of the user's
+    does nothing until offload="auto" switches to stock training, where it starts clipping:
+    without max_grad_norm the switch says so, once; with it nothing changes and nothing warns."""
+    import warnings
+
+    from helpers import machine
+
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload="auto", profile=machine(vram_gib=24), max_grad_norm=clip
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+            opt.zero_grad()
+    assert trainstream.memory_report(model)["mode"] == "stock"
+    about_clipping = [w for w in caught if "clip_grad_norm_" in str(w.message)]
+    assert len(about_clipping) == (1 if clip is None else 0)

@@ -10,6 +10,7 @@ moments.py brings the moments.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -132,7 +133,20 @@ class StreamedAdamW(OffloadAdamW):
         """offload='auto': from now on every call goes to a torch.optim.AdamW(fused=True)
         that shares this optimizer's param groups and starts from its state (moments and
         step counts, moved to each parameter's device and dtype). The engine has unwrapped
-        the model already."""
+        the model already.
+
+        Without max_grad_norm it warns: p.grad is set from now on, so a
+        torch.nn.utils.clip_grad_norm_ in the user's loop, which found no gradient while the
+        engine trained (and returned 0 without clipping), clips from here on. torch gives no
+        way to see that call without patching it; the switch is where the run changes."""
+        if max_grad_norm is None:
+            warnings.warn(
+                "trainstream: offload='auto' switched to torch.optim.AdamW(fused=True), and p.grad is set from "
+                "now on: a torch.nn.utils.clip_grad_norm_ in your loop, which found no gradient before the "
+                "switch and did nothing, clips from this step on. To clip the same way throughout, pass "
+                "max_grad_norm= to wrap() (and drop your own call); offload=True keeps the engine.",
+                stacklevel=2,
+            )
         groups = self.param_groups
         stock = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=groups[0]["lr"], fused=True)
         for group in groups:  # the user's group dicts, completed with what torch AdamW reads
