@@ -87,10 +87,13 @@ def conflict(dists: list[Installed], need: str | None) -> str | None:
     names = ", ".join(f"{d.name} {d.version}" for d in dists)
     why = []
     if others:
-        why.append(
-            f"{' and '.join(d.name for d in others)} {'is an unrelated project' if len(others) == 1 else 'are unrelated projects'}"
-            " that also installs a package named 'trainstream'"
+        subject = " and ".join(d.name for d in others)
+        what = (
+            "is an unrelated project that also installs"
+            if len(others) == 1
+            else "are unrelated projects that also install"
         )
+        why.append(f"{subject} {what} a package named 'trainstream'")
     if len(ours) > 1:
         why.append("only one TrainStream distribution (one CUDA major) can be installed at a time")
     if need is None:
