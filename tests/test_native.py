@@ -5,13 +5,15 @@ import sys
 
 import pytest
 import torch
+from packaging.version import Version
 
 import trainstream
 from trainstream import _native
 
 
 def test_version_and_build_info():
-    assert trainstream.__version__ == "0.1.0.dev0"
+    # The version itself has one source, src/trainstream/_version.py (tests/test_release.py).
+    assert str(Version(trainstream.__version__)) == trainstream.__version__
     info = _native.build_info()
     assert {"compiler", "cuda", "cuda_version", "cuda_archs"} <= set(info)
     if info["cuda"]:
@@ -80,4 +82,5 @@ def test_require_cuda_passes_on_a_gpu_machine():
     _native.require_cuda("X")
     info = _native.lib().cuda_info()
     assert info["device_count"] == torch.cuda.device_count()
-    assert info["driver_version"] >= info["runtime_version"]
+    # CUDA's minor-version compatibility: a driver of the build's CUDA major is enough.
+    assert info["driver_version"] // 1000 >= info["runtime_version"] // 1000
