@@ -239,16 +239,25 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run(runs, tmp_path):
     assert all(torch.equal(sd[k], ref[k]) for k in ref)
 
 
-def test_resume_in_offload_mode_equals_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("paged", [False, True], ids=["resident", "paged"])
+def test_resume_in_offload_mode_equals_the_uninterrupted_run(tmp_path, paged):
+    options = {"offload": True, "param_offload": paged}
+
     def trainer(path, seed):
         args = training_args(path, max_steps=4, save_strategy="steps", save_steps=2)
         return TrainStreamTrainer(
-            model=tiny_causal_lm(seed=seed), args=args, train_dataset=RandomTokens(), trainstream={"offload": True}
+            model=tiny_causal_lm(seed=seed), args=args, train_dataset=RandomTokens(), trainstream=options
         )
 
     whole = trainer(tmp_path / "whole", 0)
     whole.train()
     assert whole.model._trainstream_engine.mode == "offload"
+    assert trainstream.memory_report(whole.model)["params"]["paged_blocks"] == ([0, 1] if paged else [])
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "whole" / "checkpoint-4" / "model.safetensors"))
+    trained = whole.model.state_dict()  # a paged param's .data is a placeholder: the host weights
+    assert saved.keys() == trained.keys() and all(torch.equal(v, trained[k]) for k, v in saved.items())
     resumed = trainer(tmp_path / "resumed", 5)  # other initial weights: the checkpoint's are loaded
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
     assert logged(resumed, "loss")[2:] == logged(whole, "loss")[2:]
