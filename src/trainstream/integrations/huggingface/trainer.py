@@ -34,7 +34,7 @@ import transformers
 from ... import options as _options
 from ...api import _engine_of
 from ...engine.adapt import SwitchToStock
-from .wrap import _is_peft, rng_preserved, wrap_hf
+from .wrap import _is_peft, wrap_hf
 
 WHERE = "TrainStreamTrainer(trainstream=...)"
 ENGINE_STATE_NAME = "trainstream_state.json"  # in each checkpoint: the engine's mode when it was saved
@@ -389,10 +389,7 @@ def _check_scheduler(scheduler, optimizer) -> None:
 
 def _synchronize(optimizer) -> None:
     """Wait for every update in flight (the weights and moments read next are current)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer holds ours
-    sync = getattr(inner, "synchronize", None) or getattr(inner, "_synchronize", None)
-    if sync is not None:
-        sync()
+    getattr(optimizer, "optimizer", optimizer).synchronize()  # accelerate's AcceleratedOptimizer holds ours
 
 
-__all__ = ["TrainStreamTrainer", "parse_trainstream", "unchunkable_model", "rng_preserved"]
+__all__ = ["TrainStreamTrainer", "parse_trainstream", "unchunkable_model"]
