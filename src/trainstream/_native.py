@@ -165,10 +165,11 @@ def require_cuda(feature: str) -> None:
         raise RuntimeError(
             f"{feature} needs a CUDA GPU, but none is visible ({reason}). Check nvidia-smi and CUDA_VISIBLE_DEVICES."
         )
-    capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-    refusal = ptx_refusal(info["driver_version"], info["runtime_version"], capabilities, build_info()["cuda_archs"])
-    if refusal is not None:
-        raise RuntimeError(f"{feature}: {refusal}")
+    if info["driver_version"] < info["runtime_version"]:  # an older minor (checked on every GPU op: keep it cheap)
+        capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        refusal = ptx_refusal(info["driver_version"], info["runtime_version"], capabilities, build_info()["cuda_archs"])
+        if refusal is not None:
+            raise RuntimeError(f"{feature}: {refusal}")
 
 
 def driver_refusal(driver: int, runtime: int) -> str | None:
