@@ -164,3 +164,28 @@ def test_gpu_in_place_edits_after_wrap_are_trained_on_as_torch_does(options):
             opt.zero_grad()
         runs.append({k: v.detach().cpu() for k, v in model.state_dict().items()})
     assert max_diff(*runs) < 2e-5
+
+
+def test_an_edit_before_a_block_moves_between_paged_and_resident_is_kept():
+    """A block edited in place and then paged (or brought back) between steps: the edit is
+    taken into its host weights before they become the param's, as torch keeps it."""
+
+    def edit_and_move(i, engine):
+        if i in (1, 3):
+            engine.optimizer.synchronize()
+            with torch.no_grad():
+                engine.model.layers[0].fc.weight.mul_(0.5)
+            engine.apply(Replan([0] if i == 1 else [], []))
+
+    model, _ = gpt_steps("cpu", steps=5, before_step=edit_and_move)
+    torch.manual_seed(0)
+    reference, batch, loss_fn = tiny_gpt()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for i in range(5):
+        if i in (1, 3):
+            with torch.no_grad():
+                reference.layers[0].fc.weight.mul_(0.5)
+        loss_fn(reference, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max_diff(reference.state_dict(), model.state_dict()) < 2e-5

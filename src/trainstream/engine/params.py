@@ -331,6 +331,7 @@ class WeightPager:
     def _to_paged(self, unit) -> None:
         backend = self.backend
         self.release(unit)
+        self.take_edits(unit)  # an edit of the device weights, before the host ones become the param
         for s in unit.slots:
             if s.quant is not None:  # the codes move to host transfer memory; the param keeps its placeholder
                 for t in (s.quant.codes, s.quant.absmax):  # a dequantize queued on copy-in may still read them
@@ -348,6 +349,7 @@ class WeightPager:
 
     def _to_resident(self, unit) -> None:
         self.release(unit)
+        self.take_edits(unit)  # an edit through the placeholder: every host copy level first
         for s in unit.slots:
             if s.quant is not None:  # the codes to the device; still dequantized for each use
                 s.quant = s.quant.to(self.backend.device)
