@@ -350,7 +350,16 @@ _MEMORY_PROBE = textwrap.dedent(
     """
     import json, sys, threading, time
     import torch
+    import transformers
+    from safetensors import safe_open
+    from transformers.models.llama import modeling_llama
+    from trainstream import ops
     from trainstream.integrations.huggingface import load_model
+
+    # What a first load imports and sets up (transformers, the model's module, the native
+    # thread pool) is there before the baseline: only the load itself is measured.
+    transformers.AutoConfig, transformers.AutoModelForCausalLM, modeling_llama.LlamaForCausalLM, safe_open
+    ops.quantize_nf4(torch.zeros(64))
 
     def anon():
         with open("/proc/self/status") as f:

@@ -292,3 +292,20 @@ def test_gpu_codes_made_by_quantize_model_train_as_the_round_trip(where):
     ours = train("llama", dict(PAGED, quantize="none"), model_factory=prequantized, **kw)
     assert_same_bits(ours, train("llama", RESIDENT, model_factory=reference, **kw))
     assert trainstream.memory_report(ours[2][0])["plan"]["quantized"]["tensors"] == 21
+
+
+def test_a_deep_copy_that_lost_the_codes_refuses_to_compute_or_wrap():
+    import copy
+
+    model = _frozen("llama")
+    trainstream.quantize_model(model)
+    clone = copy.deepcopy(model)  # a parameter's attributes, the codes among them, do not travel
+    with pytest.raises(RuntimeError, match="Linear.weight was stored quantized, and this copy of it lost its codes"):
+        hf_models.loss_fn(clone, hf_models.batch(0))
+    with pytest.raises(RuntimeError, match="lost its codes"):
+        clone.state_dict()
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight was stored quantized and this copy"):
+        trainstream.wrap(clone, device="cpu", offload=True)
+    wrapped, _ = trainstream.wrap(model, device="cpu", offload=True)
+    plain = copy.deepcopy(trainstream.unwrap(wrapped))  # unwrapped: real weights, nothing lost
+    assert torch.isfinite(hf_models.loss_fn(plain, hf_models.batch(0)))

@@ -293,6 +293,20 @@ def unquantized_note(kept: dict) -> str:
     return "quantize: never quantized in the blocks: " + "; ".join(parts)
 
 
+def _refuse_lost_codes(model: torch.nn.Module) -> None:
+    """A copy of a model whose weights were stored as codes, made by copy.deepcopy, has
+    parameters without them (placeholders): ValueError rather than training on NaN."""
+    from ..quant.stored import lost_codes
+
+    for name, module in model.named_modules():
+        lost = lost_codes(module)
+        if lost:
+            raise ValueError(
+                f"wrap(): {name + '.' if name else ''}{lost[0]} was stored quantized and this copy of the model lost its "
+                "codes (copy.deepcopy does not carry them): copy the model before quantizing it, or quantize the copy"
+            )
+
+
 def adopt_stored_codes(block_units: list, outside_units: list) -> tuple[list, list]:
     """Parameters that arrive holding codes (quantize_model, load_model): their slots take
     the codes' format and block size, which no plan changes (there are no values left to
@@ -355,6 +369,7 @@ def lay_out_model(model: torch.nn.Module, stack, trainable: set, device: torch.d
     """The units of `model`: one per block of `stack`, one per module outside it holding
     parameters; `trainable`: the parameters the optimizer updates."""
     block_units, outside_units, unpageable = build_units(model, stack.blocks, trainable)
+    _refuse_lost_codes(model)
     prequantized, stored_notes = adopt_stored_codes(block_units, outside_units)
     quantizable, notes = quantizable_slots(block_units, stack.blocks, unpageable)
     on_device = sum(

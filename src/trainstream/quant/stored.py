@@ -22,7 +22,12 @@ import torch
 
 from .weight import QuantizedWeight
 
-_ATTR = "_trainstream_codes"
+_ATTR = "_trainstream_codes"  # on the parameter: its QuantizedWeight
+_OWNER = "_trainstream_codes_owner"  # on the parameter: (weak reference to its module, its name there)
+# On the module: the names of its parameters that hold codes. It travels with copy.deepcopy,
+# which does not carry a parameter's attributes: a copy's parameter without its codes is
+# then found (lost_codes) instead of computing with the placeholder's NaN.
+_NAMES = "_trainstream_quantized"
 _hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its hook handles
 
 
@@ -49,6 +54,8 @@ def store(module: torch.nn.Module, name: str, q: QuantizedWeight) -> None:
         )
     param.data = placeholder(param.shape, param.dtype, q.device)
     setattr(param, _ATTR, q)
+    setattr(param, _OWNER, (weakref.ref(module), name))
+    module.__dict__.setdefault(_NAMES, set()).add(name)
     if module not in _hooked:
         _hooked[module] = (
             module.register_forward_pre_hook(_dequantize_for_forward),
@@ -61,11 +68,37 @@ def take(param: torch.Tensor) -> QuantizedWeight:
     """Hand the codes to their new owner (the engine at wrap()): the parameter no longer
     holds them, and its module's hooks leave it alone from now on."""
     q = getattr(param, _ATTR)
+    owner, name = getattr(param, _OWNER)
+    module = owner()
+    if module is not None:
+        module.__dict__.get(_NAMES, set()).discard(name)
     delattr(param, _ATTR)
+    delattr(param, _OWNER)
     return q
 
 
+def lost_codes(module) -> list:
+    """Names of `module`'s parameters that were stored as codes and no longer hold them
+    (a copy.deepcopy of the model); the engine taking them (take) does not count."""
+    names = module.__dict__.get(_NAMES)
+    if not names:
+        return []
+    return [
+        n for n in sorted(names) if module._parameters.get(n) is not None and codes_of(module._parameters[n]) is None
+    ]
+
+
+def _check(module) -> None:
+    lost = lost_codes(module)
+    if lost:
+        raise RuntimeError(
+            f"trainstream: {type(module).__name__}.{lost[0]} was stored quantized, and this copy of it lost its "
+            "codes (copy.deepcopy does not carry them): copy the model before quantizing it, or quantize the copy"
+        )
+
+
 def _held(module) -> list:
+    _check(module)
     return [(n, p, q) for n, p in module._parameters.items() if p is not None and (q := codes_of(p)) is not None]
 
 
