@@ -23,6 +23,10 @@ from trainstream.integrations.huggingface.wrap import decoder_layers, rng_preser
 
 VOCAB = 128
 STEPS = 6
+# 22 rows in batches of 2, accumulated 2 at a time: one epoch of 6 steps whose last window
+# holds a single micro-batch (the Trainer steps there; num_items_in_batch counts only it).
+ROWS = 22
+MICRO_BATCHES = ROWS // 2
 
 
 def tiny_causal_lm(kind: str = "llama", seed: int = 0):
@@ -45,7 +49,7 @@ class RandomTokens(torch.utils.data.Dataset):
     """Token rows with a padded tail of random length (labels -100 there), so the Trainer's
     num_items_in_batch differs from batch to batch."""
 
-    def __init__(self, rows: int = 24, length: int = 16, seed: int = 1):
+    def __init__(self, rows: int = ROWS, length: int = 16, seed: int = 1):
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, VOCAB, (rows, length), generator=g)
         self.lengths = torch.randint(6, length + 1, (rows,), generator=g)
@@ -180,8 +184,7 @@ def test_bf16_matches_the_stock_trainer(tmp_path):
 
 
 def test_chunked_loss_is_used_and_equals_the_full_logits_loss(runs):
-    micro_batches = STEPS * 2
-    assert runs["chunked_calls"] == micro_batches
+    assert runs["chunked_calls"] == MICRO_BATCHES
     assert runs["full_calls"] == 0
     assert_close_rel(logged(runs["chunked"], "loss"), logged(runs["full"], "loss"), 1e-5)
 
@@ -301,7 +304,7 @@ def test_gradient_checkpointing_recomputes_and_trains_the_same(runs, tmp_path):
     inside.register_forward_pre_hook(lambda m, a: counter())
     trainer.train()
     assert trainer.model.is_activation_checkpointing
-    assert counter.calls == 2 * STEPS * 2  # each micro-batch's forward and its recomputation
+    assert counter.calls == 2 * MICRO_BATCHES  # each micro-batch's forward and its recomputation
     assert_close_rel(logged(trainer, "loss"), logged(runs["chunked"], "loss"), 1e-6)
 
 
