@@ -180,6 +180,22 @@ def test_bf16_matches_the_stock_trainer(tmp_path):
     assert_close_rel(logged(ours, "grad_norm"), logged(stock, "grad_norm"), 1e-2)
 
 
+def test_model_init_wraps_each_new_model(runs, tmp_path):
+    built = []
+
+    def model_init():
+        built.append(tiny_causal_lm())
+        return built[-1]
+
+    trainer = TrainStreamTrainer(model_init=model_init, args=training_args(tmp_path, max_steps=2))
+    trainer.train_dataset = RandomTokens()
+    trainer.train()  # builds the model again, and wraps that one
+    assert len(built) == 2 and trainer.model is built[1]
+    assert trainstream.memory_report(trainer.model)["params"] is not None
+    # The first two steps read the same learning rate as the 6-step run: the same bits.
+    assert logged(trainer, "loss") == logged(runs["chunked"], "loss")[:2]
+
+
 # -- the chunked loss ------------------------------------------------------------------------
 
 
