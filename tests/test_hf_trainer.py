@@ -464,6 +464,14 @@ def test_wrap_hf_streams_the_decoder_layers_and_trains_without_a_cache():
         assert model(input_ids=ids).past_key_values is not None  # the config's use_cache=True again
 
 
+def test_decoder_layers_of_an_encoder_decoder_are_both_stacks():
+    config = transformers.T5Config(
+        d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=16, vocab_size=VOCAB
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    assert decoder_layers(model) == list(model.encoder.block) + list(model.decoder.block)
+
+
 def test_wrap_hf_refuses_a_module_that_is_not_a_transformers_model():
     with pytest.raises(TypeError, match="transformers.PreTrainedModel"):
         wrap_hf(torch.nn.Linear(2, 2), None)

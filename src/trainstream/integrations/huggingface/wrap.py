@@ -42,23 +42,22 @@ def _is_peft(model) -> bool:
 
 
 def decoder_layers(model) -> list | None:
-    """The model's layer stack: the nn.ModuleList whose children are all of one class that
-    transformers names in ``_no_split_modules`` (LlamaDecoderLayer, Qwen2DecoderLayer, ...),
-    the one holding the most parameters when there are several. None when the model names
-    no such class (wrap() then finds the stack itself)."""
+    """The model's layer stacks: every nn.ModuleList whose children are all of one class that
+    transformers names in ``_no_split_modules`` (LlamaDecoderLayer, Qwen2DecoderLayer, T5Block
+    ...), in module order, joined (T5's encoder.block then decoder.block), none inside another
+    stack's layer. None when the model names no such class (wrap() then finds the stack)."""
     hf = _hf_model(model)
     names = set(getattr(hf, "_no_split_modules", None) or ())
-    best, best_params = None, 0
+    layers, inside = [], set()
     for module in hf.modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+        if id(module) in inside or not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
             continue
         kinds = {type(child).__name__ for child in module}
         if len(kinds) != 1 or not kinds <= names:
             continue
-        params = sum(p.numel() for p in module.parameters())
-        if params > best_params:
-            best, best_params = list(module), params
-    return best
+        layers += list(module)
+        inside.update(id(m) for layer in module for m in layer.modules())
+    return layers or None
 
 
 class _NoCacheWhileTraining:
