@@ -26,9 +26,9 @@ class StreamedAdamW(OffloadAdamW):
     """AdamW for a model wrapped by :func:`trainstream.wrap`.
 
     ``step()`` completes the update of the gradients accumulated since the last step and
-    returns once it is queued: with ``accumulation_steps=N``, the N-th backward pass has
-    already queued each block's update as its gradients landed (so a backward pass that
-    ends an accumulation window applies the update even if ``step()`` never comes); with
+    returns once it is queued: with ``accumulation_steps=N``, the end of the N-th backward
+    pass has already queued every block's update (so a backward pass that ends an
+    accumulation window applies the update even if ``step()`` never comes); with
     ``max_grad_norm`` every update waits for ``step()``, which needs the global norm first.
     Gradients are summed over the window's backward passes, as ``p.grad`` would be, and are
     consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory, or with
