@@ -230,3 +230,20 @@ def test_bf16_moments_resume_bit_exactly_whatever_the_initial_seed():
     for pid, st in whole[1]["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert_same_bits(resumed[1]["state"][pid][key], st[key])
+
+
+@pytest.mark.parametrize("opts", [RESIDENT, dict(PAGED, min_offload_bytes=1 << 30)], ids=["resident", "paged"])
+def test_a_forward_never_taken_backward_does_not_keep_the_model(opts):
+    """A grad-enabled forward whose loss is dropped (an evaluation without no_grad, a step
+    that failed before backward) under the engine's saved-tensor hooks (the measured first
+    passes, streamed blocks): its graph, and the model with it, is freed."""
+    import weakref
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **opts)
+    loss = loss_fn(model, batch(0, "cpu"))
+    del loss
+    refs = [weakref.ref(model), weakref.ref(model._trainstream_engine)]
+    del model, opt
+    assert collected(lambda: all(r() is None for r in refs), timeout_s=3.0)

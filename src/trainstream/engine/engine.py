@@ -466,8 +466,13 @@ class Engine:
         self.meter.stop(unit, counted)
 
     def pack(self, unit, t: torch.Tensor):
+        # [Note: saved outputs] A tensor kept as it is goes back to autograd detached: a saved
+        # output packed as itself would hold its own grad_fn (tensor -> node -> saved tensor),
+        # a cycle through C++ that no collection breaks, so a graph never taken backward (a
+        # forward or backward that raised, a grad-enabled forward without backward) would
+        # keep its activations, and through these hooks the engine and the model, for good.
         if t.device != self.backend.device or t.numel() == 0:
-            return t
+            return t.detach()
         ptr = t.untyped_storage().data_ptr()
         slot = self.weights.fetched_storages.get(ptr)
         if slot is not None:
@@ -478,7 +483,7 @@ class Engine:
             or ptr in self.weights.resident_storages
             or t.untyped_storage().nbytes() < self.opts.min_offload_bytes
         ):
-            return t
+            return t.detach()
         return self.acts.pack(t, unit)
 
     def unpack(self, packed):

@@ -17,7 +17,8 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # what an update reads
 
 
 def _hyperparameters(group: dict) -> dict:
-    return {k: (float(group[k]) if k == "lr" else group[k]) for k in HYPERPARAMETERS}
+    """As plain floats (a tensor lr, betas as a list after a load compare by value)."""
+    return {k: (tuple(map(float, group[k])) if k == "betas" else float(group[k])) for k in HYPERPARAMETERS}
 
 
 def _device_update_roles(s, paged: bool) -> tuple:
