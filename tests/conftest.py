@@ -40,3 +40,13 @@ def _profile_cache(tmp_path_factory):
         os.environ.pop("TRAINSTREAM_CACHE_DIR", None)
     else:
         os.environ["TRAINSTREAM_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _cpu_stands_in_for_the_gpu_optimizer(monkeypatch):
+    """optimizer_mode="gpu" on the CPU backend runs the device update's moment layout with
+    the host AdamW standing in for the kernel, so the suite covers that layout without a GPU;
+    users get an error there (tests/test_fuzz.py checks it with this turned off)."""
+    from trainstream import options
+
+    monkeypatch.setattr(options, "CPU_STANDS_IN_FOR_GPU_OPTIMIZER", True)

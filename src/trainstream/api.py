@@ -105,6 +105,7 @@ def _convert(optimizer, model, opts) -> StreamedAdamW:
         moment_dtype=moment_dtype,
         threads=opts.threads,
         optimizer_class=StreamedAdamW,
+        where="wrap()",
     )
     in_model = set(model.parameters())
     if any(p not in in_model for g in optimizer.param_groups for p in g["params"]):
@@ -136,6 +137,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         )
     _adopt_optimizer_settings(opts, optimizer)
     device = _target_device(model, opts.device)
+    _options.check_for_device(opts, device)
     backend = Backend(device)
     stack = named_stack(model, opts.blocks) if opts.blocks is not None else find_blocks(model)
     source, optimizer = optimizer, _convert(optimizer, model, opts)

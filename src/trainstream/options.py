@@ -154,10 +154,15 @@ def _device(v):
         return None
     if isinstance(v, str):
         try:
-            v = torch.device(v)
+            parsed = torch.device(v)
         except RuntimeError:
             raise _Reject from None
-    if isinstance(v, torch.device) and v.type in ("cpu", "cuda"):
+        # torch holds the index in 8 bits: "cuda:999" parses as cuda:-25. Only a string that
+        # reads back as itself names the device it says.
+        if str(parsed) != v:
+            raise _Reject
+        v = parsed
+    if isinstance(v, torch.device) and v.type in ("cpu", "cuda") and (v.index is None or v.index >= 0):
         return v
     raise _Reject
 
@@ -210,8 +215,11 @@ def _threads(v):
 
 
 def _scalar(v):
-    """A real number, or the value of a one-element tensor (torch takes both for lr, betas)."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
+    """A real number, or the value of a one-element real tensor (torch takes both for lr,
+    betas); None for anything else, a meta tensor (no value) or a complex one included."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.is_meta or v.is_complex() or v.dtype == torch.bool:
+            return None
         return v.item()
     return v if _is_real(v) else None
 
@@ -484,6 +492,24 @@ def parse(options: dict) -> Options:
         raise ValueError(f"wrap(): unknown option {name!r}{hint}; accepted options: {', '.join(WRAP_OPTIONS)}")
     values = {name: check(name, options.get(name, spec.default)) for name, spec in WRAP_OPTIONS.items()}
     return Options(values, frozenset(options))
+
+
+# optimizer_mode="gpu" without a GPU: the engine can lay the moments out as the device update
+# does (regions, copies) with the host AdamW standing in for the kernel, which is how the
+# test suite covers that layout on a machine without one (tests/conftest.py sets this).
+# A user who asks for the GPU AdamW on the CPU backend gets an error instead.
+CPU_STANDS_IN_FOR_GPU_OPTIMIZER = False
+
+
+def check_for_device(opts: Options, device) -> None:
+    """The options that need a CUDA device, against the torch.device wrap() runs on (its
+    `device=` option, or where the model is); ValueError naming the option otherwise."""
+    if opts.optimizer_mode == "gpu" and device.type != "cuda" and not CPU_STANDS_IN_FOR_GPU_OPTIMIZER:
+        why = "device='cpu' was passed" if "device" in opts.given else "the model is on the CPU and no GPU is visible"
+        raise ValueError(
+            f"wrap(): option 'optimizer_mode' got 'gpu', which needs a CUDA device, but this run computes on "
+            f"{device} ({why}); accepted on {device}: 'cpu', 'auto'"
+        )
 
 
 # -- docs/options.md --------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not _args.tensors("grad_sq_norms", "tensors", tensors):
         return torch.zeros(0)
     device = tensors[0].device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"grad_sq_norms: tensors must be CPU or CUDA tensors, got {device}")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
         raise ValueError(

@@ -24,6 +24,7 @@ def convert_optimizer(
     max_grad_norm=None,
     accumulation_steps: int = 1,
     optimizer_class=OffloadAdamW,
+    where: str = WHERE,
 ) -> OffloadAdamW:
     """An OffloadAdamW that continues exactly where `optimizer` left off.
 
@@ -32,7 +33,8 @@ def convert_optimizer(
     with decoupled_weight_decay=True). The old optimizer should not be stepped afterwards;
     create LR schedulers on the returned one. `optimizer_class` (OffloadAdamW or a subclass)
     is what gets built. The options are checked as OffloadAdamW takes them
-    (:mod:`trainstream.options`), under this function's name.
+    (:mod:`trainstream.options`), under this function's name; `where` names the caller in
+    the error for an empty `params` with `optimizer` None.
     """
     common = _checked(
         lr=lr,
@@ -44,6 +46,12 @@ def convert_optimizer(
     )
     lr = common.pop("lr")
     if optimizer is None:
+        params = list(params)
+        if not params:  # torch's own error ("empty parameter list") would not say why
+            raise ValueError(
+                f"{where}: optimizer is None and no parameter requires grad, so there is nothing to train; "
+                "accepted: a model with at least one parameter that requires grad (requires_grad_(True))"
+            )
         return optimizer_class(params, lr=lr, **common)
     if isinstance(optimizer, torch.optim.AdamW):
         decoupled = True

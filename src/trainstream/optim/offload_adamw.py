@@ -7,6 +7,9 @@ and a ``state_dict`` in torch AdamW's format, loadable by ``torch.optim.AdamW`` 
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
+
 import torch
 
 from .. import ops, options
@@ -102,6 +105,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         _reject_unsupported(
             {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable, "differentiable": differentiable}
         )
+        for name, value, accepted in (
+            ("decoupled_weight_decay", decoupled_weight_decay, (True, False)),
+            ("foreach", foreach, (None, True, False)),
+            ("fused", fused, (None, True, False)),
+        ):
+            if not any(value is a for a in accepted):
+                raise ValueError(f"{WHERE}: option {name!r} got {value!r}; accepted: {', '.join(map(str, accepted))}")
         hyper = check_hyperparameters(lr, betas, eps, weight_decay)
         mode = _check("mode", mode)
         if mode == "gpu":
@@ -113,7 +123,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.accumulation_steps = _check("accumulation_steps", accumulation_steps)
         self.moment_dtype = _check("moment_dtype", moment_dtype)
         self.threads = _check("threads", threads)  # None until the pool resolves it (ops.get_pool)
-        self.seed = (torch.initial_seed() if seed is None else int(seed)) & 0xFFFF_FFFF_FFFF_FFFF
+        self.seed = (torch.initial_seed() if seed is None else _check_seed(seed)) & 0xFFFF_FFFF_FFFF_FFFF
         self._micro_step = 0
         self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}  # host fp32 sums (accumulation)
         self._grad_seen: set[torch.Tensor] = set()  # parameters with a gradient this window
@@ -121,13 +131,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         defaults = dict(
             **hyper,
             **_TORCH_GROUP_DEFAULTS,
-            decoupled_weight_decay=bool(decoupled_weight_decay),
+            decoupled_weight_decay=decoupled_weight_decay,
         )
+        if isinstance(params, (torch.Tensor, str, bytes, dict)) or not isinstance(params, Iterable):
+            raise TypeError(
+                f"{WHERE}: params must be an iterable of tensors or of param-group dicts, got {type(params).__name__}"
+            )
         super().__init__(params, defaults)
 
     # -- groups and state ------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(f"{WHERE}: a param group must be a dict with 'params', got {type(param_group).__name__}")
         _reject_unsupported({k: param_group[k] for k in UNSUPPORTED if k in param_group})
         _reject_duplicates(param_group)
         super().add_param_group(param_group)
@@ -144,6 +160,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         _check_param(p, self.mode)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        _check_moments(state_dict, self.param_groups)  # before anything is replaced
         for group in state_dict["param_groups"]:
             _reject_unsupported({k: group[k] for k in UNSUPPORTED if k in group})
         self._synchronize()  # a kernel in flight may still write the moments being replaced
@@ -201,14 +218,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             event.synchronize()
         self._inflight = []
 
-    def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
-        """Moments live in host memory; pinned in gpu mode, where the kernel maps them."""
-        t = t.contiguous()
     def _synchronize(self) -> None:
         # The internal callers' name (convert_optimizer, state_dict): a subclass overrides
         # synchronize() alone.
         self.synchronize()
 
+    def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        """Moments live in host memory; pinned in gpu mode, where the kernel maps them."""
+        t = t.contiguous()
         return t.pin_memory() if self.mode == "gpu" and not t.is_pinned() else t
 
     def _state_for(self, p: torch.Tensor) -> dict:
@@ -329,12 +346,16 @@ def _reject_duplicates(param_group: dict) -> None:
     """A parameter listed twice in one group: torch warns and updates it twice; the updates
     here are per parameter, so it is refused rather than updated once."""
     params = param_group["params"]
-    if not isinstance(params, torch.Tensor):  # a generator is read once: torch reads the list
-        params = param_group["params"] = list(params)
-    else:
+    if isinstance(params, torch.Tensor):
         params = [params]
+    elif isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        raise TypeError(f"{WHERE} param group: 'params' must be an iterable of tensors, got {type(params).__name__}")
+    else:  # a generator is read once: torch reads the list
+        params = param_group["params"] = list(params)
     seen = set()
     for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{WHERE} param group: parameter {i} must be a torch.Tensor, got {type(p).__name__}")
         if id(p) in seen:
             raise ValueError(
                 f"{WHERE} param group: parameter {i} (shape {tuple(p.shape)}) is listed twice; list each parameter once"
@@ -342,9 +363,53 @@ def _reject_duplicates(param_group: dict) -> None:
         seen.add(id(p))
 
 
+def _check_seed(seed) -> int:
+    """An integer (any sign: the stochastic-rounding streams take its low 64 bits); a float
+    would be truncated into another seed, so it is refused."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"{WHERE}: option 'seed' got {seed!r}; accepted: None, an integer")
+    return int(seed)
+
+
+def _check_moments(state_dict: dict, param_groups: list) -> None:
+    """Each saved exp_avg and exp_avg_sq is a tensor of its parameter's shape: a wrong one
+    would load and then fail, or update the wrong elements, at the next step(). Parameters
+    pair with the saved ids group by group, in order, as torch pairs them; groups of other
+    sizes are left to torch's own error."""
+    where = f"{WHERE}.load_state_dict()"
+    if (
+        not isinstance(state_dict, dict)
+        or not isinstance(state_dict.get("state"), dict)
+        or not isinstance(state_dict.get("param_groups"), list)
+        or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in state_dict["param_groups"])
+    ):
+        raise TypeError(
+            f"{where}: state_dict must be a dict of 'state' (a dict) and 'param_groups' (a list of dicts with "
+            "'params'), as state_dict() gives"
+        )
+    saved = state_dict["param_groups"]
+    if len(saved) != len(param_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved, param_groups)
+    ):
+        return
+    for s, g in zip(saved, param_groups):
+        for pid, p in zip(s["params"], g["params"]):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if key not in ("exp_avg", "exp_avg_sq"):
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{where}: state[{pid!r}][{key!r}] must be a tensor, got {type(value).__name__}")
+                if value.shape != p.shape:
+                    raise ValueError(
+                        f"{where}: state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, its parameter "
+                        f"{tuple(p.shape)}; accepted: a moment of its parameter's shape (is the state_dict "
+                        "from another model?)"
+                    )
+
+
 def _reject_unsupported(options: dict) -> None:
     for name, value in options.items():
-        if value != UNSUPPORTED[name]:
+        if value is not UNSUPPORTED[name]:  # only the bool: amsgrad=0 or None is not a setting
             raise ValueError(f"OffloadAdamW does not support {name}={value!r} (accepted: {UNSUPPORTED[name]})")
 
 
