@@ -146,7 +146,9 @@ def test_wrap_events_name_the_cgroup_and_a_model_over_it_does_not_fit(cgroups):
     assert "job/memory.max" in events
     # The same model in a cgroup with 64 KiB left: refused at wrap(), not killed later.
     write("job/memory.current", 3 * GiB - 64 * 1024)
-    with pytest.raises(trainstream.DoesNotFit, match="host RAM"):
+    with pytest.raises(
+        trainstream.DoesNotFit, match=r"host RAM: .*, available 0.00 GiB \(the cgroup limit .*job/memory.max\)"
+    ):
         trainstream.wrap(mlp(2, 256), device="cpu", offload=True, profile=False)
 
 

@@ -326,13 +326,16 @@ def check_fits(
             f"host RAM: needs {need_host / GiB:.2f} GiB ("
             + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v)
             + f"), available {have_host / GiB:.2f} GiB"
+            + (f" ({profile.ram_bound_by})" if profile.ram_bound_by else "")
             + (f" (this process's share of {local_processes()} on the machine)" if local_processes() > 1 else "")
         )
     pinned = pinned_bytes if backend.is_cuda else 0
     if pinned > profile.pinned_limit_bytes:
         problems.append(
             f"pinned memory: needs {pinned_bytes / GiB:.2f} GiB of transfer buffers, the limit is "
-            f"{profile.pinned_limit_bytes / GiB:.2f} GiB (raise RLIMIT_MEMLOCK, ulimit -l)"
+            f"{profile.pinned_limit_bytes / GiB:.2f} GiB ("
+            + (f"{profile.pinned_bound_by}; " if profile.pinned_bound_by else "")
+            + "raise RLIMIT_MEMLOCK, ulimit -l, or the cgroup's limit)"
         )
     if need_dev > usable:
         problems.append(
