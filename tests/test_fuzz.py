@@ -11,9 +11,11 @@ derandomized (the same examples every time, as the seeded suite) and small enoug
 
 from __future__ import annotations
 
+import atexit
 import math
 import numbers
 import re
+import shutil
 import tempfile
 
 import numpy as np
@@ -32,7 +34,9 @@ from trainstream.planner import profile as profile_mod
 
 # Hypothesis keeps what it learns under .hypothesis/ in the working directory: not in the
 # checkout, where other work goes on.
-set_hypothesis_home_dir(tempfile.mkdtemp(prefix="trainstream-hypothesis-"))
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="trainstream-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, ignore_errors=True)
 FUZZ = settings(
     max_examples=150,
     deadline=None,
