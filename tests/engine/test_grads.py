@@ -206,6 +206,39 @@ def test_a_parameter_in_two_reentrant_segments_of_one_block_sums_its_gradients()
     assert max_diff(stock[1], wrapped[1]) < 5e-5
 
 
+class _PassedEvent:
+    """An event whose work is done, as a GPU's is once passed; unlike the CPU backend's
+    DONE, which TransferLedger.add ignores, the ledger keeps it."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_gradients_left_on_the_device_count_once_as_released(monkeypatch):
+    """optimizer_mode="gpu", gradients left on the device and checked for non-finite values:
+    the ledger's released bytes are memory let go of, so each gradient counts once, when
+    its update is queued (the updater, at its kernel's end); the check lets go of nothing."""
+    model, batch, loss_fn = tiny_mlp(layers=4)
+    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, **RESIDENT, **GPU_MODE)
+    engine = model._trainstream_engine
+    assert engine.device_grads and engine.grads.check_batches
+    monkeypatch.setattr(engine.backend, "record", lambda stream=None: _PassedEvent())
+    added, homes = [], []
+    add, send_home = engine.ledger.add, engine.moments.send_home
+    monkeypatch.setattr(engine.ledger, "add", lambda event, n: (added.append((event, n)), add(event, n)))
+    monkeypatch.setattr(engine.moments, "send_home", lambda *a: homes.append(send_home(*a)) or homes[-1])
+    steps = 2
+    for i in range(steps):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    gradient_bytes = sum(n for event, n in added if not any(event is home for home in homes))
+    assert gradient_bytes == steps * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(accumulation=2), dict(clip=0.05)], ids=["accumulation", "clip"])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])

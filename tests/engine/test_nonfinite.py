@@ -2,6 +2,8 @@
 default), raises FloatingPointError naming its parameter ("raise"), or is applied as torch
 applies it ("ignore"). Checked against torch.optim.AdamW on the same batches."""
 
+import re
+
 import pytest
 import torch
 from helpers import GPU_MODE, PAGED, RESIDENT, assert_same_bits, max_diff
@@ -58,12 +60,16 @@ def _stock_one_step(batch_index: int, updated: list, device="cpu"):
 @pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
 @pytest.mark.parametrize("options", [{}, dict(max_grad_norm=1.0), dict(accumulation_steps=2)])
 def test_a_nan_loss_then_zero_grad_leaves_every_weight_as_it_was(base, options):
+    """Also where the window is held (clipping; accumulation, dropped after its first
+    pass): the step is counted as skipped and the events name the parameter."""
     model, opt, batch, loss_fn = _wrapped(base=base, **options)
     before = _host_state(model)
     (loss_fn(model, batch(0, "cpu")) * float("nan")).backward()
     opt.zero_grad()
     assert_same_bits((None, _host_state(model)), (None, before))
     assert _steps(opt) == {}
+    assert opt.skipped_steps == 1
+    assert re.search(r"the gradient of \d\.weight is not finite", trainstream.memory_report(model)["events"])
     # The next step trains normally.
     loss_fn(model, batch(1, "cpu")).backward()
     opt.step()
@@ -232,6 +238,141 @@ def test_gpu_optimizer_mode_on_the_cpu_path_skips_from_the_bad_block_on():
     assert opt.skipped_steps == 1
 
 
+def test_accumulation_dropped_by_zero_grad_after_a_nan_names_it_and_counts_the_window_once():
+    """A NaN in the first pass of a two-pass window, then zero_grad() before the second:
+    reported (the parameter, the units) and counted once; the next window trains as torch
+    does from the same weights."""
+    model, opt, batch, loss_fn = _wrapped(accumulation_steps=2)
+    handle = _poison(model, BAD)
+    (loss_fn(model, batch(0, "cpu")) / 2).backward()
+    handle.remove()
+    opt.zero_grad()
+    events = trainstream.memory_report(model)["events"]
+    assert f"the gradient of {BAD}.weight is not finite" in events
+    assert "skipped the updates of ['block 0', 'block 1', 'block 2', 'block 3', 'block 4', 'block 5']" in events
+    assert opt.skipped_steps == 1
+    for micro in range(2):
+        (loss_fn(model, batch(1 + micro, "cpu")) / 2).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1
+    assert _steps(opt) == {i: 1 for i in range(LAYERS)}
+
+    torch.manual_seed(0)
+    stock_model, batch, loss_fn = tiny_mlp(layers=LAYERS)
+    stock_opt = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    for micro in range(2):
+        (loss_fn(stock_model, batch(1 + micro, "cpu")) / 2).backward()
+    stock_opt.step()
+    assert max_diff(_host_state(model), _host_state(stock_model)) < 1e-6
+
+
+def test_clipping_dropped_by_zero_grad_after_an_overflowing_norm_is_not_a_skip():
+    """A huge finite gradient overflows the global norm, not the gradient: zero_grad()
+    dropping that window reports nothing, as step() would have applied it."""
+    model, opt, batch, loss_fn = _wrapped(max_grad_norm=1.0)
+    handle = _poison(model, BAD, 1e30)
+    loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    opt.zero_grad()
+    assert opt.skipped_steps == 0
+    assert "not finite" not in trainstream.memory_report(model)["events"]
+
+
+class _UnusedParam(torch.nn.Module):
+    """A block whose second parameter no forward uses: its unit never completes in a pass
+    and is handed on at the pass's end, with the other incomplete ones."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim, bias=False)
+        self.unused = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("bad", [3, 8, 12])
+def test_eager_skip_of_incomplete_units_follows_backward_order(bad):
+    """Every unit incomplete (an unused parameter each), so all are handed on at the end of
+    the pass: the bad block and those before it in the model (after it in backward) are
+    skipped, those after it updated as torch updates them. The hand-on order used to be a
+    set's, so which were skipped changed from run to run."""
+    blocks = 16
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_UnusedParam(16) for _ in range(blocks)])
+        return model, torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    model, x = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **RESIDENT)
+    before = _host_state(model)
+    handle = model[bad].lin.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    model(x).pow(2).mean().backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    events = trainstream.memory_report(model)["events"]
+    assert f"skipped the updates of {[f'block {i}' for i in range(bad, -1, -1)]}" in events
+
+    stock, x = build()
+    updated = [stock[i].lin.weight for i in range(bad + 1, blocks)]
+    stock_opt = torch.optim.AdamW(updated, lr=1e-2, weight_decay=0.01, foreach=False)
+    stock(x).pow(2).mean().backward()
+    stock_opt.step()
+    after, expected = _host_state(model), _host_state(stock)
+    for i in range(blocks):
+        key = f"{i}.lin.weight"
+        if i > bad:
+            assert max_diff({key: after[key]}, {key: expected[key]}) < 1e-6, key
+        else:
+            assert torch.equal(after[key], before[key]), key
+
+
+def test_the_check_takes_no_host_memory_per_batch(monkeypatch):
+    """The squared norms land in buffers allocated at wrap(), not in a new (on a GPU,
+    pinned) one per batch of gradients."""
+    model, opt, batch, loss_fn = _wrapped()
+    backend = model._trainstream_engine.backend
+    calls = []
+    host_empty = backend.host_empty
+    monkeypatch.setattr(backend, "host_empty", lambda *a, **k: calls.append(a) or host_empty(*a, **k))
+    for i in range(2):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert calls == []
+
+
+def test_each_batch_of_a_unit_keeps_its_own_squared_norms(monkeypatch):
+    """One batch per gradient (every gradient counts as large), so a unit's squared norms
+    of one pass arrive in eight batches: a NaN in any of its parameters, whichever batch
+    carries it, is found and named; the first pass of the same run was clean."""
+    from models import tiny_gpt
+
+    from trainstream.engine.grads import GradStreamer
+
+    monkeypatch.setattr(GradStreamer, "SMALL_GRAD_BYTES", 0)
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt(layers=2)
+    model, opt = trainstream.wrap(model, None, device="cpu", offload=True, **RESIDENT)
+    names = [n for n, _ in model.layers[1].named_parameters()]
+    assert len(names) == 8
+    for i, name in enumerate(names):
+        loss_fn(model, batch(2 * i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+        handle = model.layers[1].get_parameter(name).register_hook(lambda g: g * float("nan"))
+        loss_fn(model, batch(2 * i + 1, "cpu")).backward()
+        handle.remove()
+        opt.step()
+        opt.zero_grad()
+        assert opt.skipped_steps == i + 1, name
+        assert f"the gradient of layers.1.{name} is not finite" in trainstream.memory_report(model)["events"]
+
+
 def test_nonfinite_accepts_only_its_values():
     with pytest.raises(ValueError, match=r"'nonfinite'.*'skip', 'raise', 'ignore'"):
         _wrapped(nonfinite="warn")
@@ -282,6 +423,31 @@ def test_gpu_a_nan_loss_then_training_goes_on(mode, options):
     after = _host_state(model)
     assert all(torch.isfinite(v).all() and not torch.equal(v, before[k]) for k, v in after.items())
     assert opt.skipped_steps == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [{}, GPU_MODE], ids=["host", "gpu"])
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_gpu_a_nan_after_clean_steps_is_found(mode, base):
+    """The check's host buffers are reused every step: three clean steps, then a NaN in
+    block BAD's gradient is still found there (eager updates stop at it)."""
+    model, opt, batch, loss_fn = _wrapped(device="cuda", base=base, **mode)
+    for i in range(3):
+        loss_fn(model, batch(i, "cuda")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.skipped_steps == 0
+    before = _host_state(model)
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(3, "cuda")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    after = _host_state(model)
+    assert opt.skipped_steps == 1
+    assert f"the gradient of {BAD}.weight is not finite" in trainstream.memory_report(model)["events"]
+    assert all(torch.equal(after[f"{i}.weight"], before[f"{i}.weight"]) for i in range(BAD + 1))
+    assert not any(torch.equal(after[f"{i}.weight"], before[f"{i}.weight"]) for i in range(BAD + 1, LAYERS))
 
 
 @pytest.mark.gpu

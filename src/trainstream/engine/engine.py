@@ -698,9 +698,27 @@ class Engine:
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.zero_grad() called during backward")
         self._queue(self.grads.flush())  # a finished window's last units: their updates stand
+        self._check_dropped_window()
         self._report_skipped()
         self.updates.end_window()
         self.grads.reset_window()
+
+    def _check_dropped_window(self) -> None:
+        """zero_grad() drops a held window before its end: a non-finite gradient in it is
+        reported as step() reports it (the events name the parameter and the units, and the
+        window counts in optimizer.skipped_steps, docs/semantics.md), not lost with it. With
+        clipping no gradient was checked yet (the global norm at step() is the check), so the
+        norm is taken here, once, over the window's gradients still pending."""
+        if self.opts.nonfinite != "skip":
+            return  # "raise" raised at the check already; under clipping it raises from step() only
+        if self.grads.nonfinite is not None:
+            self.grads.skip_window()  # every unit not queued yet: SKIPPED, for _report_skipped
+        elif self.opts.max_grad_norm is not None and self.grads.take_pending():
+            slots = [s for u in self.units for s in u.trainable if s.has_grad]
+            if not math.isfinite(float(self.grads.global_norm(slots))):
+                first = self.grads.first_nonfinite_in_window(slots)
+                if first is not None:  # None: only the norm overflowed, the gradients are finite
+                    self.grads.skip_window(first)
 
     def synchronize(self) -> None:
         """Every queued update written on the host and, for resident units, on the device."""

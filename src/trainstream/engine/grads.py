@@ -21,8 +21,10 @@ for in the end-of-backward callback.
 
 [Note: non-finite gradients] (wrap(nonfinite=...)). Each batch of gradients gets its
 squared norms taken on the device, on the copy-out stream behind the copies, and sent to
-host memory with them (`unit.checks`): they are read where the unit is handed on, which
-already waits for that copy, so the check costs one reduction per batch and no host sync.
+host memory with them (`unit.checks`: views of a buffer per unit allocated at wrap(), whose
+reuse waits for its reader as a landing buffer's does). They are read where the unit is
+handed on, which already waits for that copy, so the check costs one reduction per batch
+and no host sync.
 A value that is not finite is confirmed on the gradient itself (a finite gradient's square
 can overflow), and then:
 - updates held for the end of the window (clipping, accumulation): the window is marked
@@ -97,9 +99,28 @@ class GradStreamer:
         self.passes = 0  # backward passes in the current accumulation window
         self.in_backward = False
         self._ready = deque()  # units whose gradients have all been issued D2H, in order
-        self._partial = set()  # units with some gradients this pass (unused params exist)
+        # Units with some gradients this pass (unused params exist), in the order their first
+        # gradient landed: an insertion-ordered dict, not a set, because the end of the pass
+        # hands them on in this order, and under nonfinite="skip" with eager updates which
+        # units are skipped ("that unit and every unit handed on after it") depends on it.
+        self._partial: dict = {}
+        # The non-finite check's host buffers, allocated once here (not per batch: a pinned
+        # allocation on the autograd thread can synchronize the device): per unit, one fp32
+        # value per trainable slot (_squares_to_host).
+        self._check_room: dict = self._carve_check_room() if self.check_batches else {}
         self._pass_id = 0  # numbers every backward pass (a slot's seen_pass)
         self._last_unit = None  # the unit the last gradient belonged to
+
+    def _carve_check_room(self) -> dict:
+        """One host transfer buffer (pinned on a GPU) for every unit's squared norms, carved
+        into a view of len(unit.trainable) values per unit."""
+        units = [u for u in self.units if u.trainable]
+        room = self.backend.host_empty((sum(len(u.trainable) for u in units),), torch.float32)
+        views, offset = {}, 0
+        for u in units:
+            views[u] = room[offset : offset + len(u.trainable)]
+            offset += len(u.trainable)
+        return views
 
     # -- during backward -------------------------------------------------------------------
 
@@ -188,17 +209,30 @@ class GradStreamer:
                 slot.stage.copy_(g, non_blocking=True)
                 backend.keep_until(g, backend.copy_out)
             if self.check_batches:
-                unit.checks += self._squares_to_host([slot for slot, *_ in batch], [g for _, g, _ in batch])
+                unit.checks += self._squares_to_host(unit, [slot for slot, *_ in batch], [g for _, g, _ in batch])
         event = backend.record(backend.copy_out)
         self.ledger.add(event, nbytes)  # the device gradients are freed once copied
         for slot, *_ in batch:
             self._landed(slot, event)
         return self.poll()
 
-    def _squares_to_host(self, slots: list, grads: list) -> list:
+    def _squares_to_host(self, unit, slots: list, grads: list) -> list:
         """The squared norm of each of `grads` (fp32), taken on the current stream and copied
-        into host memory behind it: readable once that stream's next event has passed.
-        Returns (host tensor, slots) per kernel launch (one per gradient dtype)."""
+        into `unit`'s check buffer behind it: readable once that stream's next event has
+        passed. Returns (host view, slots) per kernel launch (one per gradient dtype).
+
+        The buffer is reused every pass, so a write must never overtake the read of the values
+        before it (the rule of the gradient landing buffers, whose reuse waits for their
+        reader). Its reader is the host, in _first_nonfinite at the unit's hand-on, which waits
+        for the copy and is done when it returns; a pass gives each slot at most one value
+        (seen_pass), written after the values already in `unit.checks`, and `unit.checks` is
+        emptied only when they have been read or dropped (hand-on, skip, a dropped pass). The
+        next pass's copies are queued after this pass's hand-on, and a dropped pass's copies
+        still in flight are on the same stream as the next ones, so they land first."""
+        room = self._check_room[unit]
+        offset = sum(len(covered) for _, covered in unit.checks)
+        if offset + len(slots) > room.numel():
+            raise RuntimeError(f"trainstream internal: more gradients of {unit.name} in one pass than it has")
         groups: dict = {}
         for s, g in zip(slots, grads):
             key = g.dtype if g.is_contiguous() and g.dtype in _SQ_NORM_DTYPES else None
@@ -210,7 +244,8 @@ class GradStreamer:
                 sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in gs])
             else:
                 sq = ops.grad_sq_norms(gs)
-            host = self.backend.host_empty((len(gs),), torch.float32)
+            host = room[offset : offset + len(gs)]
+            offset += len(gs)
             host.copy_(sq, non_blocking=True)
             out.append((host, [s for s, _ in items]))
         return out
@@ -226,13 +261,13 @@ class GradStreamer:
             return
         backend.follow_compute(backend.copy_out)
         with backend.on(backend.copy_out):
-            unit.checks += self._squares_to_host(fresh, [s.device_grad for s in fresh])
+            unit.checks += self._squares_to_host(unit, fresh, [s.device_grad for s in fresh])
             for s in fresh:
                 backend.keep_until(s.device_grad, backend.copy_out)
         unit.grad_event = backend.record(backend.copy_out)
-        # The gradients stay on the device until the update is queued after this event: the
-        # cap holds a backward that outruns the checks back, as it does the copies.
-        self.ledger.add(unit.grad_event, sum(s.device_grad.numel() * s.device_grad.element_size() for s in fresh))
+        # Nothing goes into the ledger here: the gradients are not let go of at this event (they
+        # stay in slot.device_grad until their update is queued, and the updater counts them
+        # as released at its kernel's end), so counting them here would count them twice.
 
     def _first_nonfinite(self, unit):
         """The first of `unit`'s freshly landed slots whose gradient is not finite, or None.
@@ -262,10 +297,10 @@ class GradStreamer:
         slot.fresh = True
         unit.landed += 1
         if unit.landed == len(unit.trainable):
-            self._partial.discard(unit)
+            self._partial.pop(unit, None)
             self._ready.append(unit)
         else:
-            self._partial.add(unit)
+            self._partial[unit] = None
 
     def raised_pass(self) -> bool:
         """A backward pass that raised never reached its end: True (and the window's
