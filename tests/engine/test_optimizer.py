@@ -266,3 +266,23 @@ def test_the_switch_to_stock_warns_that_user_clipping_starts_to_work(clip):
     assert trainstream.memory_report(model)["mode"] == "stock"
     about_clipping = [w for w in caught if "clip_grad_norm_" in str(w.message)]
     assert len(about_clipping) == (1 if clip is None else 0)
+
+
+def test_the_wrapped_optimizer_reports_the_clipped_norm_in_offload_mode():
+    """optimizer.last_grad_norm is the engine's global norm while the engine steps (it was
+    set only by stock steps, so a caller reading it in offload mode got None)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    model, opt = trainstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        device="cpu",
+        offload=True,
+        max_grad_norm=0.5,
+        profile=False,
+    )
+    assert opt.last_grad_norm is None
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    engine = model._trainstream_engine
+    assert opt.last_grad_norm is not None and opt.last_grad_norm == engine.last_grad_norm > 0.5

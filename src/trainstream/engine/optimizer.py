@@ -44,7 +44,7 @@ class StreamedAdamW(OffloadAdamW):
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
     _stock_clip = None  # the max_grad_norm stock steps clip at, as torch does it
     stock_steps = 0  # steps taken by the stock optimizer
-    last_grad_norm = None  # the global norm the last stock step clipped (the engine keeps its own)
+    _stock_grad_norm = None  # the global norm the last stock step clipped (the engine keeps its own)
     # Steps (accumulation windows) whose updates were skipped, all or from one block on, for a
     # gradient that was not finite (wrap(nonfinite="skip")); counted by the engine.
     skipped_steps = 0
@@ -52,6 +52,12 @@ class StreamedAdamW(OffloadAdamW):
     # the update copies to VRAM or maps. Their state exists from wrap() on, and a loaded
     # state_dict is copied into them. Moments made later (mode "cpu") are those of no kernel.
     _mapped: dict = {}
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm the last step clipped at (max_grad_norm set), in offload
+        and in stock mode alike; None before the first clipped step."""
+        return self._engine.last_grad_norm if self._engine is not None else self._stock_grad_norm
 
     def pin_state(self, moments: dict) -> None:
         """optimizer_mode="gpu": every param's moments in the buffers `moments` gives
@@ -212,7 +218,7 @@ class StreamedAdamW(OffloadAdamW):
     def _stock_step(self) -> None:
         if self._stock_clip is not None:  # the clipping wrap() was asked for, as torch does it
             params = [p for g in self.param_groups for p in g["params"]]
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._stock_clip))
+            self._stock_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._stock_clip))
         self._stock.step()
         self.stock_steps += 1
 

@@ -196,7 +196,7 @@ class TrainStreamTrainer(transformers.Trainer):
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
     ):
-        grad_norm = _engine_of(self.model).last_grad_norm
+        grad_norm = self.optimizer.last_grad_norm
         return super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
