@@ -254,7 +254,7 @@ class Engine:
     @property
     def last_grad_norm(self):
         if self.mode == "stock" and self.optimizer.stock_steps:
-            return self.optimizer.last_grad_norm
+            return self.optimizer._stock_grad_norm
         return self._last_grad_norm
 
     @property
