@@ -58,7 +58,11 @@ def _stock_one_step(batch_index: int, updated: list, device="cpu"):
 
 
 @pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
-@pytest.mark.parametrize("options", [{}, dict(max_grad_norm=1.0), dict(accumulation_steps=2)])
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(max_grad_norm=1.0), dict(accumulation_steps=2), dict(accumulation_steps=2, max_grad_norm=1.0)],
+    ids=["eager", "clip", "accumulation", "accumulation+clip"],
+)
 def test_a_nan_loss_then_zero_grad_leaves_every_weight_as_it_was(base, options):
     """Also where the window is held (clipping; accumulation, dropped after its first
     pass): the step is counted as skipped and the events name the parameter."""
