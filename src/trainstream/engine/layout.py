@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -226,50 +227,81 @@ def arena_bytes(units: list, stage: bool = True) -> int:
 
 
 QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Modules whose weights are looked up, not multiplied: their rows are read a few at a time,
-# and QLoRA leaves them as they are.
-_LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+# nn.MultiheadAttention's input projections: F.linear reads them (out_proj is an nn.Linear).
+_ATTENTION_PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+# transformers' fused MoE experts (MixtralExperts, Qwen2MoeExperts, Llama4TextExperts, ...):
+# (experts, out, in) or (experts, in, out) tensors that each expert's rows multiply; their
+# 2-D biases (gate_up_proj_bias) are added, not multiplied.
+_FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 
 
-def _kept_reason(s: Slot, lookup: set) -> str | None:
-    """Why block weight `s` is never stored quantized, or None when it may be. Any frozen
-    weight tensor of two or more dimensions may be: nn.Linear's (out, in), GPT-2's Conv1D
-    (in, out), the fused (experts, out, in) tensors of transformers' MoE blocks, convolution
-    kernels. The codes are blockwise over the flat values, so the layout does not matter:
-    dequantizing gives the same shape back."""
+def _is_matmul_weight(module: torch.nn.Module, name: str, p: torch.Tensor) -> bool:
+    """Whether `module` uses its parameter `name` only as the matrix of a product, where
+    QLoRA quantizes: nn.Linear's weight, GPT-2's Conv1D, nn.MultiheadAttention's input
+    projections, a transformers fused-experts tensor. Anything else may be read in ways a
+    lossy code would change silently: indexed (positional or relative-position-bias tables,
+    embeddings), convolved, or passed through a function (Mamba's A_log, used as -exp)."""
+    if isinstance(module, torch.nn.Linear):
+        return name == "weight"
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return name in _ATTENTION_PROJECTIONS
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):  # transformers' own classes, not remote code
+        return False
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")  # a model holding one imported it
+    if pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D):
+        return name == "weight"
+    # The experts' parameters are named as the projections they fuse and have the expert
+    # dimension first; transformers' dense projections are nn.Linear submodules instead, so
+    # a 3-D parameter of such a name in a transformers module is a fused expert tensor.
+    return name in _FUSED_EXPERT_WEIGHTS and p.dim() == 3
+
+
+# The reason's text names the allowlist: a matrix it does not know (an MoE router's raw
+# weight, say) is listed here too, kept exact.
+NOT_MATMUL = "not a matmul weight (nn.Linear, Conv1D, MultiheadAttention's in-projections, fused MoE experts)"
+
+
+def _kept_reason(s: Slot, uses: list) -> str | None:
+    """Why block weight `s` is never stored quantized, or None when it may be: it must be
+    frozen, of a dtype the codes rebuild, and every module registering it (`uses`: (module,
+    name) pairs) must use it only as a matrix multiplied (_is_matmul_weight). The codes are
+    blockwise over the flat values, so the layout does not matter: dequantizing gives the
+    same shape back."""
     if s.trainable or s.param.requires_grad:  # autograd would give it a full-size gradient
         return "trainable"
     if s.param.dim() < 2:
         return "1-D (biases, norms, scales)"
-    if s.param in lookup:
-        return "embeddings"
+    if not uses or not all(_is_matmul_weight(m, n, s.param) for m, n in uses):
+        return NOT_MATMUL
     if s.dtype not in QUANT_DTYPES:
         return f"dtype {s.dtype}"
     return None
 
 
 def quantizable_slots(block_units: list, blocks: list, unpageable: list) -> tuple[list, list]:
-    """The weights wrap(quantize=...) may store quantized: the frozen weight tensors of the
-    blocks (see _kept_reason: as QLoRA, not biases, norms, anything the optimizer holds, or
-    anything that still requires grad). Weights of a block that shares a parameter with the
-    outside, and weights shared between blocks, are left as they are: other modules would read
-    the placeholder. Weights that arrived quantized (quantize_model, load_model) keep their own
-    codes and are not among them. Returns the slots and a note of what stays unquantized in
-    the blocks, with its bytes, by reason."""
+    """The weights wrap(quantize=...) may store quantized: the frozen matrix weights of the
+    blocks (see _kept_reason: as QLoRA, not biases, norms, embeddings, convolutions, anything
+    the optimizer holds, or anything that still requires grad). Weights of a block that shares
+    a parameter with the outside, and weights shared between blocks, are left as they are:
+    other modules would read the placeholder. Weights that arrived quantized (quantize_model,
+    load_model) keep their own codes and are not among them. Returns the slots and a note of
+    what stays unquantized in the blocks, with its bytes, by reason."""
     in_blocks: dict = {}
-    lookup = set()
+    uses: dict = {}  # parameter -> every (module, name) registering it in the blocks
     for block in blocks:
         for p in dict.fromkeys(block.parameters()):
             in_blocks[p] = in_blocks.get(p, 0) + 1
         for m in block.modules():
-            if isinstance(m, _LOOKUP_MODULES):
-                lookup.update(m.parameters(recurse=False))
+            for n, p in m._parameters.items():
+                if p is not None:
+                    uses.setdefault(p, []).append((m, n))
     slots, kept = [], {}
     for unit in block_units:
         for s in unit.slots:
             if s.quant_format is not None:
                 continue
-            reason = _kept_reason(s, lookup)
+            reason = _kept_reason(s, uses.get(s.param, []))
             if reason is None and (unit.block in unpageable or in_blocks.get(s.param, 0) > 1):
                 reason = "shared with other modules"
             if reason is None:
@@ -327,8 +359,11 @@ def adopt_stored_codes(block_units: list, outside_units: list) -> tuple[list, li
             q = codes_of(s.param)
             if q is None:
                 continue
-            if s.trainable:
-                raise ValueError(f"wrap(): {s.name} holds quantized codes and cannot be trained; leave it frozen")
+            if s.trainable or s.param.requires_grad:  # autograd would give the codes a full-size gradient
+                raise ValueError(
+                    f"wrap(): {s.name} holds quantized codes and requires grad: quantized weights are frozen; "
+                    f"call {s.name}.requires_grad_(False), or do not quantize it"
+                )
             s.quant_format, s.quant_block = q.format, q.block_size
             stored.append(s)
     if not stored:

@@ -45,6 +45,7 @@ import torch
 
 from ..quant.stored import codes_of
 from ..quant.stored import take as take_codes
+from ..quant.stored import taken_back as codes_taken_back
 from ..quant.weight import QuantizedWeight
 from ..sizes import GiB
 from .device import DeviceUpdate, HostArena
@@ -153,6 +154,8 @@ class WeightPager:
             for key, value in attrs.items():
                 if key not in vars(param):
                     setattr(param, key, value)
+            if codes_of(param) is not None:  # codes handed over by quant.stored: its module names them again
+                codes_taken_back(param)
         self._before = None
         self.resident_storages.clear()
         self.fetched_storages.clear()

@@ -97,5 +97,5 @@ def quantize_model(model, quantize="nf4", *, blocks=None, block_size=64, pin_bud
             q = QuantizedWeight.quantize(s.param.data, fmt, block_size)
         before += s.full_nbytes
         after += q.nbytes
-        stored.store(owner, name, q)
+        stored.store(owner, name, q, block=stack.blocks[s.unit.block])
     return {"tensors": len(slots), "bytes_before": before, "bytes_after": after}

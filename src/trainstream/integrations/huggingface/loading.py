@@ -100,7 +100,7 @@ def load_model(
         if fmt is not None:
             for p in model.parameters():
                 p.requires_grad_(False)
-        quantized = {s.param for s in block_slots(model)[0]} if fmt is not None else set()
+        quantized = _quantized_blocks(model) if fmt is not None else {}
         fill = _Filler(model, quantized, fmt, block_size)
         if checkpoint is None:
             fill.initialize()
@@ -200,6 +200,12 @@ def build_on_meta(config, dtype: torch.dtype, trust_remote_code: bool) -> torch.
             return transformers.AutoModelForSeq2SeqLM.from_config(
                 config, dtype=dtype, trust_remote_code=trust_remote_code
             )
+
+
+def _quantized_blocks(model) -> dict:
+    """Each weight to store quantized -> the block of the stack holding it (its forward serves it)."""
+    slots, stack = block_slots(model)
+    return {s.param: stack.blocks[s.unit.block] for s in slots}
 
 
 def _unique_params(model) -> list:
@@ -348,7 +354,7 @@ class _Filler:
     quantized into codes the parameter holds (`quantized`) or kept in the model's dtype. A
     parameter shared by several modules (tied embeddings) becomes one new parameter for all."""
 
-    def __init__(self, model, quantized: set, fmt: str | None, block_size: int):
+    def __init__(self, model, quantized: dict, fmt: str | None, block_size: int):
         self.model = model
         self.quantized = quantized
         self.fmt = fmt
@@ -373,7 +379,7 @@ class _Filler:
             q = QuantizedWeight(quantize.codes, quantize.absmax, meta.shape, meta.dtype, self.fmt, self.block_size)
             param = torch.nn.Parameter(stored.placeholder(meta.shape, meta.dtype, "cpu"), requires_grad=False)
             module._parameters[name] = param
-            stored.store(module, name, q)
+            stored.store(module, name, q, block=self.quantized[meta])
         else:
             if values.is_floating_point() and values.dtype != meta.dtype:
                 values = values.to(meta.dtype)
