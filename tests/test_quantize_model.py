@@ -312,6 +312,9 @@ def test_a_deep_copy_that_lost_the_codes_refuses_to_compute_or_wrap():
         clone.state_dict()
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight was stored quantized and this copy"):
         trainstream.wrap(clone, device="cpu", offload=True)
+    with pytest.raises(ValueError, match=r"quantize_model\(\): model.layers.0.self_attn.q_proj.weight was stored"):
+        trainstream.quantize_model(clone)  # it would quantize the placeholders' NaN
+    assert not _held(clone)
     wrapped, _ = trainstream.wrap(model, device="cpu", offload=True)
     plain = copy.deepcopy(trainstream.unwrap(wrapped))  # unwrapped: real weights, nothing lost
     assert torch.isfinite(hf_models.loss_fn(plain, hf_models.batch(0)))

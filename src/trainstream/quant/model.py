@@ -86,6 +86,13 @@ def quantize_model(model, quantize="nf4", *, blocks=None, block_size=64, pin_bud
         raise ValueError(f"{caller}: blocks must be None or a non-empty list of modules of the model")
     if getattr(model, "_trainstream_engine", None) is not None:
         raise ValueError(f"{caller}: the model is wrapped; quantize it before wrap() (or unwrap() it first)")
+    for name, module in model.named_modules():
+        lost = stored.lost_codes(module)
+        if lost:  # its data is the NaN placeholder: quantizing it would store NaN codes
+            raise ValueError(
+                f"{caller}: {name + '.' if name else ''}{lost[0]} was stored quantized and this copy of the model "
+                "lost its codes (copy.deepcopy does not carry them): copy the model before quantizing it"
+            )
     slots, stack = block_slots(model, blocks)
     if not stack.blocks:
         raise ValueError(f"{caller}: {stack.describe()}")
