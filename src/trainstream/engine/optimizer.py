@@ -44,7 +44,7 @@ class StreamedAdamW(OffloadAdamW):
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
     _stock_clip = None  # the max_grad_norm stock steps clip at, as torch does it
     stock_steps = 0  # steps taken by the stock optimizer
-    _stock_grad_norm = None  # the global norm the last stock step clipped (the engine keeps its own)
+    _stock_grad_norm = None  # with no engine: the last stock step's clipped norm, else the engine's last
     # Steps (accumulation windows) whose updates were skipped, all or from one block on, for a
     # gradient that was not finite (wrap(nonfinite="skip")); counted by the engine.
     skipped_steps = 0
@@ -132,7 +132,11 @@ class StreamedAdamW(OffloadAdamW):
         self._engine = engine
 
     def detach(self) -> None:
-        """The model was unwrapped: state_dict() still works, step() no longer does."""
+        """The model was unwrapped: state_dict() still works, step() no longer does. The
+        engine's last norm stays the answer of last_grad_norm (through a switch to stock, until
+        a stock step clips)."""
+        if self._engine is not None:
+            self._stock_grad_norm = self._engine.last_grad_norm
         self._engine = None
 
     def switch_to_stock(self, max_grad_norm: float | None) -> None:

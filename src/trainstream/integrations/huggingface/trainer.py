@@ -196,7 +196,7 @@ class TrainStreamTrainer(transformers.Trainer):
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
     ):
-        grad_norm = self.optimizer.last_grad_norm
+        grad_norm = _ours(self.optimizer).last_grad_norm
         return super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
@@ -387,9 +387,14 @@ def _check_scheduler(scheduler, optimizer) -> None:
         )
 
 
+def _ours(optimizer):
+    """The wrapped optimizer, inside accelerate's AcceleratedOptimizer when the Trainer made one."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def _synchronize(optimizer) -> None:
     """Wait for every update in flight (the weights and moments read next are current)."""
-    getattr(optimizer, "optimizer", optimizer).synchronize()  # accelerate's AcceleratedOptimizer holds ours
+    _ours(optimizer).synchronize()
 
 
 __all__ = ["TrainStreamTrainer", "parse_trainstream", "unchunkable_model"]
