@@ -447,3 +447,15 @@ def test_wrap_refuses_codes_that_require_grad_outside_the_optimizer():
     with pytest.raises(ValueError, match=r"layers.1.self_attn.q_proj.weight holds quantized codes and requires grad"):
         trainstream.wrap(model, torch.optim.AdamW(norms), device="cpu", offload=True)
     assert stored.codes_of(q_proj) is not None  # refused before anything moved
+
+
+@pytest.mark.gpu
+def test_gpu_a_weight_another_module_reads_is_dequantized_on_the_device():
+    model, reference = _encoder().cuda(), _encoder().cuda()  # codes made on the device, for both
+    _round_trip(reference, {n for n, _ in reference.named_parameters() if n.endswith(ENCODER_WEIGHTS)}, "nf4")
+    trainstream.quantize_model(model, "nf4", blocks=list(model.layers))
+    assert all(q.device.type == "cuda" for q in _held(model).values())
+    x = _encoder_batch(0, "cuda")
+    assert_same_bits(model(x), reference(x))
+    with torch.no_grad():
+        assert_same_bits(model.eval()(x), reference.eval()(x))
