@@ -170,18 +170,21 @@ def test_a_fault_at_each_hook_point_leaves_a_consistent_run(monkeypatch, point, 
     assert collected(lambda: len(_landers()) <= len(landers)), _landers()
 
 
+class Interrupt(torch.autograd.Function):
+    """Identity forward; its backward raises KeyboardInterrupt (a user's Ctrl-C mid-backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise KeyboardInterrupt
+
+
 def test_a_keyboard_interrupt_in_backward_with_eager_updates_says_which_units_were_updated():
     """A module whose backward raises KeyboardInterrupt halfway through the blocks: the
     blocks above it were updated whole, the rest not at all, and the events say which."""
-
-    class Interrupt(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            raise KeyboardInterrupt
 
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
@@ -204,15 +207,6 @@ def test_a_keyboard_interrupt_in_backward_with_eager_updates_says_which_units_we
 
 @pytest.mark.parametrize("options", [dict(max_grad_norm=1.0), dict(accumulation_steps=2)], ids=["clip", "accumulation"])
 def test_a_keyboard_interrupt_in_backward_with_held_updates_applies_nothing(options):
-    class Interrupt(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            raise KeyboardInterrupt
-
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
     model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **RESIDENT, **options)

@@ -97,25 +97,35 @@ def test_a_nan_loss_is_counted_and_reported():
     assert set(_steps(opt).values()) == {1}
 
 
+# (device, optimizer mode): the CPU path runs optimizer_mode="gpu" with the host AdamW standing in.
+DEVICE_MODES = [
+    pytest.param("cpu", {}, id="cpu-host"),
+    pytest.param("cpu", GPU_MODE, id="cpu-gpu_mode"),
+    pytest.param("cuda", {}, id="cuda-host", marks=pytest.mark.gpu),
+    pytest.param("cuda", GPU_MODE, id="cuda-gpu_mode", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device, mode", DEVICE_MODES)
 @pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
-def test_eager_updates_stop_at_the_block_with_the_nan(base):
+def test_eager_updates_stop_at_the_block_with_the_nan(device, mode, base):
     """Updates queued as blocks land: the blocks after the bad one in backward order
     (5, 4) are updated, as torch's AdamW updates them; it and the blocks before it in the
     model are not touched."""
-    model, opt, batch, loss_fn = _wrapped(base=base)
+    model, opt, batch, loss_fn = _wrapped(device=device, base=base, **mode)
     before = _host_state(model)
     handle = _poison(model, BAD)
-    loss_fn(model, batch(0, "cpu")).backward()
+    loss_fn(model, batch(0, device)).backward()
     handle.remove()
     opt.step()
     opt.zero_grad()
     after = _host_state(model)
     updated = list(range(BAD + 1, LAYERS))
-    stock = _stock_one_step(0, updated)
+    stock = _stock_one_step(0, updated, device=device)
     for i in range(LAYERS):
         key = f"{i}.weight"
         if i in updated:
-            assert max_diff({key: after[key]}, {key: stock[key]}) < 1e-6, key
+            assert max_diff({key: after[key]}, {key: stock[key]}) < (1e-6 if device == "cpu" else 1e-5), key
         else:
             assert torch.equal(after[key], before[key]), key
     assert _steps(opt) == {i: 1 for i in updated}
@@ -226,20 +236,6 @@ def test_a_huge_finite_gradient_is_not_skipped():
     loss_fn(stock_model, batch(0, "cpu")).backward()
     stock_opt.step()
     assert max_diff(_host_state(model), _host_state(stock_model)) < 1e-6
-
-
-def test_gpu_optimizer_mode_on_the_cpu_path_skips_from_the_bad_block_on():
-    model, opt, batch, loss_fn = _wrapped(**GPU_MODE)
-    before = _host_state(model)
-    handle = _poison(model, BAD)
-    loss_fn(model, batch(0, "cpu")).backward()
-    handle.remove()
-    opt.step()
-    opt.zero_grad()
-    after = _host_state(model)
-    assert all(torch.equal(after[f"{i}.weight"], before[f"{i}.weight"]) for i in range(BAD + 1))
-    assert _steps(opt) == {i: 1 for i in range(BAD + 1, LAYERS)}
-    assert opt.skipped_steps == 1
 
 
 def test_accumulation_dropped_by_zero_grad_after_a_nan_names_it_and_counts_the_window_once():
@@ -383,30 +379,6 @@ def test_nonfinite_accepts_only_its_values():
 
 
 # -- on a GPU --------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", [{}, GPU_MODE], ids=["host", "gpu"])
-@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
-def test_gpu_eager_updates_stop_at_the_block_with_the_nan(mode, base):
-    model, opt, batch, loss_fn = _wrapped(device="cuda", base=base, **mode)
-    before = _host_state(model)
-    handle = _poison(model, BAD)
-    loss_fn(model, batch(0, "cuda")).backward()
-    handle.remove()
-    opt.step()
-    opt.zero_grad()
-    after = _host_state(model)
-    updated = list(range(BAD + 1, LAYERS))
-    stock = _stock_one_step(0, updated, device="cuda")
-    for i in range(LAYERS):
-        key = f"{i}.weight"
-        if i in updated:
-            assert max_diff({key: after[key]}, {key: stock[key]}) < 1e-5, key
-        else:
-            assert torch.equal(after[key], before[key]), key
-    assert _steps(opt) == {i: 1 for i in updated}
-    assert opt.skipped_steps == 1
 
 
 @pytest.mark.gpu

@@ -71,6 +71,27 @@ def code_numel(fmt: int, n: int) -> int:
     return -(-n // 2) if fmt == NF4 else n
 
 
+def check_codes(op: str, fmt: int, codes, absmax, n: int, block_size: int) -> None:
+    """Codes and absmax laid out as quantize makes them for `n` values: the kernels trust
+    them (they read n codes and a scale per block at their addresses)."""
+    code_dtype = _code_dtype(fmt)
+    if codes.dtype != code_dtype or codes.numel() != code_numel(fmt, n) or not codes.is_contiguous():
+        raise ValueError(
+            f"{op}: codes must be a contiguous {code_dtype} tensor of {code_numel(fmt, n)} elements for "
+            f"{n} {_FORMAT_NAMES[fmt]} values, got {codes.dtype} with {codes.numel()}"
+        )
+    blocks = -(-n // block_size)
+    if absmax.dtype != torch.float32 or absmax.numel() != blocks or not absmax.is_contiguous():
+        raise ValueError(
+            f"{op}: absmax must be a contiguous float32 tensor of {blocks} elements "
+            f"(one per block of {block_size}), got {absmax.dtype} with {absmax.numel()}"
+        )
+    if codes.device.type not in ("cpu", "cuda") or absmax.device != codes.device:
+        raise ValueError(
+            f"{op}: codes and absmax must be on one CPU or CUDA device, got {codes.device} and {absmax.device}"
+        )
+
+
 def _run(
     dequantize: bool, fmt: int, values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block_size: int
 ) -> None:
@@ -192,23 +213,7 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
     block_size = check_block_size(block_size, op)
     shape = _args.shape(op, "shape", shape)
     dtype = _args.dtype(op, "dtype", dtype, VALUE_DTYPES)
-    n = math.prod(shape)
-    code_dtype = _code_dtype(fmt)
-    if codes.dtype != code_dtype or codes.numel() != code_numel(fmt, n) or not codes.is_contiguous():
-        raise ValueError(
-            f"dequantize_{name}: codes must be a contiguous {code_dtype} tensor of "
-            f"{code_numel(fmt, n)} elements for shape {shape}, got {codes.dtype} with {codes.numel()}"
-        )
-    blocks = -(-n // block_size)
-    if absmax.dtype != torch.float32 or absmax.numel() != blocks or not absmax.is_contiguous():
-        raise ValueError(
-            f"dequantize_{name}: absmax must be a contiguous float32 tensor of {blocks} elements "
-            f"(one per block of {block_size}), got {absmax.dtype} with {absmax.numel()}"
-        )
-    if codes.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"dequantize_{name}: codes must be a CPU or CUDA tensor, got {codes.device}")
-    if absmax.device != codes.device:
-        raise ValueError(f"dequantize_{name}: codes on {codes.device} but absmax on {absmax.device}")
+    check_codes(op, fmt, codes, absmax, math.prod(shape), block_size)
     ops = _nf4_ops if fmt == NF4 else _int8_ops
     if out is None:
         if _direct(codes, absmax):

@@ -33,24 +33,9 @@ def _check_codes(codes, absmax, shape: torch.Size, format: str, block_size: int)
     them (it reads numel(shape) codes and a scale per block at their addresses)."""
     _args.tensor("QuantizedWeight", "codes", codes)
     _args.tensor("QuantizedWeight", "absmax", absmax)
-    n = math.prod(shape)
-    numel, code_dtype = code_layout(n, format)
-    if codes.dtype != code_dtype or codes.numel() != numel or not codes.is_contiguous():
-        raise ValueError(
-            f"QuantizedWeight: codes must be a contiguous {code_dtype} tensor of {numel} elements for {format} "
-            f"of shape {tuple(shape)}, got {codes.dtype} with {codes.numel()}"
-        )
-    blocks = -(-n // block_size)
-    if absmax.dtype != torch.float32 or absmax.numel() != blocks or not absmax.is_contiguous():
-        raise ValueError(
-            f"QuantizedWeight: absmax must be a contiguous float32 tensor of {blocks} elements (one per block of "
-            f"{block_size}), got {absmax.dtype} with {absmax.numel()}"
-        )
-    if codes.device.type not in ("cpu", "cuda") or absmax.device != codes.device:
-        raise ValueError(
-            f"QuantizedWeight: codes and absmax must be on one CPU or CUDA device, got {codes.device} "
-            f"and {absmax.device}"
-        )
+    qops.check_codes(
+        "QuantizedWeight", qops.NF4 if format == "nf4" else qops.INT8, codes, absmax, math.prod(shape), block_size
+    )
 
 
 class QuantizedWeight:
