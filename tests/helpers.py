@@ -153,6 +153,15 @@ def collected(condition, timeout_s: float = 10.0) -> bool:
         time.sleep(0.01)
 
 
+def cuda_bytes_held() -> int:
+    """Bytes the caching allocator has handed out, less cuBLAS's workspaces: torch keeps one
+    per (handle, stream) that ran a matmul for the life of the process, so a test's first
+    matmul on a stream would otherwise read as memory its model never gave back."""
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    return torch.cuda.memory_allocated()
+
+
 def live_cuda_tensors() -> list:
     """(shape, dtype) of the CUDA tensors Python still holds, largest first (a failure's message)."""
     found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]

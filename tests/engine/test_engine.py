@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from helpers import PAGED, RESIDENT, assert_same_bits, collected, live_cuda_tensors, max_diff, train
+from helpers import PAGED, RESIDENT, assert_same_bits, collected, cuda_bytes_held, live_cuda_tensors, max_diff, train
 from models import tiny_gpt, tiny_mlp
 
 import trainstream
@@ -138,12 +138,12 @@ def test_gpu_paging_lowers_the_peak():
 @pytest.mark.parametrize("opts", [RESIDENT, PAGED], ids=["resident", "paged"])
 def test_gpu_a_deleted_wrapped_model_frees_its_device_memory(opts):
     gc.collect()
-    before = torch.cuda.memory_allocated()
+    before = cuda_bytes_held()
     factory = lambda: tiny_mlp(layers=4, dim=1024, rows=64)  # noqa: E731
     _, _, (model, opt) = train("mlp", opts, device="cuda", steps=3, model_factory=factory)
     del model, opt
-    freed = collected(lambda: torch.cuda.memory_allocated() - before < (1 << 20))
-    assert freed, (before, torch.cuda.memory_allocated(), live_cuda_tensors())
+    freed = collected(lambda: cuda_bytes_held() - before < (1 << 20))
+    assert freed, (before, cuda_bytes_held(), live_cuda_tensors())
 
 
 def test_a_step_interrupted_before_its_updates_are_queued_applies_them_when_retried(monkeypatch):
