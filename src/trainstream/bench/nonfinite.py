@@ -69,9 +69,9 @@ def run_case(case: dict) -> dict:
 
 def run(*, quick: bool = False) -> dict:
     cases = [
-        ("mlp", "host", dict(warmup=3, steps=4 if quick else 8, rounds=3 if quick else 7)),
+        ("mlp", "cpu", dict(warmup=3, steps=4 if quick else 8, rounds=3 if quick else 7)),
         ("mlp", "gpu", dict(warmup=3, steps=4 if quick else 8, rounds=3 if quick else 7)),
-        ("gpt", "host", dict(warmup=2, steps=2 if quick else 3, rounds=3 if quick else 5)),
+        ("gpt", "cpu", dict(warmup=2, steps=2 if quick else 3, rounds=3 if quick else 5)),
     ]
     rows, checks = [], []
     for model_name, mode, steps in cases:
