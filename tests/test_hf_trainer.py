@@ -258,6 +258,34 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run(runs, tmp_path):
     assert all(torch.equal(sd[k], ref[k]) for k in ref)
 
 
+def test_the_mode_is_saved_in_the_optimizer_state_and_an_old_checkpoints_file_is_read(runs, tmp_path):
+    """The checkpoint's optimizer.pt says it was saved after the switch (a plain loop loading it
+    switches too); a checkpoint from before, whose own file held the mode, still resumes as the
+    uninterrupted run."""
+    import json
+    import shutil
+
+    from trainstream.engine.switch import MODE_KEY
+
+    optimizer_pt = runs["checkpoint"] / "optimizer.pt"
+    assert torch.load(optimizer_pt, weights_only=True)[MODE_KEY] == "stock"
+    assert "trainstream_state.json" not in os.listdir(runs["checkpoint"])
+    old = tmp_path / "old-checkpoint"
+    shutil.copytree(runs["checkpoint"], old)
+    state = torch.load(old / "optimizer.pt", weights_only=True)
+    del state[MODE_KEY]
+    torch.save(state, old / "optimizer.pt")
+    (old / "trainstream_state.json").write_text(json.dumps({"mode": "stock"}))
+    resumed = TrainStreamTrainer(
+        model=tiny_causal_lm(seed=5), args=training_args(tmp_path / "out"), train_dataset=RandomTokens()
+    )
+    resumed.train(resume_from_checkpoint=str(old))
+    assert logged(resumed, "loss")[3:] == logged(runs["chunked"], "loss")[3:]
+    assert (
+        f"resume: the checkpoint {old} was saved after the switch" in trainstream.memory_report(resumed.model)["events"]
+    )
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["resident", "paged"])
 def test_resume_in_offload_mode_equals_the_uninterrupted_run(tmp_path, paged):
     options = {"offload": True, "param_offload": paged}

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers import machine, max_diff, train
+from models import tiny_mlp
 
 import trainstream
 
@@ -94,3 +95,88 @@ def test_the_clipped_norm_is_reported_through_the_switch():
     assert at_switch["mode"] == "stock" and at_switch["last_grad_norm"] is not None
     after = train_and_read(3)
     assert after["mode"] == "stock" and after["last_grad_norm"] > 0 and steps == [2, 3]
+
+
+def _auto_mlp(seed: int, **options):
+    torch.manual_seed(seed)
+    model, batch, loss_fn = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    opts = dict(device="cpu", offload="auto", profile=machine(vram_gib=24), max_grad_norm=1.0)
+    model, opt = trainstream.wrap(model, opt, **dict(opts, **options))
+    return model, opt, batch, loss_fn
+
+
+def _steps(model, opt, batch, loss_fn, steps) -> list:
+    losses = []
+    for i in steps:
+        loss = loss_fn(model, batch(i, "cpu"))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_plain_loop_resumed_after_the_switch_continues_in_stock_mode():
+    """torch.save(opt.state_dict()) after offload="auto" switched, then a new wrap() and
+    load_state_dict(): the run switches as it loads (it would measure two steps of its own on
+    the engine first, and the host AdamW rounds otherwise than the fused one), and continues
+    bit for bit as the uninterrupted run."""
+    import io
+
+    model, opt, batch, loss_fn = _auto_mlp(0)
+    _steps(model, opt, batch, loss_fn, range(3))  # the switch comes at the end of the second step
+    assert trainstream.memory_report(model)["mode"] == "stock"
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buffer)
+    whole = _steps(model, opt, batch, loss_fn, range(3, 6))
+
+    resumed, resumed_opt, *_ = _auto_mlp(1)  # other initial weights: the saved ones are loaded
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optim"])
+    report = trainstream.memory_report(resumed)
+    assert report["mode"] == "stock" and "switching now, before the first step" in report["events"]
+    assert _steps(resumed, resumed_opt, batch, loss_fn, range(3, 6)) == whole
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    # a plain torch AdamW takes the same state_dict (it ignores the mode's key)
+    torch.optim.AdamW(resumed.parameters()).load_state_dict(resumed_opt.state_dict())
+
+
+def test_a_state_saved_before_the_switch_or_by_torch_keeps_the_engine():
+    model, opt, batch, loss_fn = _auto_mlp(0)
+    _steps(model, opt, batch, loss_fn, range(1))
+    assert opt.state_dict()["trainstream_mode"] == "offload"
+    for state in (opt.state_dict(), torch.optim.AdamW(model.parameters()).state_dict()):
+        resumed, resumed_opt, *_ = _auto_mlp(1)
+        resumed_opt.load_state_dict(state)
+        assert trainstream.memory_report(resumed)["mode"] == "offload"
+
+
+@pytest.mark.parametrize(
+    "options, why",
+    [
+        (dict(offload=True), "offload=True keeps the engine"),
+        (dict(param_offload=True), "param_offload=True asks for paged weights"),
+    ],
+)
+def test_a_state_saved_after_the_switch_keeps_the_engine_the_options_ask_for(options, why):
+    model, opt, batch, loss_fn = _auto_mlp(0)
+    _steps(model, opt, batch, loss_fn, range(3))
+    state = opt.state_dict()
+    assert state["trainstream_mode"] == "stock"
+    resumed, resumed_opt, *_ = _auto_mlp(1, **options)
+    resumed_opt.load_state_dict(state)
+    report = trainstream.memory_report(resumed)
+    assert report["mode"] == "offload" and f"the engine stays: {why}" in report["events"]
+    _steps(resumed, resumed_opt, batch, loss_fn, range(3, 4))  # and it trains on, from the loaded moments
+    assert all(float(st["step"]) == 4 for st in resumed_opt.state.values())
+
+
+def test_a_state_dict_with_an_unknown_mode_is_refused():
+    model, opt, *_ = _auto_mlp(0)
+    state = dict(opt.state_dict(), trainstream_mode="fused")
+    with pytest.raises(ValueError, match="'trainstream_mode' is 'fused'; accepted: \\('offload', 'stock'\\)"):
+        opt.load_state_dict(state)

@@ -18,6 +18,8 @@ import torch
 from .. import ops
 from ..ops.adamw import adamw_step_mapped
 from ..optim.offload_adamw import OffloadAdamW
+from .adapt import SwitchToStock
+from .switch import MODE_KEY, saved_mode, why_not_resume_in_stock
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the host AdamW reads fp32 or bf16 gradients
 
@@ -235,11 +237,27 @@ class StreamedAdamW(OffloadAdamW):
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
-        if self._stock is not None:
-            return self._stock.state_dict()
-        return super().state_dict()
+        sd = self._stock.state_dict() if self._stock is not None else super().state_dict()
+        sd[MODE_KEY] = "stock" if self._stock is not None else "offload"  # switch.py, [Note: resuming ...]
+        return sd
+
+    def resume_in(self, mode: str | None, source: str) -> None:
+        """A state saved in `mode` is about to load (switch.py, [Note: resuming in the saved
+        mode]): one saved after offload='auto' switched to stock switches this run first, where
+        its options allow the switch; the events say which. `source` names the state there."""
+        engine = self._engine
+        if mode != "stock" or self._stock is not None or engine is None:
+            return
+        saved = f"resume: {source} was saved after the switch to torch.optim.AdamW(fused=True)"
+        why = why_not_resume_in_stock(engine.opts, engine.units)
+        if why is not None:
+            engine.events.add(f"{saved}; the engine stays: {why}")
+            return
+        engine.events.add(f"{saved}: switching now, before the first step")
+        engine.apply(SwitchToStock(need={}))
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.resume_in(saved_mode(state_dict), "the optimizer state_dict")
         groups = self.param_groups
         if self._stock is not None:
             self._stock.load_state_dict(state_dict)  # torch builds new group dicts

@@ -9,9 +9,17 @@ decides the switch and the engine carries it out at the end of step(): it unwrap
 call to a ``torch.optim.AdamW(fused=True)`` that shares its param groups (LR schedulers
 keep working) and starts from the migrated state. Explicit paging options keep the offload
 mode: the user asked for it.
+
+The mode is part of the optimizer's state_dict (MODE_KEY), so a run resumed from a state
+saved after the switch switches as it loads, before its first step: it continues with the
+optimizer the uninterrupted run had (see [Note: resuming in the saved mode]).
 """
 
 from __future__ import annotations
+
+# The optimizer state_dict's key for the mode it was saved in; torch's optimizers ignore it.
+MODE_KEY = "trainstream_mode"
+MODES = ("offload", "stock")  # the engine's update, or torch's fused AdamW after the switch
 
 
 def explicit_paging(opts) -> str | None:
@@ -44,3 +52,26 @@ def stock_bytes(units, meter, after_stack: int) -> dict:
         "activations (measured)": sum(meter.activation_bytes.values()),  # as with the weights resident
         "loss and head (measured)": after_stack,
     }
+
+
+# [Note: resuming in the saved mode]
+# offload="auto" switches to torch's fused AdamW after its measured steps, and the two
+# optimizers round differently; a resumed run that measured its own steps again would take
+# host updates where the uninterrupted run took fused ones. A state_dict saved after the
+# switch therefore switches the run loading it first, and its state then loads into the
+# fused AdamW. Only where the switch could have happened: options that rule it out keep the
+# engine, and the events say why.
+def saved_mode(state_dict) -> str | None:
+    """The mode an optimizer state_dict was saved in; None for one without it (torch's own,
+    or saved before the mode was recorded). A value that is not a mode is a ValueError."""
+    saved = state_dict.get(MODE_KEY)
+    if saved is not None and saved not in MODES:
+        raise ValueError(f"trainstream: the optimizer state_dict's {MODE_KEY!r} is {saved!r}; accepted: {MODES}")
+    return saved
+
+
+def why_not_resume_in_stock(opts, units) -> str | None:
+    """Why a run loading a state saved after the switch keeps the engine (None: it switches)."""
+    if opts.offload != "auto":
+        return f"offload={opts.offload!r} keeps the engine"
+    return explicit_paging(opts) or quantized(units)

@@ -33,11 +33,12 @@ import transformers
 
 from ... import options as _options
 from ...api import _engine_of
-from ...engine.adapt import SwitchToStock
+from ...engine.switch import MODE_KEY, saved_mode
 from .wrap import _is_peft, wrap_hf
 
 WHERE = "TrainStreamTrainer(trainstream=...)"
-ENGINE_STATE_NAME = "trainstream_state.json"  # in each checkpoint: the engine's mode when it was saved
+# Older checkpoints' file of the engine's mode when they were saved (now in the optimizer's state).
+ENGINE_STATE_NAME = "trainstream_state.json"
 
 # The Trainer's optimizers that are AdamW as torch.optim.AdamW computes it.
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -210,27 +211,21 @@ class TrainStreamTrainer(transformers.Trainer):
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # The engine's mode is saved inside the optimizer's state_dict (engine/switch.py).
         _synchronize(self.optimizer)
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            with open(os.path.join(output_dir, ENGINE_STATE_NAME), "w") as f:
-                json.dump({"mode": _engine_of(self.model).mode}, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        # [Note: resuming in the checkpoint's mode]
-        # offload='auto' switches to torch's fused AdamW after its measured steps, and the two
-        # optimizers round differently. A run resumed from a checkpoint taken after the switch
-        # switches before its first step, so it continues with the optimizer the uninterrupted
-        # run had; the optimizer state then loads into that one.
+        # The optimizer's state_dict carries the mode it was saved in, and loading one saved
+        # after offload='auto' switched to stock switches this run first (engine/switch.py,
+        # [Note: resuming in the saved mode]). Checkpoints written before the mode was part of
+        # it kept the mode in their own file, read here before the optimizer state loads.
         if checkpoint is not None:
             path = os.path.join(checkpoint, ENGINE_STATE_NAME)
-            engine = _engine_of(self.model)
-            if os.path.isfile(path) and engine.mode != "stock" and engine.opts.offload == "auto":
+            if os.path.isfile(path):
                 with open(path) as f:
-                    saved = json.load(f).get("mode")
-                if saved == "stock":
-                    engine.events.add(f"resume: the checkpoint {checkpoint} was trained by torch's fused AdamW")
-                    engine.apply(SwitchToStock(need={}))
+                    mode = saved_mode({MODE_KEY: json.load(f).get("mode")})
+                _ours(self.optimizer).resume_in(mode, f"the checkpoint {checkpoint}")
         super()._load_optimizer_and_scheduler(checkpoint)
 
     # -- the loss ----------------------------------------------------------------------------
