@@ -180,3 +180,9 @@ def test_a_state_dict_with_an_unknown_mode_is_refused():
     state = dict(opt.state_dict(), trainstream_mode="fused")
     with pytest.raises(ValueError, match="'trainstream_mode' is 'fused'; accepted: \\('offload', 'stock'\\)"):
         opt.load_state_dict(state)
+
+
+def test_a_wrapped_optimizer_refuses_what_is_not_a_state_dict():
+    model, opt, *_ = _auto_mlp(0)
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        opt.load_state_dict(["trainstream_mode"])

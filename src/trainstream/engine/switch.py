@@ -64,6 +64,8 @@ def stock_bytes(units, meter, after_stack: int) -> dict:
 def saved_mode(state_dict) -> str | None:
     """The mode an optimizer state_dict was saved in; None for one without it (torch's own,
     or saved before the mode was recorded). A value that is not a mode is a ValueError."""
+    if not isinstance(state_dict, dict):
+        return None  # not a state dict: the load's own checks name what is wrong
     saved = state_dict.get(MODE_KEY)
     if saved is not None and saved not in MODES:
         raise ValueError(f"trainstream: the optimizer state_dict's {MODE_KEY!r} is {saved!r}; accepted: {MODES}")
