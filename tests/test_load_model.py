@@ -268,29 +268,99 @@ def test_checkpoint_errors_name_the_file_tensor_or_field(tmp_path):
         load_model(folder)
 
 
-def test_a_checkpoint_of_experts_one_by_one_is_named_as_such(tmp_path):
-    from safetensors.torch import save_file
+def _assert_same_parameters(got, want) -> None:
+    got, want = dict(got.named_parameters()), dict(want.named_parameters())
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_same_bits(got[name].detach(), want[name].detach())
 
-    built, _, tensors = _checkpoint(tmp_path, "mixtral")
-    per_expert = tmp_path / "per-expert"
-    built.config.save_pretrained(per_expert)
+
+def _per_expert_layout(tensors: dict, names=("w1", "w3", "w2"), path="block_sparse_moe.experts") -> dict:
+    """A fused-expert checkpoint rewritten as the hub stores Mixtral: each expert's projections
+    apart, gate_up_proj's rows split into gate then up."""
+    gate, up, down = names
     layout = {}
     for k, v in tensors.items():
         if k.endswith("experts.gate_up_proj"):
             w1, w3 = v.chunk(2, dim=1)
             for e in range(v.shape[0]):
-                base = k.replace("mlp.experts.gate_up_proj", f"block_sparse_moe.experts.{e}")
-                layout[f"{base}.w1.weight"], layout[f"{base}.w3.weight"] = w1[e].contiguous(), w3[e].contiguous()
+                base = k.replace("mlp.experts.gate_up_proj", f"{path}.{e}")
+                layout[f"{base}.{gate}.weight"], layout[f"{base}.{up}.weight"] = w1[e].contiguous(), w3[e].contiguous()
         elif k.endswith("experts.down_proj"):
             for e in range(v.shape[0]):
-                layout[k.replace("mlp.experts.down_proj", f"block_sparse_moe.experts.{e}.w2.weight")] = v[
-                    e
-                ].contiguous()
-        else:
-            layout[k] = v
-    save_file(layout, per_expert / "model.safetensors")
+                layout[k.replace("mlp.experts.down_proj", f"{path}.{e}.{down}.weight")] = v[e].contiguous()
+        else:  # the router too lives under the checkpoint's MoE module name
+            layout[k.replace(".mlp.", f".{path.split('.')[0]}.")] = v
+    return layout
+
+
+def test_a_checkpoint_of_experts_one_by_one_is_fused_as_it_is_read(tmp_path):
+    from safetensors.torch import save_file
+
+    built, _, tensors = _checkpoint(tmp_path, "mixtral")
+    per_expert = tmp_path / "per-expert"
+    built.config.save_pretrained(per_expert)
+    save_file(_per_expert_layout(tensors), per_expert / "model.safetensors")
+    loaded = load_model(str(per_expert), quantize="none", dtype=torch.float32)
+    _assert_same_parameters(loaded, built)
+    quantized = _held(load_model(str(per_expert), quantize="nf4", dtype=torch.float32))
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    want = ops.quantize_nf4(tensors[fused], block_size=64)
+    assert torch.equal(quantized[fused].codes, want[0]) and torch.equal(quantized[fused].absmax, want[1])
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_hub_moe_checkpoint_loads_as_transformers_loads_it(tmp_path, kind):
+    """save_pretrained writes the hub's per-expert layout; from_pretrained is the reference."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=hf_models.VOCAB,
+        max_position_embeddings=64,
+    )
+    config = {
+        "mixtral": lambda: transformers.MixtralConfig(
+            **common, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, head_dim=16
+        ),
+    }[kind]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / kind)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / kind / "model.safetensors"), "pt") as f:
+        assert any(loading._PER_EXPERT.search(k) for k in f.keys()), "save_pretrained wrote fused experts"
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32)
+    got = load_model(str(tmp_path / kind), quantize="none", dtype=torch.float32)
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in got.named_parameters())
+    _assert_same_parameters(got, want)
+
+
+def test_a_per_expert_layout_load_model_does_not_know_is_named_as_such(tmp_path):
+    from safetensors.torch import save_file
+
+    built, _, tensors = _checkpoint(tmp_path, "mixtral")
+    per_expert = tmp_path / "per-expert"
+    built.config.save_pretrained(per_expert)
+    save_file(_per_expert_layout(tensors, names=("fc_a", "fc_b", "fc_c")), per_expert / "model.safetensors")
     with pytest.raises(
-        ValueError, match="has no tensor 'model.layers.0.mlp.experts.gate_up_proj'.*stores experts one by one"
+        ValueError,
+        match="has no tensor 'model.layers.0.mlp.experts.gate_up_proj'.*stores experts one by one.*"
+        "fuses that layout for model types .*'mixtral'.*not for model type 'mixtral' with these",
     ):
         load_model(str(per_expert))
 

@@ -39,6 +39,88 @@ log = logging.getLogger(__name__)
 # A checkpoint of MoE experts one module each (Mixtral's ...experts.3.w1.weight), where
 # transformers 5 models hold one fused tensor per block.
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+# The MoE families whose per-expert checkpoints load_model fuses as it reads: model_type ->
+# (the checkpoint's name for the model's ".mlp." of a MoE block; the per-expert names of the
+# gate, up and down projections). transformers 5 holds, per block, gate_up_proj[e] =
+# cat(gate_e, up_e) (rows: gate first) and down_proj[e] = down_e; only families whose fused
+# layout is exactly that are listed (each is compared against transformers' own loading in
+# tests/test_load_model.py), others stay refused by name.
+_EXPERT_LAYOUTS = {
+    "mixtral": (".block_sparse_moe.", ("w1", "w3", "w2")),
+    "qwen2_moe": (".mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": (".mlp.", ("gate_proj", "up_proj", "down_proj")),
+}
+_FUSED = re.compile(r"^(?P<block>.*)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def _checkpoint_names(model, name: str) -> list[str]:
+    """The names a checkpoint may give the model's tensor `name`: as is, with or without the
+    model's base prefix ("model.", "transformer.": checkpoints of the bare model lack it), and,
+    for a MoE family of _EXPERT_LAYOUTS, with its MoE module's checkpoint name."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    names = [name]
+    if prefix and name.startswith(prefix + "."):
+        names.append(name[len(prefix) + 1 :])
+    elif prefix:
+        names.append(f"{prefix}.{name}")
+    layout = _EXPERT_LAYOUTS.get(getattr(model.config, "model_type", None))
+    if layout is not None and layout[0] != ".mlp.":
+        names += [n.replace(".mlp.", layout[0]) for n in names if ".mlp." in n]
+    return names
+
+
+class _FusedExperts:
+    """A fused expert parameter read from per-expert checkpoint tensors: `parts[e]` lists the
+    keys whose rows, concatenated, are expert e's slice (gate then up, or down alone)."""
+
+    def __init__(self, parts: list[list[str]]):
+        self.parts = parts
+
+    def keys(self) -> list[str]:
+        return [k for part in self.parts for k in part]
+
+    def shape(self, checkpoint) -> tuple | None:
+        """The fused shape, or None when the experts' slices disagree in shape."""
+        slices = set()
+        for part in self.parts:
+            shapes = [checkpoint.shape(k) for k in part]
+            if any(len(sh) != 2 or sh[1] != shapes[0][1] for sh in shapes):
+                return None
+            slices.add((sum(sh[0] for sh in shapes), shapes[0][1]))
+        return (len(self.parts), *slices.pop()) if len(slices) == 1 else None
+
+    def read(self, checkpoint) -> torch.Tensor:
+        """One block's fused tensor, written slice by slice: the only full-precision copy of
+        its experts that exists while loading (the per-expert tensors are memory-mapped)."""
+        out = None
+        for e, part in enumerate(self.parts):
+            row = 0
+            for k in part:
+                piece = checkpoint.read(k)
+                if out is None:
+                    out = torch.empty(self.shape(checkpoint), dtype=piece.dtype)
+                out[e, row : row + piece.shape[0]].copy_(piece)
+                row += piece.shape[0]
+        return out
+
+
+def _fused_experts(model, name: str, checkpoint) -> _FusedExperts | None:
+    """The per-expert checkpoint tensors of the fused parameter `name`, when the model's family
+    is one _EXPERT_LAYOUTS converts and the checkpoint holds every one of them."""
+    layout = _EXPERT_LAYOUTS.get(getattr(model.config, "model_type", None))
+    found = _FUSED.match(name)
+    if layout is None or found is None:
+        return None
+    gate, up, down = layout[1]
+    names = (gate, up) if found["kind"] == "gate_up_proj" else (down,)
+    for base in _checkpoint_names(model, f"{found['block']}.mlp.experts"):
+        count = 0
+        while f"{base}.{count}.{names[0]}.weight" in checkpoint.where:
+            count += 1
+        parts = [[f"{base}.{e}.{n}.weight" for n in names] for e in range(count)]
+        if count and all(k in checkpoint.where for part in parts for k in part):
+            return _FusedExperts(parts)
+    return None
 
 
 def load_model(
@@ -393,20 +475,27 @@ class _Filler:
             return True
         return False
 
-    def _keys(self, meta, checkpoint) -> str | None:
-        """The checkpoint's name for `meta`: one of its names, with or without the model's
-        base prefix ("model.", "transformer.": checkpoints of the bare model lack it)."""
-        prefix = getattr(self.model, "base_model_prefix", "") or ""
+    def _keys(self, meta, checkpoint):
+        """The checkpoint's name for `meta` (one of _checkpoint_names of one of its names), or
+        the per-expert tensors a fused expert parameter is made of (_FusedExperts); None if
+        absent."""
         for name in self.names[meta]:
-            candidates = [name]
-            if prefix and name.startswith(prefix + "."):
-                candidates.append(name[len(prefix) + 1 :])
-            elif prefix:
-                candidates.append(f"{prefix}.{name}")
-            for key in candidates:
+            for key in _checkpoint_names(self.model, name):
                 if key in checkpoint.where:
                     return key
+        for name in self.names[meta]:
+            fused = _fused_experts(self.model, name, checkpoint)
+            if fused is not None:
+                return fused
         return None
+
+    @staticmethod
+    def _shape(key, checkpoint) -> tuple | None:
+        return key.shape(checkpoint) if isinstance(key, _FusedExperts) else checkpoint.shape(key)
+
+    @staticmethod
+    def _sources(key) -> list[str]:
+        return key.keys() if isinstance(key, _FusedExperts) else [key]
 
     def read(self, checkpoint: Checkpoint) -> None:
         keys, missing = {}, []
@@ -423,19 +512,27 @@ class _Filler:
                 + (more if len(missing) > 1 else "")
                 + (
                     f"; it stores experts one by one ({per_expert!r}), which transformers fuses into one tensor "
-                    "per block as it loads: load_model does not convert that layout yet"
+                    f"per block as it loads: load_model fuses that layout for model types {sorted(_EXPERT_LAYOUTS)} "
+                    f"with their own tensor names, not for model type "
+                    f"{getattr(self.model.config, 'model_type', None)!r} with these"
                     if per_expert
                     else ""
                 )
             )
         for meta, key in keys.items():
-            if checkpoint.shape(key) != tuple(meta.shape):
+            shape = self._shape(key, checkpoint)
+            if shape != tuple(meta.shape):
+                if isinstance(key, _FusedExperts):
+                    shapes = sorted({checkpoint.shape(k) for k in key.keys()})
+                    what = f"the per-expert tensors {key.keys()[0]!r}, ... (shapes {shapes}) fuse into {shape}"
+                else:
+                    what = f"tensor {key!r} in {checkpoint.where[key]} has shape {shape}"
                 raise ValueError(
-                    f"{CALLER}: tensor {key!r} in {checkpoint.where[key]} has shape {checkpoint.shape(key)}, the model "
-                    f"built from the config expects {tuple(meta.shape)} for {self.names[meta][0]}"
+                    f"{CALLER}: {what}, the model built from the config expects {tuple(meta.shape)} for "
+                    f"{self.names[meta][0]}"
                 )
         buffers = self._persistent_buffers(checkpoint)
-        used = set(keys.values()) | {key for _, _, key in buffers}
+        used = {k for key in keys.values() for k in self._sources(key)} | {key for _, _, key in buffers}
         aliases = {n for meta in keys for n in self.names[meta]}  # the other names of tied parameters
         unexpected = [k for k in checkpoint.where if k not in used and k not in aliases]
         if unexpected:
@@ -448,8 +545,10 @@ class _Filler:
                 if self._reuse(module, name, meta):
                     continue
                 key = keys[meta]
-                self._place(module, name, meta, checkpoint.read(key))
-                bar.update(checkpoint.nbytes(key))
+                values = key.read(checkpoint) if isinstance(key, _FusedExperts) else checkpoint.read(key)
+                self._place(module, name, meta, values)
+                del values
+                bar.update(sum(checkpoint.nbytes(k) for k in self._sources(key)))
             for module, name, key in buffers:
                 values = checkpoint.read(key)
                 old = module._buffers[name]
@@ -465,13 +564,12 @@ class _Filler:
         """(module, name, key) of the persistent buffers the checkpoint holds (the others keep
         what the constructor computed)."""
         found = []
-        prefix = getattr(self.model, "base_model_prefix", "") or ""
         for mod_name, module in self.model.named_modules():
             for name in module._buffers:
                 if module._buffers[name] is None or name in module._non_persistent_buffers_set:
                     continue
                 full = f"{mod_name}.{name}" if mod_name else name
-                for key in (full, full[len(prefix) + 1 :] if full.startswith(prefix + ".") else f"{prefix}.{full}"):
+                for key in _checkpoint_names(self.model, full):
                     if key in checkpoint.where:
                         found.append((module, name, key))
                         break
