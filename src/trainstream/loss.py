@@ -6,26 +6,32 @@ does before its loss) but never holds the (tokens, vocab) logits: at 8192 tokens
 152064-word vocabulary those are 2.5 GB in bf16 and 5 GB per fp32 copy, several copies of
 which live at once in a plain forward and backward.
 
-[Note: the two passes]
-Both passes walk the vocabulary in the same slices: every token times as many words as keep a
-slice's logits at ``chunk_size * vocab`` elements (chunk_size tokens' worth; one slice when
-there are at most chunk_size tokens). A slice's logits are one matmul in the input dtype (the
-matmul runs at the input's speed), upcast to fp32 (fp64 for fp64 inputs) as transformers
-upcasts, a block of rows at a time (see [Note: row blocks]). Forward keeps each token's running
-max, its sum of exp(z - max) (rescaled when the max grows) and its target's logit; it saves
-hidden, weight, bias, targets and those per-token max and sum. Backward recomputes each slice's
-logits, the same calls on the same slices, so they are forward's bit for bit and the saved max
-and sum fit them exactly (logits recomputed in other shapes round differently, which in fp32
-moves the gradients by more than 1e-6). It forms ``dlogits = scale * (softmax - onehot)``,
-rounds it once to the input dtype (what the upcast's backward does in the unchunked loss), and
-then
-- d_weight of the slice's words is one matmul over all tokens, written in place: the unchunked
-  loss's single rounding, and no accumulator the size of the weight (an fp32 one would be
-  2.2 GB at 152064 x 3584, more than the rest of the loss holds);
-- d_hidden accumulates over the slices in fp32 (fp64 for fp64): tokens x hidden, a small
-  tensor; in bf16 or fp16 each slice's product is rounded once to the input dtype before it is
-  added;
-- d_bias of the slice's words is one sum over all tokens.
+[Note: gradients in forward]
+The tokens are walked in chunks of chunk_size. A chunk's logits are one matmul over the whole
+vocabulary in the input dtype (the matmul runs at the input's speed), so each token's softmax
+is complete within its chunk, and the chunk's loss and logit gradients are formed at once,
+a block of its rows at a time in fp32 (fp64 for fp64 inputs; see [Note: row blocks]):
+``e = exp(z - max)`` and its sum ``s``, the loss ``log s - (z_target - max)`` (log_softmax's
+order), then ``d_logits = scale * (e / s - onehot)`` rounded once to the input dtype, written
+over the chunk's logits (what the upcast's backward does in the unchunked loss). ``scale`` is
+each token's d(loss)/d(its loss): 1 / (the mean's count, or num_items), 1 for the sum, 0 for
+an ignored token. When autograd will need gradients, the chunk then costs two more matmuls:
+- d_hidden of its tokens is one matmul over the vocabulary, written in place: the unchunked
+  loss's computation of those rows;
+- d_weight accumulates over the chunks in the weight's dtype (``addmm_``: the matmul adds in
+  fp32 and rounds once per chunk). An fp32 accumulator would round once in all, but at
+  152064 x 3584 it is 2 GiB, and with the bf16 gradient it becomes 3 GiB, past the memory
+  bound this module exists for (an eighth of the unchunked loss's 14 GiB); a weight frozen
+  (LoRA) has no d_weight at all;
+- d_bias accumulates over the chunks in fp32 (fp64 for fp64) and is rounded once.
+So the loss with its gradients costs three matmuls, as the unchunked one does; without grad
+(evaluation) each chunk is the logits' matmul and the log-sum-exp only. Backward multiplies
+the gradients made in forward by the loss's gradient (read once to the host: skipped when it
+is 1, as ``loss.backward()`` gives it, else one multiplication in fp32 and one rounding) and
+hands them over: they become ``.grad`` without a copy, so the peak holds one d_weight. A
+second backward through the same graph (``retain_graph=True``) finds them handed over and
+walks the chunks again from the saved inputs, which gives the same values; a double backward
+(``create_graph=True``) is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 __all__ = ["chunked_cross_entropy", "causal_lm_loss"]
 
@@ -62,24 +67,31 @@ def chunked_cross_entropy(
     one-element tensor) is transformers' ``num_items_in_batch``: the loss is the sum divided by
     it, in place of the mean's own count. The loss is fp32 (fp64 for fp64 inputs). Under
     autocast the floating inputs are cast to the autocast dtype first, as ``F.linear`` would.
-    ``chunk_size`` (an int >= 1) bounds the logits that exist at once to chunk_size tokens'
-    worth (``chunk_size * vocab``), taken as every token times a slice of the vocabulary; see
-    the module's note for how the two passes work.
+    ``chunk_size`` (an int >= 1) is the number of tokens whose logits exist at once
+    (``chunk_size * vocab`` of them). With autograd on and an input that requires grad, the
+    gradients are computed in this call and held until backward (one d_weight, one d_hidden);
+    see the module's note.
     """
     _check_kinds(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_tensors(hidden, weight, targets, bias, ignore_index)
     d = hidden.shape[-1]
+    flat_hidden = hidden.reshape(-1, d)
     flat_targets = targets.reshape(-1).long()
-    total = _SummedCrossEntropy.apply(hidden.reshape(-1, d), weight, bias, flat_targets, chunk_size, ignore_index)
     if num_items is not None:
-        if isinstance(num_items, torch.Tensor):
-            num_items = num_items.reshape(()).to(total.device)
-        return total / num_items
-    if reduction == "sum":
-        return total
-    # torch's mean: sum / count of tokens not ignored; 0 / 0 = nan when all are.
-    return total / (flat_targets != ignore_index).sum().to(total.dtype)
+        divisor = num_items.detach().reshape(()).to(hidden.device) if isinstance(num_items, torch.Tensor) else num_items
+    elif reduction == "mean":
+        # torch's mean: sum / count of tokens not ignored; 0 / 0 = nan when all are.
+        divisor = (flat_targets != ignore_index).sum().to(_compute_dtype(hidden.dtype))
+    else:
+        divisor = None
+    trained = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    if torch.is_grad_enabled() and any(trained):
+        return _CrossEntropyWithGradients.apply(
+            flat_hidden, weight, bias, flat_targets, divisor, chunk_size, ignore_index
+        )
+    token_loss, _ = _walk_chunks(flat_hidden, weight, bias, flat_targets, divisor, chunk_size, ignore_index)
+    return _reduce(token_loss, flat_targets != ignore_index, divisor)
 
 
 def causal_lm_loss(
@@ -116,88 +128,126 @@ def causal_lm_loss(
     )
 
 
-class _SummedCrossEntropy(torch.autograd.Function):
-    """Sum over the tokens not ignored of -log softmax(hidden @ weight.T + bias)[target].
+class _CrossEntropyWithGradients(torch.autograd.Function):
+    """The reduced loss, with its gradients made in forward and handed over in backward.
 
-    hidden (N, d), weight (V, d), bias (V,) or None, targets (N,) int64, already checked."""
+    hidden (N, d), weight (V, d), bias (V,) or None, targets (N,) int64, already checked;
+    divisor: None (the sum), the mean's count or num_items (see :func:`_reduce`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, ignore_index):
-        compute = _compute_dtype(hidden.dtype)
-        n = hidden.shape[0]
-        vocab = weight.shape[0]
+    def forward(ctx, hidden, weight, bias, targets, divisor, chunk_size, ignore_index):
+        need = ctx.needs_input_grad[:3]
+        token_loss, grads = _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_index, need)
         valid = targets != ignore_index
-        row_max = torch.full((n,), -math.inf, dtype=compute, device=hidden.device)  # the true max so far
-        ref = torch.zeros(n, dtype=compute, device=hidden.device)  # exp's reference: row_max, finite
-        exp_sum = torch.zeros(n, dtype=compute, device=hidden.device)  # sum of exp(z - ref)
-        picked = torch.zeros(n, dtype=compute, device=hidden.device)  # the target's logit
-        slice_sum = torch.empty(n, dtype=compute, device=hidden.device)
-        with _no_autocast(hidden.device):
-            for v0, v1 in _slices(n, vocab, chunk_size):
-                logits = _slice_logits(hidden, weight, bias, v0, v1)
-                in_slice, column = _targets_in_slice(targets, valid, v0, v1)
-                picked = torch.where(in_slice, logits.gather(1, column).squeeze(1), picked)
-                torch.maximum(row_max, logits.amax(dim=1), out=row_max)  # exact in any dtype
-                # torch.logsumexp's reference point: the max, or 0 where it is infinite.
-                new_ref = row_max.masked_fill(row_max.abs() == math.inf, 0)
-                for r0, r1 in _row_blocks(n):
-                    slice_sum[r0:r1] = _exp_minus(logits[r0:r1], new_ref[r0:r1]).sum(dim=1)
-                rescaled = torch.where(exp_sum == 0, 0, exp_sum * (ref - new_ref).exp())
-                exp_sum = rescaled + slice_sum
-                ref = new_ref
-                del logits
-        # log_softmax's order, log(sum exp(z - m)) - (z_t - m): m + log(s) rounded first would
-        # carry the rounding at a large max into every token's loss.
-        total = torch.where(valid, exp_sum.log() - (picked - ref), 0).sum()
-        ctx.save_for_backward(hidden, weight, bias, targets, ref, exp_sum)
+        ctx.grads = grads  # handed over, and dropped, by the first backward
+        # Only for a second backward through the same graph; references, no copies.
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.divisor = divisor
         ctx.chunk_size = chunk_size
         ctx.ignore_index = ignore_index
-        return total
+        return _reduce(token_loss, valid, divisor)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_total):
-        hidden, weight, bias, targets, ref, exp_sum = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        n, d = hidden.shape
-        vocab = weight.shape[0]
-        compute = ref.dtype
-        d_hidden_sum = torch.zeros(n, d, dtype=compute, device=hidden.device) if need_hidden else None
-        # Each slice writes its rows of d_weight and d_bias whole; with no token there is no slice.
-        alloc = torch.empty if n else torch.zeros
-        d_weight = alloc(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
-        d_bias = alloc(vocab, dtype=bias.dtype, device=bias.device) if need_bias else None
-        valid = targets != ctx.ignore_index
-        # Each token's d(loss)/d(its loss); ignored tokens get 0, also when grad_total is not
-        # finite (the mean over no token divides by 0), as torch's gradient is 0 there.
-        scale = torch.where(valid, grad_total.to(compute), 0)
-        # d_logits = scale * (softmax - onehot) = (e - s * onehot) * (scale / s) with
-        # e = exp(z - m): the exponent is taken from the row max, as log_softmax's backward
-        # takes it, so the largest probabilities keep full precision.
-        prob_scale = (scale / exp_sum).unsqueeze(1)
-        with _no_autocast(hidden.device):
-            for v0, v1 in _slices(n, vocab, ctx.chunk_size):
-                d_logits = _slice_logits(hidden, weight, bias, v0, v1)
-                in_slice, column = _targets_in_slice(targets, valid, v0, v1)
-                minus_sum = torch.where(in_slice, -exp_sum, 0).unsqueeze(1)
-                for r0, r1 in _row_blocks(n):
-                    e = _exp_minus(d_logits[r0:r1], ref[r0:r1])
-                    e.scatter_add_(1, column[r0:r1], minus_sum[r0:r1])
-                    # rounded once to the input dtype, over the logits they came from
-                    torch.mul(e, prob_scale[r0:r1], out=d_logits[r0:r1])
-                    del e
-                if need_weight:
-                    torch.mm(d_logits.t(), hidden, out=d_weight[v0:v1])
-                if need_hidden:
-                    if d_hidden_sum.dtype == d_logits.dtype:
-                        d_hidden_sum.addmm_(d_logits, weight[v0:v1])
-                    else:
-                        d_hidden_sum += d_logits @ weight[v0:v1]
-                if need_bias:
-                    torch.sum(d_logits, 0, out=d_bias[v0:v1])
-                del d_logits
-        d_hidden = d_hidden_sum.to(hidden.dtype) if need_hidden else None
-        return d_hidden, d_weight, d_bias, None, None, None
+    def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "chunked_cross_entropy has no double backward: its gradients are computed in its forward "
+                "and are not differentiable (backward was called with create_graph=True)"
+            )
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:  # a second backward (retain_graph=True): the first took the gradients
+            hidden, weight, bias, targets = ctx.saved_tensors
+            need = ctx.needs_input_grad[:3]
+            _, grads = _walk_chunks(hidden, weight, bias, targets, ctx.divisor, ctx.chunk_size, ctx.ignore_index, need)
+        # One host read: the multiplication must run in fp32 on bf16 gradients (a device
+        # scalar would be rounded to bf16 first), and 1, what loss.backward() gives, needs none.
+        g = float(grad_loss)
+        if g != 1.0:
+            for t in grads:
+                if t is not None:
+                    t.mul_(g)
+            d_hidden = grads[0]
+            if d_hidden is not None and not math.isfinite(g):
+                # torch's gradient of an ignored token is 0 whatever the loss's gradient is.
+                d_hidden[ctx.saved_tensors[3] == ctx.ignore_index] = 0
+        return (*grads, None, None, None, None)
+
+
+def _reduce(token_loss: torch.Tensor, valid: torch.Tensor, divisor) -> torch.Tensor:
+    """The sum over the tokens not ignored, divided by divisor unless it is None."""
+    total = torch.where(valid, token_loss, 0).sum()
+    return total if divisor is None else total / divisor
+
+
+def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_index, need=(False, False, False)):
+    """Each token's loss (N,) in the compute dtype, and (d_hidden, d_weight, d_bias) of the
+    reduced loss for those of hidden, weight, bias that ``need`` names (None for the others):
+    see [Note: gradients in forward]."""
+    need_hidden, need_weight, need_bias = need
+    compute = _compute_dtype(hidden.dtype)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    valid = targets != ignore_index
+    # Each token's d(reduced loss)/d(its loss), as autograd of the reduction forms it; ignored
+    # tokens get 0 (also when the divisor is 0: the mean over no token).
+    inv = torch.ones((), dtype=compute, device=device)
+    if divisor is not None:
+        inv = inv / torch.as_tensor(divisor, device=device).to(compute)
+    scale = torch.where(valid, inv, torch.zeros((), dtype=compute, device=device))
+    column = targets.clamp(0, vocab - 1).unsqueeze(1)  # ignored tokens' column is unused
+    token_loss = torch.empty(n, dtype=compute, device=device)
+    any_grad = need_hidden or need_weight or need_bias
+    d_hidden = torch.empty_like(hidden) if need_hidden else None
+    # The first chunk writes d_weight whole; with no token there is no chunk.
+    d_weight = torch.zeros_like(weight) if need_weight and n == 0 else None
+    d_bias_sum = torch.zeros(vocab, dtype=compute, device=device) if need_bias else None
+    with _no_autocast(device):
+        for c0 in range(0, n, chunk_size):
+            c1 = min(c0 + chunk_size, n)
+            h = hidden[c0:c1]
+            z = F.linear(h, weight, bias)  # (chunk, vocab) in the input dtype
+            for r0, r1 in _row_blocks(c0, c1):
+                token_loss[r0:r1] = _loss_and_dlogits(
+                    z[r0 - c0 : r1 - c0], column[r0:r1], valid[r0:r1], scale[r0:r1], any_grad
+                )
+            if not any_grad:
+                continue
+            # z holds the chunk's d_logits now
+            if need_hidden:
+                torch.mm(z, weight, out=d_hidden[c0:c1])
+            if need_weight:
+                if d_weight is None:
+                    d_weight = torch.mm(z.t(), h)
+                else:
+                    d_weight.addmm_(z.t(), h)
+            if need_bias:
+                d_bias_sum += z.sum(0, dtype=compute)
+            del z
+    d_bias = d_bias_sum.to(bias.dtype) if need_bias else None
+    return token_loss, (d_hidden, d_weight, d_bias)
+
+
+def _loss_and_dlogits(z, column, valid, scale, write_dlogits: bool) -> torch.Tensor:
+    """The loss of each of z's rows (logits in the input dtype); with write_dlogits, z is
+    overwritten by ``scale * (softmax(z) - onehot)`` rounded once to its dtype.
+
+    Passes over the compute-dtype block: the subtraction that makes it (it promotes the input
+    dtype's logits exactly, so no upcast copy is made), exp in place, the sum, and the one that
+    writes d_logits; the row max and the target's logit are read from z."""
+    row_max = z.amax(dim=1).to(scale.dtype)  # exact in any dtype
+    picked = z.gather(1, column).squeeze(1).to(scale.dtype)
+    e = torch.sub(z, row_max.unsqueeze(1)).exp_()
+    exp_sum = e.sum(dim=1)
+    # log_softmax's order, log(sum exp(z - m)) - (z_t - m): m + log(s) rounded first would
+    # carry the rounding at a large max into every token's loss.
+    loss = exp_sum.log() - (picked - row_max)
+    if write_dlogits:
+        # scale * (e / s - onehot) = (e - s * onehot) * (scale / s): the exponent is taken from
+        # the row max, as log_softmax's backward takes it, so the largest probabilities keep
+        # full precision.
+        e.scatter_add_(1, column, torch.where(valid, -exp_sum, 0).unsqueeze(1))
+        torch.mul(e, (scale / exp_sum).unsqueeze(1), out=z)
+    return loss
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -205,43 +255,15 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _slices(tokens: int, vocab: int, chunk_size: int) -> list[tuple[int, int]]:
-    """(v0, v1) word ranges: every token times v1 - v0 words holds at most chunk_size tokens'
-    worth of logits (chunk_size * vocab); no slice when there is no token."""
-    if tokens == 0:
-        return []
-    width = vocab if tokens <= chunk_size else max(1, (chunk_size * vocab) // tokens)
-    return [(v0, min(v0 + width, vocab)) for v0 in range(0, vocab, width)]
-
-
-def _slice_logits(hidden, weight, bias, v0: int, v1: int) -> torch.Tensor:
-    """Every token's logits over words v0:v1, in the input dtype. Forward and backward call it
-    with the same slices, so backward's logits are forward's, bit for bit."""
-    return F.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
-
-
-# [Note: row blocks] A slice's upcast work runs on this many blocks of its rows, so the
-# compute-dtype temporary is a quarter of the slice: with bf16 logits, half the bytes of the
-# logits themselves, instead of twice them.
+# [Note: row blocks] A chunk's compute-dtype work runs on this many blocks of its rows, so
+# the fp32 temporary is a quarter of the chunk: with bf16 logits, half the bytes of the logits
+# themselves, instead of twice them.
 _ROW_BLOCKS = 4
 
 
-def _row_blocks(tokens: int) -> list[tuple[int, int]]:
-    step = max(1, -(-tokens // _ROW_BLOCKS))
-    return [(r0, min(r0 + step, tokens)) for r0 in range(0, tokens, step)]
-
-
-def _exp_minus(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """exp(logits - ref[:, None]) in ref's (compute) dtype: the subtraction promotes the input
-    dtype's logits exactly, in the same kernel, so no upcast copy of the logits is made."""
-    return torch.sub(logits, ref.unsqueeze(1)).exp_()
-
-
-def _targets_in_slice(targets, valid, v0: int, v1: int):
-    """Which tokens' targets are words v0:v1, and their column in the slice (a clamped, unused
-    one for the others, which the caller masks)."""
-    in_slice = valid & (targets >= v0) & (targets < v1)
-    return in_slice, (targets - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)
+def _row_blocks(c0: int, c1: int) -> list[tuple[int, int]]:
+    step = max(1, -(-(c1 - c0) // _ROW_BLOCKS))
+    return [(r0, min(r0 + step, c1)) for r0 in range(c0, c1, step)]
 
 
 class _no_autocast:
