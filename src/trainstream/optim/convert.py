@@ -88,6 +88,8 @@ def convert_optimizer(
     # Through the state dict: unsupported options (amsgrad, ...) are refused there, and the
     # moments move into host memory one tensor at a time.
     converted.load_state_dict(optimizer.state_dict())
+    if isinstance(optimizer, OffloadAdamW):
+        optimizer._stop_streaming()  # its gradient hooks would take the gradients from the new one
     return converted
 
 

@@ -3,6 +3,8 @@
 On CPU-resident float32 parameters it is a drop-in replacement for
 ``torch.optim.AdamW(foreach=False)``: the same param groups, LR schedulers, ``zero_grad``
 and a ``state_dict`` in torch AdamW's format, loadable by ``torch.optim.AdamW`` and back.
+On GPU parameters (mode="cpu") the gradients stream to host memory and the new weights
+back (host_updates.py); the optimizer state stays in host memory either way.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops, options
+from .host_updates import PARAM_DTYPES as STREAMED_DTYPES
+from .host_updates import HostUpdates
 
 # torch.optim.Adam/AdamW options this optimizer does not implement, with the only value
 # it accepts for each.
@@ -31,6 +35,9 @@ _TORCH_GROUP_DEFAULTS = {
 WHERE = "OffloadAdamW()"
 # The state_dict key of the stochastic-rounding seed (bf16 moments).
 SEED_KEY = "stochastic_rounding_seed"
+# Per-param state kept in host memory, loaded here rather than by torch (which would cast
+# it to the param's device and dtype): the moments, and a streamed bf16 param's fp32 master.
+HOST_STATE = ("exp_avg", "exp_avg_sq", "master")
 
 
 def _check(name: str, value, where: str = WHERE):
@@ -54,7 +61,19 @@ class OffloadAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (weight decay is decoupled).
-        mode: ``"cpu"``: the host AdamW, for parameters in host memory. ``"gpu"``: the
+        mode: ``"cpu"``: the host AdamW. On parameters in host memory it updates them in
+            place; on parameters on a GPU (float32 or bfloat16, all on one device) it keeps
+            an fp32 master of each in host memory, with the moments. Each gradient is copied
+            to pinned host memory as backward makes it and then dropped, so ``p.grad`` stays
+            None and VRAM holds no gradients: ``torch.nn.utils.clip_grad_norm_`` finds no
+            gradient and clips nothing (pass ``max_grad_norm=``). ``step()`` waits for the
+            gradients to land, queues one host update per parameter and returns; each new
+            weight goes back to the GPU on a copy stream as soon as its update is done, and
+            the forward of a module holding the parameter waits for that copy (only that
+            one). Read or edit weights outside the model's forward after ``synchronize()``;
+            an in-place edit (``model.load_state_dict``) is taken into the master at the next
+            ``step()``. A bfloat16 parameter's fp32 master is in ``state_dict()`` (the key
+            ``"master"``). ``"gpu"``: the
             zero-copy CUDA AdamW, for float32 parameters on a GPU: the moments live in pinned
             host memory and the kernel reads and writes them over PCIe, so they take no VRAM;
             ``step()`` is asynchronous on the current CUDA stream, like torch's GPU optimizers.
@@ -128,6 +147,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}  # host fp32 sums (accumulation)
         self._grad_seen: set[torch.Tensor] = set()  # parameters with a gradient this window
         self._inflight: list = []  # gpu mode: events after step kernels not yet known to be done
+        # mode="cpu" on GPU parameters: their gradients' and weights' way between the device
+        # and the host update (None while the params are in host memory).
+        self._host_updates: HostUpdates | None = None
+        self._in_place_params = False  # mode="cpu": some params are updated where they are, in host memory
+        self._sums_in_use: set = set()  # streamed params whose _grad_sums a queued update may still read
         defaults = dict(
             **hyper,
             **_TORCH_GROUP_DEFAULTS,
@@ -156,8 +180,33 @@ class OffloadAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             self._check_param(p)
 
+    # Tests set it to run the GPU parameters' path (host_updates.py) on CPU parameters,
+    # over the CPU backend's stand-in streams.
+    _stream_host_params = False
+
     def _check_param(self, p: torch.Tensor) -> None:
-        _check_param(p, self.mode)
+        # Overridden by the engine's optimizer (which streams nothing itself): a parameter
+        # is streamed only when this optimizer checked it as its own.
+        streamed = self.mode == "cpu" and (p.device.type == "cuda" or self._stream_host_params)
+        _check_param(p, self.mode, streamed)
+        if self.mode != "cpu":
+            return
+        if streamed and self._in_place_params or not streamed and self._host_updates is not None:
+            raise ValueError(
+                f"OffloadAdamW(mode='cpu'): parameters on {p.device} and on another device; accepted: every "
+                "parameter in host memory, or every one on one GPU"
+            )
+        if not streamed:
+            self._in_place_params = True
+            return
+        if self._host_updates is None:
+            self._host_updates = HostUpdates(p.device)
+        self._host_updates.add(p)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._host_updates is not None:
+            self._host_updates.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict) -> None:
         _check_moments(state_dict, self.param_groups)  # before anything is replaced
@@ -167,14 +216,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         # torch would cast every moment to its parameter's device and dtype first (all of
         # them in VRAM at once in gpu mode): load the rest through torch, the moments here,
         # as copies, so the caller's dict is never updated by later steps.
-        moments = {
-            pid: {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
-            for pid, st in state_dict["state"].items()
-        }
+        moments = {pid: {k: v for k, v in st.items() if k in HOST_STATE} for pid, st in state_dict["state"].items()}
         slim = dict(state_dict)
         slim["state"] = {
-            pid: {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
-            for pid, st in state_dict["state"].items()
+            pid: {k: v for k, v in st.items() if k not in HOST_STATE} for pid, st in state_dict["state"].items()
         }
         super().load_state_dict(slim)
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
@@ -184,15 +229,40 @@ class OffloadAdamW(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             for key, value in moments[pid].items():
+                if key == "master":
+                    self._load_master(p, value)
+                    continue
                 state[key] = self._host_buffer(value.detach().to(device="cpu", dtype=self.moment_dtype, copy=True))
             state["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
+            self._link_master(p, state)
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])
         if SEED_KEY in state_dict:  # absent from torch's own state dicts: the seed stays
             self.seed = int(state_dict[SEED_KEY]) & 0xFFFF_FFFF_FFFF_FFFF
         self._grad_sums.clear()
         self._grad_seen.clear()
+        self._sums_in_use.clear()
         self._micro_step = 0
+
+    def _load_master(self, p: torch.Tensor, value) -> None:
+        """A saved fp32 master of a streamed bf16 param (a param updated in place, or an fp32
+        one, is its own master: the key is ignored). It is taken as agreeing with the param
+        as the param is now (see HostUpdates._take_edit)."""
+        records = self._host_updates.records if self._host_updates is not None else {}
+        record = records.get(p)
+        if record is None or record.copy is None:
+            return
+        record.master.copy_(value.detach().to(device="cpu", dtype=torch.float32))
+        record.copy.copy_(record.master)
+        record.version = p._version
+
+    def _link_master(self, p: torch.Tensor, state: dict) -> None:
+        """A streamed bf16 param's master is part of its state (state_dict() saves it)."""
+        record = self._host_updates.records.get(p) if self._host_updates is not None else None
+        if record is not None and record.copy is not None:
+            state["master"] = record.master
+        else:
+            state.pop("master", None)
 
     def state_dict(self) -> dict:
         self._synchronize()
@@ -217,6 +287,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         for event in self._inflight:
             event.synchronize()
         self._inflight = []
+        if self._host_updates is not None:
+            self._host_updates.synchronize()
+
+    def _stop_streaming(self) -> None:
+        """Before another optimizer takes the params over (convert_optimizer): every update
+        on the device, then no more hooks on the params."""
+        if self._host_updates is not None:
+            self._host_updates.close()
 
     def _synchronize(self) -> None:
         # The internal callers' name (convert_optimizer, state_dict): a subclass overrides
@@ -235,6 +313,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             pin = self.mode == "gpu"
             state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype, pin_memory=pin)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, pin_memory=pin)
+            self._link_master(p, state)
         return state
 
     def _seed_for(self, index: int) -> int:
@@ -263,6 +342,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         handles = []
         index = 0
+        streamed = self._host_updates
+        mark = streamed.backend.record() if streamed is not None else None  # compute's reads of the old weights
         try:
             for group in self.param_groups:
                 beta1, beta2 = group["betas"]
@@ -274,6 +355,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                         continue
                     state = self._state_for(p)
                     state["step"] += 1
+                    if streamed is not None:
+                        self._queue_streamed(p, g, state, group, grad_scale, self._seed_for(index - 1), mark)
+                        continue
                     params.append(p.data)
                     g_list.append(g)
                     m_list.append(state["exp_avg"])
@@ -301,10 +385,43 @@ class OffloadAdamW(torch.optim.Optimizer):
             # Never return (or raise) while host work still writes the weights.
             for handle in handles:
                 handle.wait()
-        for p in self._grad_seen:
-            self._grad_sums[p].zero_()
+        if streamed is not None:
+            streamed.after_step()
+            # The queued updates read the sums: they are zeroed at the next window's first
+            # micro-step, once their update is done.
+            self._sums_in_use |= self._grad_seen
+        else:
+            for p in self._grad_seen:
+                self._grad_sums[p].zero_()
         self._grad_seen.clear()
         return loss
+
+    def _queue_streamed(self, p, g, state: dict, group: dict, grad_scale: float, seed: int, mark) -> None:
+        """A GPU param's host update, queued alone (its weights go back as soon as it is
+        done, not with the group's), numbered by the param's position."""
+        streamed = self._host_updates
+        record = streamed.records[p]
+        master = streamed.before_update(record)
+        beta1, beta2 = group["betas"]
+        handle = ops.adamw_step(
+            [master],
+            [g],
+            [state["exp_avg"]],
+            [state["exp_avg_sq"]],
+            [int(state["step"].item())],
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled=group["decoupled_weight_decay"],
+            grad_scale=grad_scale,
+            seeds=[seed],
+            param_copies=None if record.copy is None else [record.copy],
+            threads=self.threads,
+            priority=record.priority,
+        )
+        streamed.update_queued(record, handle, mark)
 
     def _record_inflight(self, device: torch.device) -> None:
         self._inflight = [e for e in self._inflight if not e.query()]  # drop finished ones
@@ -316,6 +433,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """The gradient each parameter's update reads, or None on a micro-step that only
         accumulates. With accumulation the update reads the host fp32 sums."""
         current = {}
+        if self._host_updates is not None:  # landed in host memory (the hooks took p.grad)
+            current = self._host_updates.gradients()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -329,6 +448,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             total = self._grad_sums.get(p)
             if total is None:  # on the gradient's device: host sums in cpu mode, VRAM in gpu mode
                 total = self._grad_sums[p] = torch.zeros(p.shape, dtype=torch.float32, device=g.device)
+            elif p in self._sums_in_use:  # the last window's update read it: a new window starts at zero
+                self._host_updates.release(p)
+                self._sums_in_use.discard(p)
+                total.zero_()
             totals.append(total)
             self._grad_seen.add(p)
         if self.mode == "cpu":
@@ -395,7 +518,7 @@ def _check_moments(state_dict: dict, param_groups: list) -> None:
     for s, g in zip(saved, param_groups):
         for pid, p in zip(s["params"], g["params"]):
             for key, value in state_dict["state"].get(pid, {}).items():
-                if key not in ("exp_avg", "exp_avg_sq"):
+                if key not in HOST_STATE:
                     continue
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"{where}: state[{pid!r}][{key!r}] must be a tensor, got {type(value).__name__}")
@@ -413,15 +536,21 @@ def _reject_unsupported(options: dict) -> None:
             raise ValueError(f"OffloadAdamW does not support {name}={value!r} (accepted: {UNSUPPORTED[name]})")
 
 
-def _check_param(p: torch.Tensor, mode: str) -> None:
-    if mode == "cpu" and p.device.type != "cpu":
+def _check_param(p: torch.Tensor, mode: str, streamed: bool) -> None:
+    """`streamed`: mode="cpu" on a GPU param, whose master lives in host memory."""
+    if mode == "cpu" and not streamed and p.device.type != "cpu":
         raise ValueError(
-            f"OffloadAdamW(mode='cpu') updates parameters held in host memory; this one is on "
-            f"{p.device}. For GPU parameters use mode='gpu' (the moments then stay in host memory)."
+            f"OffloadAdamW(mode='cpu') updates parameters in host memory or on a CUDA GPU; this one is on {p.device}"
         )
     if mode == "gpu" and p.device.type != "cuda":
         raise ValueError(f"OffloadAdamW(mode='gpu') updates parameters on a GPU; this one is on {p.device}")
-    if p.dtype != torch.float32:
+    if streamed:
+        if p.dtype not in STREAMED_DTYPES:
+            raise ValueError(
+                f"OffloadAdamW(mode='cpu') on a GPU needs float32 or bfloat16 parameters, got {p.dtype} "
+                "(for float16 weights keep fp32 parameters and train under torch.autocast)"
+            )
+    elif p.dtype != torch.float32:
         raise ValueError(f"OffloadAdamW needs float32 parameters (the master weights), got {p.dtype}")
     if not p.is_contiguous():
         raise ValueError("OffloadAdamW needs contiguous parameters (it updates them in place)")

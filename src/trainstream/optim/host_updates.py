@@ -1,0 +1,309 @@
+"""OffloadAdamW(mode="cpu") on GPU parameters: the gradients leave for pinned host memory
+as backward makes them, the host AdamW updates an fp32 master there, and the new weights
+come back on a copy stream.
+
+Per parameter (a `ParamRecord`):
+- its post-accumulate-grad hook copies the gradient into a pinned landing buffer (`stage`)
+  on the device-to-host stream, behind the stream that produced it, and drops the device
+  gradient (``p.grad = None``): VRAM never holds the gradients. A second gradient before
+  zero_grad() (two backward passes) is added to a host fp32 sum, as autograd would add it
+  to ``p.grad``.
+- step() waits for the copies to land, then queues one host AdamW job per parameter
+  (``ops.adamw_step``: the fp32 master in place, a bf16 parameter's copy written in the same
+  pass), numbered in the order the parameters were given (the forward order, as a rule),
+  so that the pool updates first what the next forward needs first. It returns once queued.
+- the lander thread (engine/landing.py) copies each parameter's new weights to the device
+  on the copy-in stream as soon as its job is done, after compute has finished every read
+  queued before step(); the forward that next reads the parameter (optim/forward_guard.py)
+  makes compute wait for that copy's event, pushing it itself if the lander has not.
+
+On the CPU backend (engine/device.py) every copy is done when it returns and every event is
+done: the same bookkeeping runs on CPU parameters, which is how the tests exercise it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from ..engine.device import DONE, Backend
+from ..engine.landing import Lander
+from .forward_guard import ForwardGuard
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the host AdamW reads fp32 and bf16 gradients
+
+
+class ParamRecord:
+    """One parameter's buffers and the state of its gradient and update. `updates`, `stale`
+    and `priority` are what the lander reads; the lock guards `stale`, `updates`, `h2d_event`
+    and `push_event`, which the lander thread writes."""
+
+    __slots__ = (
+        "param",
+        "priority",  # its position among the optimizer's parameters: the pool runs low numbers first
+        "stage",  # pinned host landing buffer, in the param's dtype
+        "stage_event",  # the last copy into `stage`
+        "staged",  # `stage` holds a gradient of this window
+        "sum",  # host fp32: the window's earlier gradients (several backward passes), or zeros
+        "summed",  # `sum` is part of the window's gradient
+        "reader",  # the host job that reads `stage` / `sum` (they are not written before it is done)
+        "master",  # host fp32 weights the AdamW updates; pinned for an fp32 param (it is the push source)
+        "copy",  # a bf16 param's pinned bf16 copy the AdamW writes (the push source), else None
+        "version",  # param._version when the master and the param last agreed
+        "updates",  # host jobs writing the master not yet pushed
+        "stale",  # an update is queued and its weights are not on the device yet
+        "update_mark",  # compute's position at step(): the push waits for it (reads of the old weights)
+        "push_event",  # the last copy of the master (or copy) to the device
+        "h2d_event",  # that copy, for compute to wait on before its next read (None once it has)
+        "__weakref__",
+    )
+
+    def __init__(self, param: torch.Tensor, priority: int, backend: Backend):
+        self.param = param
+        self.priority = priority
+        self.stage = backend.host_empty(param.shape, param.dtype)
+        self.stage_event = DONE
+        self.staged = self.summed = self.stale = False
+        self.sum = self.reader = self.update_mark = self.push_event = self.h2d_event = None
+        self.updates: list = []
+        if param.dtype == torch.float32:
+            self.master = backend.host_empty(param.shape, torch.float32)
+            self.copy = None
+        else:
+            self.master = torch.empty(param.shape, dtype=torch.float32)
+            self.copy = backend.host_empty(param.shape, param.dtype)
+        self.master.copy_(param.detach())
+        if self.copy is not None:
+            self.copy.copy_(param.detach())
+        self.version = param._version
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What the push copies to the device: the master, or the copy in the param's dtype."""
+        return self.master if self.copy is None else self.copy
+
+
+class HostUpdates:
+    """The streamed parameters of one optimizer, on one device."""
+
+    def __init__(self, device: torch.device):
+        self.backend = Backend(device)
+        self.records: dict = {}  # param -> ParamRecord, in the order added
+        self.lock = threading.RLock()  # the lander pushes under it (its `pager.lock`)
+        self.lander = Lander(self)
+        self.guard = ForwardGuard(self._before_reading)
+        self._hooks: list = []
+        self._landing: list = []  # records with a copy into `stage` issued, in issue order
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def add(self, param: torch.Tensor) -> None:
+        if param.device != self.device:
+            raise ValueError(
+                f"OffloadAdamW(mode='cpu'): every parameter on a GPU must be on one device; "
+                f"got {param.device} and {self.device}"
+            )
+        record = self.records[param] = ParamRecord(param, len(self.records), self.backend)
+        self.guard.add(param, record)
+        if param.requires_grad:
+            # The hook dict lives in the param's C++ autograd metadata, which the cyclic GC
+            # cannot see: holding the optimizer or the record strongly there would keep both,
+            # and the model, alive for ever.
+            me, rec = weakref.ref(self), weakref.ref(record)
+            self._hooks.append(param.register_post_accumulate_grad_hook(lambda p: _on_grad(me, rec)))
+
+    def close(self) -> None:
+        """Every update landed, then the hooks off and the lander stopped (the optimizer was
+        converted for wrap(): the engine takes the parameters over)."""
+        self.synchronize()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.guard.remove()
+        self.lander.stop()
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def on_grad(self, record: ParamRecord) -> None:
+        """autograd finished `record`'s gradient in ``p.grad``: off to the landing buffer."""
+        p = record.param
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse:
+            raise ValueError("OffloadAdamW does not support sparse gradients")
+        backend = self.backend
+        if record.staged:  # a second backward pass before zero_grad(): the first one joins the sum
+            self._fold(record)
+        self._release(record)
+        backend.follow_compute(backend.copy_out)  # behind the kernels that produced `g`
+        with backend.on(backend.copy_out):
+            record.stage.copy_(g, non_blocking=True)
+            backend.keep_until(g, backend.copy_out)
+        record.stage_event = backend.record(backend.copy_out)
+        record.staged = True
+        self._landing.append(record)
+        p.grad = None
+
+    def take_stray_grads(self) -> None:
+        """Gradients that reached ``p.grad`` without the hook (made before this optimizer
+        existed, or while the param did not require grad) are taken as the hook takes them."""
+        for record in self.records.values():
+            if record.param.grad is not None:
+                self.on_grad(record)
+
+    def _fold(self, record: ParamRecord) -> None:
+        record.stage_event.synchronize()
+        self._release(record)
+        if record.sum is None:
+            record.sum = torch.zeros(record.param.shape, dtype=torch.float32)
+        if record.summed:
+            record.sum.add_(record.stage)
+        else:
+            record.sum.copy_(record.stage)  # bf16 -> fp32 is exact
+            record.summed = True
+        record.staged = False
+
+    def release(self, param: torch.Tensor) -> None:
+        """The host job reading `param`'s gradient is done (before its buffers are reused)."""
+        self._release(self.records[param])
+
+    def _release(self, record: ParamRecord) -> None:
+        """The host job reading `stage` and `sum` is done: they may be written."""
+        if record.reader is not None:
+            record.reader.wait()
+            record.reader = None
+
+    def gradients(self) -> dict:
+        """param -> the host tensor holding its gradient of this window, for every param
+        that has one; waits for the copies still landing. The tensors stay valid until the
+        next backward pass or zero_grad()."""
+        self.take_stray_grads()
+        for record in self._landing:
+            record.stage_event.synchronize()
+        self._landing = []
+        out = {}
+        for p, record in self.records.items():
+            if record.staged and record.summed:
+                self._fold(record)
+            if record.summed:
+                out[p] = record.sum
+            elif record.staged:
+                out[p] = record.stage
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad(): no gradient, or (set_to_none=False) a zero one, which updates
+        the param as torch's step() updates a param whose ``p.grad`` is zeros."""
+        for record in self.records.values():
+            had_grad = record.staged or record.summed
+            record.staged = False
+            record.summed = False
+            if had_grad and not set_to_none:  # torch zeroes only the gradients that exist
+                self._release(record)
+                if record.sum is None:
+                    record.sum = torch.zeros(record.param.shape, dtype=torch.float32)
+                else:
+                    record.sum.zero_()
+                record.summed = True
+        self._landing = []
+
+    # -- updates -------------------------------------------------------------------------------
+
+    def before_update(self, record: ParamRecord) -> torch.Tensor:
+        """Before an update of `record` is queued: the master agrees with the param (an edit in
+        place, such as ``model.load_state_dict``, is taken into it) and no copy still reads
+        it. Returns the master."""
+        self.lander.raise_error()
+        with self.lock:
+            if record.stale:  # step() twice without a forward in between: the last one lands first
+                self.push(record)
+            if record.push_event is not None:
+                record.push_event.synchronize()
+                record.push_event = None
+        if record.param._version != record.version:
+            self._take_edit(record)
+        return record.master
+
+    def _take_edit(self, record: ParamRecord) -> None:
+        p = record.param.detach()
+        record.version = record.param._version
+        if record.copy is None:
+            record.master.copy_(p)
+            return
+        # A bf16 param: its edit is taken unless it holds what the master rounds to (a
+        # checkpoint of the same weights loaded again), which would lose the master's bits.
+        host = p.to("cpu")
+        if not torch.equal(host, record.master.to(host.dtype)):
+            record.master.copy_(host)
+            record.copy.copy_(host)
+
+    def update_queued(self, record: ParamRecord, handle, mark) -> None:
+        """`handle` (a host job) reads `record`'s gradient and writes its master: the weights
+        go to the device when it is done (the lander, or the guard of the next forward)."""
+        record.reader = handle
+        with self.lock:
+            record.updates.append(handle)
+            record.update_mark = mark
+            record.stale = True
+        self.guard.pending(record)
+        self.lander.expect(record)
+
+    def after_step(self) -> None:
+        """Parameters no forward is known to read (see ForwardGuard.unowned) are made current
+        for compute now."""
+        unowned = self.guard.unowned()
+        if unowned:
+            self._before_reading(unowned)
+            for record in unowned:
+                self.guard.done(record)
+
+    def push(self, record: ParamRecord) -> None:
+        """Copy `record`'s updated weights to the device (the caller holds the lock)."""
+        for handle in record.updates:
+            handle.wait()
+        record.updates = []
+        record.stale = False
+        if record.param._version != record.version:
+            return  # edited in place since the update was queued: the edit wins (taken at the next step)
+        backend = self.backend
+        # Not before compute has finished every read of the old weights queued before step().
+        backend.wait(record.update_mark, backend.copy_in)
+        with backend.on(backend.copy_in):
+            record.param.data.copy_(record.source, non_blocking=True)
+        record.push_event = record.h2d_event = backend.record(backend.copy_in)
+
+    def _before_reading(self, records: list) -> None:
+        """Compute is about to read these params: it waits (on the device) for their copies."""
+        self.lander.raise_error()
+        with self.lock:
+            for record in records:
+                if record.stale:
+                    self.push(record)
+                if record.h2d_event is not None:
+                    self.backend.wait(record.h2d_event)
+                    record.h2d_event = None
+
+    def synchronize(self) -> None:
+        """Every update written and on the device, as the host sees it."""
+        self.lander.raise_error()
+        with self.lock:
+            for record in self.records.values():
+                if record.stale:
+                    self.push(record)
+                if record.push_event is not None:
+                    record.push_event.synchronize()
+                    record.push_event = None
+                record.h2d_event = None
+                self.guard.done(record)
+        self.lander.raise_error()
+
+
+def _on_grad(owner_ref, record_ref) -> None:
+    owner, record = owner_ref(), record_ref()
+    if owner is not None and record is not None:
+        owner.on_grad(record)

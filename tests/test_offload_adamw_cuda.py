@@ -1,0 +1,461 @@
+"""trainstream.OffloadAdamW(mode="cpu") on a model that lives on the GPU: gradients to host
+memory as backward makes them, the host AdamW, the new weights back on a copy stream.
+
+Every test runs on "cuda" (marked gpu) and on "cpu", where `StreamedOnHost` sends CPU
+parameters down the same path over the CPU backend's stand-in streams (each copy done when
+it returns): the bookkeeping of hooks, landing, queuing, pushing and waiting is the same.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainstream import OffloadAdamW
+from trainstream.optim import convert_optimizer
+
+
+class StreamedOnHost(OffloadAdamW):
+    _stream_host_params = True
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# The host AdamW against torch's single-tensor AdamW on the same device's gradients: the
+# CPU path reads the very gradients torch reads; on a GPU torch's kernels may fuse (FMA).
+TOL = {"cpu": 1e-6, "cuda": 1e-5}
+
+
+class MLP(torch.nn.Module):
+    """Odd sizes (no vector width or chunk divides them); `inner.b` is read by its parent's
+    forward, never through its own (as nn.MultiheadAttention reads out_proj)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(37, 129)
+        self.inner = Inner()
+        self.c = torch.nn.Linear(61, 3, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.inner(torch.relu(self.a(x)))))
+
+
+class Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.Linear(129, 61)
+
+    def forward(self, x):
+        return F.linear(x, self.b.weight, self.b.bias)
+
+
+def optimizer_class(device):
+    return StreamedOnHost if device == "cpu" else OffloadAdamW
+
+
+def twins(device, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = MLP().to(device=device, dtype=dtype)
+    return model, copy.deepcopy(model)
+
+
+def batches(n, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(16, 37, generator=gen).to(device), torch.randn(16, 3, generator=gen).to(device)) for _ in range(n)
+    ]
+
+
+def loss_of(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def train(model, opt, data, *, clip=None, accumulate=1, scheduler=None):
+    """Per-step losses. torch's optimizer gets torch's recipe for clipping and for the mean
+    over `accumulate` micro-batches; OffloadAdamW does both itself."""
+    ours = isinstance(opt, OffloadAdamW)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        loss = loss_of(model, x, y)
+        losses.append(loss.item())
+        loss.backward()
+        if ours:
+            assert all(p.grad is None for p in model.parameters()), "a gradient was left in p.grad"
+        else:
+            if accumulate > 1:
+                if (i + 1) % accumulate:
+                    continue
+                for p in model.parameters():
+                    p.grad /= accumulate
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    if ours:
+        opt.synchronize()
+    return losses
+
+
+def assert_close(ours, theirs, tol):
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        diff = (a.float() - b.float()).abs().max().item()
+        assert diff <= tol, f"{name}: {diff}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_torch_adamw_step_by_step(device, weight_decay):
+    ours, theirs = twins(device)
+    data = batches(20, device)
+    opt = optimizer_class(device)(ours.parameters(), lr=1e-2, weight_decay=weight_decay)
+    got = train(ours, opt, data)
+    want = train(
+        theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=weight_decay, foreach=False), data
+    )
+    # Each step's loss is the next forward reading the new weights.
+    assert got == pytest.approx(want, abs=TOL[device], rel=0)
+    assert_close(ours, theirs, TOL[device])
+    state = opt.state[ours.a.weight]
+    assert state["exp_avg"].device.type == "cpu" and state["step"].item() == 20
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_params_keep_an_fp32_master_in_host_memory(device):
+    """A bf16 param: the fp32 master is updated and rounded to nearest into the param, as
+    torch AdamW over fp32 masters fed the bf16 gradients, then copied into the bf16 model.
+    The reference model reads our bf16 weights each step (the same gradients on both sides):
+    a master an ulp apart can round to another bf16 weight, and 20 steps amplify that."""
+    ours, theirs = twins(device, torch.bfloat16)
+    data = batches(20, device)
+    opt = optimizer_class(device)(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    masters = [p.detach().float().clone() for p in theirs.parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=False)
+    for x, y in data:
+        opt.synchronize()
+        theirs.load_state_dict(ours.state_dict())
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss_of(ours, x, y).backward()
+            loss_of(theirs, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        for m, p in zip(masters, theirs.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        ref.step()
+        with torch.no_grad():
+            for m, p in zip(masters, theirs.parameters()):
+                p.copy_(m)
+    opt.synchronize()
+    for (name, p), m in zip(ours.named_parameters(), masters):
+        assert p.dtype == torch.bfloat16
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32 and master.device.type == "cpu"
+        assert (master - m).abs().max().item() <= 1e-5, name
+        assert torch.equal(p.cpu(), master.to(torch.bfloat16)), name  # the param is its master, rounded
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_clipping_matches_clip_grad_norm(device):
+    ours, theirs = twins(device)
+    data = batches(12, device)
+    train(ours, optimizer_class(device)(ours.parameters(), lr=1e-2, max_grad_norm=0.05), data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False), data, clip=0.05)
+    assert_close(ours, theirs, TOL[device])
+    unclipped, _ = twins(device)
+    train(unclipped, torch.optim.AdamW(unclipped.parameters(), lr=1e-2, foreach=False), data)
+    assert max((a - b).abs().max().item() for a, b in zip(unclipped.parameters(), theirs.parameters())) > 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulation_and_clipping_match_torch(device):
+    """accumulation_steps=N: the mean of N step() calls' gradients (OffloadAdamW's meaning)."""
+    ours, theirs = twins(device)
+    data = batches(24, device)
+    opt = optimizer_class(device)(ours.parameters(), lr=1e-2, accumulation_steps=3, max_grad_norm=0.05)
+    before = [p.detach().clone() for p in ours.parameters()]
+    train(ours, opt, data[:2])
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters())), "a micro-step moved weights"
+    train(ours, opt, data[2:])
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False), data, accumulate=3, clip=0.05)
+    assert_close(ours, theirs, TOL[device])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_backward_passes_before_step_add_up_as_in_p_grad(device):
+    ours, theirs = twins(device)
+    data = batches(12, device)
+    opt_a = optimizer_class(device)(ours.parameters(), lr=1e-2)
+    opt_b = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    for i in range(0, 12, 3):
+        for model, opt in ((ours, opt_a), (theirs, opt_b)):
+            for x, y in data[i : i + 3]:
+                loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    opt_a.synchronize()
+    assert_close(ours, theirs, TOL[device])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_grad_keeping_zeros_and_step_without_zero_grad_act_as_torch(device):
+    """zero_grad(set_to_none=False) leaves a zero gradient, which torch's step() applies
+    (the moments decay, the decay acts); step() twice applies the same gradient twice."""
+    ours, theirs = twins(device)
+    data = batches(4, device)
+    opt_a = optimizer_class(device)(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_b = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for model, opt in ((ours, opt_a), (theirs, opt_b)):
+        for x, y in data:
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            opt.step()
+    opt_a.synchronize()
+    assert_close(ours, theirs, TOL[device])
+    assert opt_a.state[ours.a.weight]["step"].item() == opt_b.state[theirs.a.weight]["step"].item() == 12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_params_without_a_gradient_are_not_updated(device):
+    ours, theirs = twins(device)
+    for model in (ours, theirs):
+        model.c.weight.requires_grad_(False)
+        model.unused = torch.nn.Linear(3, 3).to(device)  # in the optimizer, never in the forward
+    theirs.unused.load_state_dict(ours.unused.state_dict())
+    data = batches(6, device)
+    opt = optimizer_class(device)(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    train(ours, opt, data)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, foreach=False), data)
+    assert_close(ours, theirs, TOL[device])
+    assert ours.c.weight not in opt.state and ours.unused.weight not in opt.state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lr_scheduler_and_param_group_changes_are_read_at_each_step(device):
+    ours, theirs = twins(device)
+    data = batches(12, device)
+    opt_a = optimizer_class(device)(ours.parameters(), lr=1e-2)
+    opt_b = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=3, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=3, gamma=0.5)
+    train(ours, opt_a, data[:6], scheduler=sched_a)
+    train(theirs, opt_b, data[:6], scheduler=sched_b)
+    for opt in (opt_a, opt_b):
+        opt.param_groups[0]["weight_decay"] = 0.3
+    train(ours, opt_a, data[6:], scheduler=sched_a)
+    train(theirs, opt_b, data[6:], scheduler=sched_b)
+    assert_close(ours, theirs, TOL[device])
+    assert opt_a.param_groups[0]["lr"] == pytest.approx(opt_b.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_resume_from_state_dicts_is_exact(device, dtype, optimizer_first):
+    """A run resumed from the model's and the optimizer's state dicts (loaded in either
+    order) gives the uninterrupted run's bits; a bf16 param's master comes back with them."""
+    model, _ = twins(device, dtype)
+    data = batches(12, device)
+    cls = optimizer_class(device)
+    kw = dict(lr=1e-2, weight_decay=0.1, moment_dtype="bfloat16")
+    opt = cls(model.parameters(), **kw)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+    def run(model, opt, data):
+        for x, y in data:
+            with autocast:
+                loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+
+    run(model, opt, data[:6])
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    run(model, opt, data[6:])
+
+    torch.manual_seed(5)
+    resumed = MLP().to(device=device, dtype=dtype)
+    opt2 = cls(resumed.parameters(), **kw, seed=123)  # the saved seed is taken
+    if optimizer_first:
+        opt2.load_state_dict(saved_opt)
+        resumed.load_state_dict(saved_model)
+    else:
+        resumed.load_state_dict(saved_model)
+        opt2.load_state_dict(saved_opt)
+    run(resumed, opt2, data[6:])
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_continues_in_torch_adamw_and_back(device):
+    ours, theirs = twins(device)
+    data = batches(16, device)
+    opt = optimizer_class(device)(ours.parameters(), lr=1e-2)
+    train(ours, opt, data[:8])
+    theirs.load_state_dict(ours.state_dict())
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    back, _ = twins(device)
+    back.load_state_dict(ours.state_dict())
+    opt_back = optimizer_class(device)(back.parameters(), lr=1e-2)
+    opt_back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    train(ours, opt, data[8:])
+    train(theirs, torch_opt, data[8:])
+    train(back, opt_back, data[8:])
+    assert_close(ours, theirs, TOL[device])
+    assert_close(back, ours, 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_edit_in_place_between_steps_is_taken_into_the_master(device):
+    ours, theirs = twins(device)
+    data = batches(8, device)
+    opt = optimizer_class(device)(ours.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    train(ours, opt, data[:4])
+    train(theirs, torch_opt, data[:4])
+    with torch.no_grad():
+        for model in (ours, theirs):
+            model.a.weight.mul_(0.5)
+            model.inner.b.bias.zero_()
+    train(ours, opt, data[4:])
+    train(theirs, torch_opt, data[4:])
+    assert_close(ours, theirs, TOL[device])
+
+
+def _without_lander(opt):
+    """Only the forward (or step() itself) may push the new weights: what a forward reads
+    is then what the optimizer made it wait for."""
+    opt._host_updates.lander.expect = lambda unit: None
+    return opt
+
+
+def test_a_forward_waits_for_the_updates_of_the_params_it_reads_only():
+    ours, theirs = twins("cpu")
+    data = batches(6, "cpu")
+    opt = _without_lander(StreamedOnHost(ours.parameters(), lr=1e-2))
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    train(ours, opt, data[:1])
+    train(theirs, torch_opt, data[:1])
+    x, y = data[1]
+    loss_of(ours, x, y).backward()
+    loss_of(theirs, x, y).backward()
+    opt.step()
+    torch_opt.step()
+
+    def diff(a, b):
+        return (a - b).abs().max().item()
+
+    assert diff(ours.a.weight, theirs.a.weight) > 1e-4, "pushed before any forward read it"
+    ours.a(x)  # a's forward: its params arrive, and only those
+    assert diff(ours.a.weight, theirs.a.weight) <= 1e-6 and diff(ours.a.bias, theirs.a.bias) <= 1e-6
+    assert diff(ours.c.weight, theirs.c.weight) > 1e-4
+    # inner.b's own forward never runs: its parent's forward is where it is read and waited for.
+    assert diff(ours.inner.b.weight, theirs.inner.b.weight) > 1e-4
+    ours.inner(torch.relu(ours.a(x)))
+    assert diff(ours.inner.b.weight, theirs.inner.b.weight) <= 1e-6
+    assert diff(ours.c.weight, theirs.c.weight) > 1e-4
+    opt.zero_grad()
+    torch_opt.zero_grad()
+    # The whole forward, inner.b read by its parent's forward included, sees the new weights.
+    assert train(ours, opt, data[2:]) == pytest.approx(train(theirs, torch_opt, data[2:]), abs=1e-6, rel=0)
+    assert_close(ours, theirs, 1e-6)
+
+
+def test_a_param_no_module_holds_is_current_when_step_returns():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    opt = _without_lander(StreamedOnHost([w], lr=1e-2))
+    torch_opt = torch.optim.AdamW([w_ref], lr=1e-2, foreach=False)
+    x = torch.randn(4, 5)
+    for _ in range(3):
+        for p, o in ((w, opt), (w_ref, torch_opt)):
+            (x @ p).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        assert (w - w_ref).abs().max().item() <= 1e-6
+
+
+def test_a_gradient_made_before_the_optimizer_is_taken():
+    ours, theirs = twins("cpu")
+    x, y = batches(1, "cpu")[0]
+    loss_of(ours, x, y).backward()
+    loss_of(theirs, x, y).backward()
+    opt = StreamedOnHost(ours.parameters(), lr=1e-2)
+    opt.step()
+    opt.synchronize()
+    torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False).step()
+    assert_close(ours, theirs, 1e-6)
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_converting_for_wrap_takes_the_hooks_off():
+    model, _ = twins("cpu")
+    opt = StreamedOnHost(model.parameters(), lr=1e-2)
+    train(model, opt, batches(2, "cpu"))
+    converted = convert_optimizer(opt, model.parameters())
+    x, y = batches(1, "cpu")[0]
+    loss_of(model, x, y).backward()
+    assert all(p.grad is not None for p in model.parameters()), "the old optimizer still takes the gradients"
+    assert converted.state[model.a.weight]["step"].item() == 2
+
+
+def test_parameter_dtypes_on_the_streamed_path():
+    with pytest.raises(ValueError, match=r"needs float32 or bfloat16 parameters, got torch.float16"):
+        StreamedOnHost([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))])
+
+
+@pytest.mark.gpu
+def test_gpu_mode_still_refuses_host_parameters():
+    with pytest.raises(ValueError, match=r"mode='gpu'\) updates parameters on a GPU; this one is on cpu"):
+        OffloadAdamW(torch.nn.Linear(2, 2).parameters(), mode="gpu")
+
+
+@pytest.mark.gpu
+def test_params_on_the_gpu_and_in_host_memory_together_are_refused():
+    with pytest.raises(ValueError, match=r"every parameter in host memory, or every one on one GPU"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(2, device="cuda")), torch.nn.Parameter(torch.zeros(2))])
+
+
+@pytest.mark.gpu
+def test_the_state_and_the_masters_live_in_host_memory():
+    model = MLP().cuda()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    train(model, opt, batches(2, "cuda"))
+    record = opt._host_updates.records[model.a.weight]
+    assert record.master.device.type == "cpu" and record.master.is_pinned()
+    assert record.stage.is_pinned()
+    for p in model.parameters():
+        assert p.device.type == "cuda"
+        assert all(v.device.type == "cpu" for k, v in opt.state[p].items())
+
+
+@pytest.mark.gpu
+def test_no_gradient_is_held_in_vram_after_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # 32 MiB
+    opt = OffloadAdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 1024, device="cuda")
+
+    def backward():
+        model(x).square().mean().backward()
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # the allocator frees the copied gradients on its next call
+
+    backward()  # warm: cuBLAS's workspaces, the first step's buffers
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    base = torch.cuda.memory_allocated()
+    backward()
+    held = torch.cuda.memory_allocated() - base
+    assert held < grad_bytes / 8, f"{held} bytes still allocated after backward (gradients: {grad_bytes})"
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    opt.synchronize()
