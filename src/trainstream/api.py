@@ -9,6 +9,7 @@ import torch
 from . import options as _options
 from .engine.blocks import find_blocks, named_stack
 from .engine.device import Backend
+from .engine.distributed import RankGroups, process_group
 from .engine.engine import Engine
 from .engine.layout import lay_out_model
 from .engine.optimizer import StreamedAdamW
@@ -72,19 +73,27 @@ def _adopt_optimizer_settings(opts, optimizer) -> None:
         )
 
 
-def _refuse_undelivered(opts) -> None:
-    """Options the specification accepts whose behaviour this release does not have yet:
-    a clear error instead of a silent fallback."""
-    distributed = (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )
-    if opts.distributed is True or (opts.distributed is None and distributed):
-        raise NotImplementedError(
-            "wrap(): data parallel is not available yet; run one process, or pass "
-            "distributed=False to train each rank on its own"
+def _data_parallel_settings(opts) -> list:
+    """Data parallel runs the host AdamW and keeps the engine (distributed.py): options that
+    would leave either are refused, or settled for the user where the choice was theirs to
+    leave to us ("auto"). Returns the events that say so."""
+    if opts.optimizer_mode == "gpu":
+        raise ValueError(
+            "wrap(): optimizer_mode='gpu' is not supported with distributed yet (data parallel shards the host "
+            "AdamW); pass optimizer_mode='cpu', or distributed=False to train each rank on its own"
         )
+    notes = []
+    if opts.optimizer_mode == "auto":
+        opts.values["optimizer_mode"] = "cpu"
+        notes.append("data parallel: optimizer_mode='auto' runs the host AdamW (the sharded optimizer)")
+    if opts.offload == "auto":
+        # The switch to stock would have to become DDP with fused AdamW, decided alike on every
+        # rank; until it does, the engine stays.
+        opts.values["offload"] = True
+        notes.append(
+            "data parallel: offload='auto' keeps the engine (no switch to stock training with distributed yet)"
+        )
+    return notes
 
 
 def _profile_for(opts, device) -> HardwareProfile:
@@ -130,7 +139,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     opts = _options.parse(options)
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("wrap(): this model is already wrapped (unwrap() it first)")
-    _refuse_undelivered(opts)
+    group = process_group(opts.distributed)
+    dp_notes = _data_parallel_settings(opts) if group is not None else []
     if optimizer is not None and "lr" in opts.given:
         raise ValueError(
             "wrap(): option 'lr' applies only when optimizer is None (set the learning rate on the optimizer you pass)"
@@ -144,7 +154,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     # Frozen parameters in the optimizer are skipped, as torch skips them (SPEC.md).
     trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
     layout = lay_out_model(model, stack, trainable, device)
+    ranks = RankGroups(group, layout.block_units + layout.outside_units) if group is not None else None
     profile = _profile_for(opts, device)
+    if ranks is not None:  # one plan on every rank: made from rank 0's measurements
+        profile = ranks.from_rank_zero(profile)
 
     # 2. Every decision, before a byte moves (DoesNotFit here leaves the model as it was).
     plan = plan_run(opts, layout, profile, backend)
@@ -154,7 +167,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
     # 3. The engine, built whole from the plan; 4. installed on the model. Up to here nothing
     # of the model has changed; install() undoes itself if it raises, and so does what follows.
-    engine = Engine(model, optimizer, plan, backend, layout)
+    engine = Engine(model, optimizer, plan, backend, layout, ranks=ranks)
+    for note in dp_notes:
+        engine.events.add(note)
     engine.install()
     try:
         if source is not None:  # a scheduler built on it before wrap() drives the updates (SPEC.md)

@@ -34,6 +34,7 @@ from ..sizes import MiB
 from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
+from .distributed import DataParallel
 from .grads import GradSettings, GradStreamer
 from .layout import Fetch
 from .measure import ActivationMeter
@@ -102,8 +103,9 @@ def _post_accumulate(engine_ref, slot_ref, param) -> None:
 
 
 class Engine:
-    def __init__(self, model, optimizer, plan, backend, layout):
-        """`layout`: the model's units (layout.py), as planned; `plan`: every decision."""
+    def __init__(self, model, optimizer, plan, backend, layout, ranks=None):
+        """`layout`: the model's units (layout.py), as planned; `plan`: every decision;
+        `ranks`: the RankGroups to train data parallel over (distributed.py), or None."""
         self.model = model
         self.optimizer = optimizer
         self.plan = plan
@@ -132,7 +134,9 @@ class Engine:
                 clip=opts.max_grad_norm is not None,
                 on_device=plan.device_grads,
                 threads=opts.threads,
-                nonfinite=opts.nonfinite,
+                # Data parallel checks the reduced gradients instead, alike on every rank
+                # (distributed.py, [Note: collective order]).
+                nonfinite="ignore" if ranks is not None else opts.nonfinite,
             ),
             self.events,
         )
@@ -158,6 +162,14 @@ class Engine:
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
         self._applies: dict = {}  # module -> its own _apply attribute, if it had one (install)
         self._warned_groups: set = set()  # param groups warned about hyper-parameters changed after queuing
+        self.dp = None  # data parallel: the DataParallel every unit's gradients and weights go through
+        self._dp_bad = None  # data parallel: the first unit of this window found not finite
+        self._dp_skipped: list = []  # data parallel: the units of this window skipped for it
+        if ranks is not None:
+            self.dp = DataParallel(
+                ranks, self.units, self.update_order(), self._window_grad, opts.nonfinite != "ignore"
+            )
+            optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor)
         self._log_plan()
 
     def __deepcopy__(self, memo):
@@ -218,6 +230,8 @@ class Engine:
             )
         for note in plan.quant_notes:
             events.add(note)
+        if self.dp is not None:
+            events.add(self.dp.describe())
         if not opts.guard_params:
             events.add("guard_params=False: step() waits for every update to reach the device before returning")
 
@@ -327,8 +341,10 @@ class Engine:
         return apply(fn, *args, **kwargs)
 
     def remove(self) -> None:
-        """Every hook off the model; the lander thread stopped."""
+        """Every hook off the model; the lander (and data parallel's gather) thread stopped."""
         self.weights.stop()
+        if self.dp is not None:
+            self.dp.stop()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -350,6 +366,8 @@ class Engine:
         """Every update finished, every weight back on the device in the model's dtype, every
         hook removed; the optimizer keeps its state but no longer steps."""
         self.synchronize()
+        if self.dp is not None:  # the optimizer keeps whole moments from here on (a collective)
+            self.optimizer.shard_state(None)
         self.remove()
         self.weights.restore()
         self.optimizer.detach()
@@ -557,9 +575,14 @@ class Engine:
         """autograd's final callback of a backward pass: the units not handed on yet go now."""
         try:
             self._queue(self.grads.end_pass())
+            if self.dp is not None and self._dp_window_ends_in_backward():
+                self._apply_reduced(self.dp.drain())
+                self._dp_end_window()
             self.weights.land_updates()
         except BaseException:
             queued = self.grads.describe_queued()
+            if self.dp is not None:
+                self.dp.discard()
             self.grads.drop_pass()  # no half-landed state for the next pass to count
             self.events.add("the end of a backward pass raised: its gradients were dropped" + queued)
             raise
@@ -571,6 +594,8 @@ class Engine:
     def recover(self) -> None:
         """A backward pass that raised left its pass open: close it (its gradients dropped)."""
         if self.grads.raised_pass():
+            if self.dp is not None:
+                self.dp.discard()
             self.after_backward()
         self._report_skipped()
 
@@ -593,12 +618,96 @@ class Engine:
 
     def _queue(self, units, grad_scale: float = 1.0) -> bool:
         """Queue the update of each unit the gradient streamer hands on, as it hands it on;
-        True if there was any."""
+        True if there was any. Data parallel: each unit is reduced first, and the units whose
+        reduction has finished are queued."""
+        if self.dp is not None:
+            for unit in units:
+                self.dp.offer(unit)
+            return self._apply_reduced(self.dp.ready(), grad_scale)
         queued = False
         for unit in units:
             self.queue_update(unit, grad_scale)
             queued = True
         return queued
+
+    # -- data parallel (distributed.py) ------------------------------------------------------
+
+    def _window_grad(self, slot):
+        """This rank's gradient of `slot` for the window, on the host (None: it has none)."""
+        if not slot.has_grad:
+            return None
+        if slot.reader is not None:  # an accumulation job may still be adding into the sum
+            slot.reader.wait()
+        return self.grads.grad_of(slot)
+
+    def _dp_window_ends_in_backward(self) -> bool:
+        """The window's last pass ends here and no step() holds the updates (clipping)."""
+        return self.opts.max_grad_norm is None and self.grads.passes == self.opts.accumulation_steps
+
+    def _apply_reduced(self, reduced: list, grad_scale: float = 1.0) -> bool:
+        """Queue this rank's update of each reduced unit's shard and the gather of the new
+        weights after it. A unit some rank found not finite, and every one after it in the
+        window, is not updated (every rank decides it from the same reduced flags)."""
+        queued = False
+        for r in reduced:
+            unit = r.shards.unit
+            if not r.finite and self._dp_bad is None:
+                self._dp_bad = unit
+            if self._dp_bad is not None:
+                self._dp_skipped.append(unit)
+                continue
+            present = [(sh, r.shards.grad(sh)) for sh, p in zip(r.shards.slots, r.present) if p]
+            if not present:
+                continue  # no rank had a gradient for it
+            slots = [sh.slot for sh, _ in present]
+            jobs = self.updates.queue_shard(unit, slots, [g for _, g in present], grad_scale)
+            handle = self.dp.gather(unit, jobs, {s: tuple(s.host) for s in slots})
+            self.weights.host_update_queued(unit, [handle])
+            self.grads.queued(unit)
+            queued = True
+        return queued
+
+    def _dp_end_window(self) -> None:
+        """The window's reductions are all applied: a non-finite one skipped the rest of it
+        (into the events and optimizer.skipped_steps) or, with nonfinite="raise", raises here,
+        on every rank, once every rank has finished the window's collectives."""
+        bad, skipped = self._dp_bad, self._dp_skipped
+        self._dp_bad, self._dp_skipped = None, []
+        if bad is None:
+            return
+        if self.opts.nonfinite == "raise":
+            self.grads.drop_pass()  # the next window starts clean
+            self.updates.end_window()
+            raise FloatingPointError(
+                f"trainstream: a gradient of {bad.name} is not finite on some rank (wrap(nonfinite='raise')); "
+                "this window's updates from it on are dropped on every rank"
+            )
+        self.optimizer.count_skipped_step()
+        self.events.add(
+            f"step {self.steps + 1}: a gradient of {bad.name} is not finite on some rank: skipped the updates of "
+            f"{[u.name for u in skipped]} on every rank (nonfinite='skip'; their weights, moments and step "
+            "counts are unchanged)"
+        )
+
+    def _dp_step(self, pending: list) -> None:
+        """step() with data parallel. With clipping the window's units are reduced now, and
+        the global norm is taken over every rank's reduced shards; otherwise the window was
+        reduced at the end of its last backward pass."""
+        if self.opts.max_grad_norm is None:
+            return
+        for unit in pending:
+            self.dp.offer(unit)
+        reduced = self.dp.ready() + self.dp.drain()
+        total = torch.tensor(math.sqrt(self.dp.global_sq_norm(reduced)), dtype=torch.float32)
+        self._last_grad_norm = float(total)
+        finite = math.isfinite(self._last_grad_norm) and all(r.finite for r in reduced)
+        if not finite and self.opts.nonfinite != "ignore":
+            self._dp_bad = next((r.shards.unit for r in reduced if not r.finite), reduced[0].shards.unit)
+            self._dp_skipped = [r.shards.unit for r in reduced]
+        else:
+            scale = float(torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0))
+            self._apply_reduced(reduced, scale)
+        self._dp_end_window()
 
     def queue_update(self, unit, grad_scale: float = 1.0) -> None:
         self.updates.queue(unit, grad_scale)
@@ -615,7 +724,9 @@ class Engine:
         self._warn_changed_hyperparameters()
         self._queue(self.grads.flush())
         pending = self.grads.take_pending()
-        if pending:
+        if self.dp is not None:
+            self._dp_step(pending)
+        elif pending:
             scale = 1.0
             if self.opts.max_grad_norm is not None:
                 slots = [s for u in self.units for s in u.trainable if s.has_grad]

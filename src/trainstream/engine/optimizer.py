@@ -82,6 +82,56 @@ class StreamedAdamW(OffloadAdamW):
                     buf.copy_(state[key])
                 state[key] = buf
 
+    _shards: dict = {}  # data parallel: param -> (lo, hi), this rank's elements ({}: every element)
+    _full_tensor = None  # data parallel: (shard, param) -> the whole tensor, gathered (a collective)
+
+    def shard_state(self, ranges: dict | None, full_tensor=None) -> None:
+        """Data parallel: this rank keeps and updates only elements [lo:hi) of each param's
+        flat weights (`ranges`: param -> (lo, hi)), so its moments are 1-D of hi-lo
+        elements; whole moments held now are cut to them. `full_tensor(shard, param)` gathers
+        a moment whole, for state_dict(). None: back to whole moments (gathered first: every
+        rank calls it), as after unwrap()."""
+        if ranges is None:
+            if self._shards:
+                for p, st in self._gathered_state().items():
+                    self.state[p] = st
+            self._shards, self._full_tensor = {}, None
+            return
+        self._shards, self._full_tensor = dict(ranges), full_tensor
+        for p, st in self.state.items():
+            if p in self._shards:
+                lo, hi = self._shards[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st and st[key].numel() == p.numel():
+                        st[key] = st[key].reshape(-1)[lo:hi].clone()
+
+    def _shard_part(self, s, t: torch.Tensor) -> torch.Tensor:
+        """The elements of `s`'s host tensor `t` this rank updates (all, without data parallel)."""
+        if not self._shards:
+            return t
+        lo, hi = self._shards[s.param]
+        return t.view(-1)[lo:hi]
+
+    def _gathered_state(self) -> dict:
+        """param -> its state with whole moments, every rank's shards gathered, in param-group
+        order (every rank calls this: each gather is a collective)."""
+        out = {}
+        for p in [p for g in self.param_groups for p in g["params"]]:
+            st = self.state.get(p)
+            if st and p in self._shards:
+                out[p] = {k: (self._full_tensor(v, p) if k in ("exp_avg", "exp_avg_sq") else v) for k, v in st.items()}
+        return out
+
+    def _state_for(self, p: torch.Tensor) -> dict:
+        if p not in self._shards or self.state[p]:
+            return super()._state_for(p)
+        lo, hi = self._shards[p]
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros(hi - lo, dtype=self.moment_dtype)
+        state["exp_avg_sq"] = torch.zeros(hi - lo, dtype=self.moment_dtype)
+        return state
+
     def _check_param(self, p: torch.Tensor) -> None:
         if self._engine is not None:
             raise ValueError("trainstream: add param groups before wrap(); the wrapped optimizer's groups are fixed")
@@ -238,6 +288,10 @@ class StreamedAdamW(OffloadAdamW):
 
     def state_dict(self) -> dict:
         sd = self._stock.state_dict() if self._stock is not None else super().state_dict()
+        if self._stock is None and self._shards:  # data parallel: whole moments, torch's format, every rank
+            ids = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            for p, st in self._gathered_state().items():
+                sd["state"][ids[p]] = st
         sd[MODE_KEY] = "stock" if self._stock is not None else "offload"  # switch.py, [Note: resuming ...]
         return sd
 
@@ -267,24 +321,31 @@ class StreamedAdamW(OffloadAdamW):
             return
         super().load_state_dict(state_dict)
         self._keep_group_dicts(groups)
+        if self._shards:  # data parallel: whole moments loaded, this rank's elements kept
+            self.shard_state(self._shards, self._full_tensor)
         self._into_mapped()  # the kernel keeps reading the buffers it was given at wrap()
 
     def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
         `grads` (host tensors), `priority` as in ops.adamw_step. Returns (handle, slots) per
-        native job."""
+        native job. Data parallel (shard_state): each slot's update covers this rank's
+        elements [lo:hi) of its flat weights, and `grads` are those elements' gradients."""
         out = []
+        part = self._shard_part
         for group, items in self._batches(slots, grads, lambda s: s.copy_dtype()):
-            copies = [s.host[s.copy_dtype()] for s, *_ in items] if items[0][0].copy_dtype() is not None else None
+            copies = (
+                [part(s, s.host[s.copy_dtype()]) for s, *_ in items] if items[0][0].copy_dtype() is not None else None
+            )
             handle = ops.adamw_step(
-                [s.master for s, *_ in items],
+                [part(s, s.master) for s, *_ in items],
                 [g for _, g, *_ in items],
                 [st["exp_avg"] for _, _, st, _ in items],
                 [st["exp_avg_sq"] for _, _, st, _ in items],
                 [int(st["step"].item()) for _, _, st, _ in items],
                 param_copies=copies,
                 grad_scale=grad_scale,
-                seeds=[self._seed_for(i) for *_, i in items],
+                # A shard's elements are numbered from its start: a stream of its own (bf16 moments).
+                seeds=[self._seed_for(i) ^ (self._shards[s.param][0] if self._shards else 0) for s, _, _, i in items],
                 threads=self.threads,
                 priority=priority,
                 **_hyper(group),

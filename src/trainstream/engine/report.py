@@ -86,4 +86,34 @@ def build_report(engine) -> dict:
         "peaks": peaks,
         "paged_activation_bytes": engine.acts.paged_bytes,
         "last_grad_norm": engine.last_grad_norm,
+        "host_moment_bytes": host_moment_bytes(engine.optimizer),
+        "distributed": data_parallel(engine),
+    }
+
+
+def host_moment_bytes(optimizer) -> int:
+    """Bytes of AdamW moments this process holds (with data parallel, its shards only)."""
+    return sum(
+        t.numel() * t.element_size()
+        for st in optimizer.state.values()
+        for k, t in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+
+
+def data_parallel(engine) -> dict | None:
+    """Data parallel: the ranks, the share of the optimizer this rank holds and what it
+    communicates per optimizer step (None when training alone)."""
+    dp = engine.dp
+    if dp is None:
+        return None
+    windows = max(dp.windows, 1)
+    return {
+        "world_size": dp.world,
+        "rank": dp.rank,
+        "shard_elements": sum(sh.hi - sh.lo for us in dp.shards.values() for sh in us.slots),
+        "trainable_elements": sum(sh.numel for us in dp.shards.values() for sh in us.slots),
+        "shard_moment_bytes": host_moment_bytes(engine.optimizer),
+        # What this rank sent into the gradient reduce-scatters and the weight all-gathers.
+        "bytes_communicated_per_step": (dp.bytes_reduced + dp.bytes_gathered) // windows,
     }

@@ -87,6 +87,17 @@ class Updater:
         """The window's updates are all queued (step(), zero_grad())."""
         self._used.clear()
 
+    def queue_shard(self, unit, slots: list, grads: list, grad_scale: float) -> list:
+        """Data parallel: queue the host AdamW of this rank's shard of `slots` (the optimizer
+        holds the shard ranges) from `grads`, their reduced shards (distributed.py). Returns
+        the host jobs; the caller hands the unit's weights over once they are gathered."""
+        groups = self.optimizer.param_groups
+        for i in {self._group_of[s.param] for s in slots}:
+            self._used.setdefault(i, (_hyperparameters(groups[i]), []))[1].append(unit.name)
+        unit.priority = self.update_order.index(unit)
+        self.weights.before_host_update(unit)
+        return [handle for handle, _ in self.optimizer.queue(slots, grads, grad_scale, unit.priority)]
+
     def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
         self.weights.before_host_update(unit)
         jobs = self.optimizer.queue(slots, [self.grads.grad_of(s) for s in slots], grad_scale, unit.priority)

@@ -1,0 +1,405 @@
+"""Data parallel over torch.distributed: the process groups, each unit's shard layout, the
+gradient reduce-scatter and the weight all-gather (docs/distributed.md).
+
+[Note: shards] Every trainable parameter of N elements is cut into `world` chunks of
+c = ceil(N / world) elements; rank r owns elements [r*c, min((r+1)*c, N)) (empty for a
+rank past the end). A unit's shard segment is its slots' chunks side by side (slot i at
+`offset[i]`, c_i long, zero-padded), and its bucket is `world` segments, rank-major: a
+reduce-scatter of the bucket gives each rank exactly its own segment, summed, and an
+all-gather of the segments rebuilds every slot. The host AdamW then runs on 1-D views
+[lo:hi) of the fp32 master (and of the lower-precision copy it writes), and the moments of
+each parameter are only its hi-lo elements: each rank keeps 1/world of the moments.
+
+[Note: collective order] Collectives are matched by their order in a group, so every rank
+must issue the same collectives in the same order. Reductions go in one fixed order (the
+reverse of forward order, the order backward makes the units), each unit once per window,
+whether this rank has gradients for it or not (zeros, marked absent in the unit's small
+all-reduce of flags). Every decision taken from a reduction (skip a non-finite window,
+which slots have a gradient, the clipping norm) reads only reduced values, so it is the
+same on every rank. The all-gathers of new weights run on their own thread, on a group of
+their own, in the order the updates were queued, which is the reduction order. Paging and
+activation placement stay local: nothing in them communicates.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Collectives in flight (reductions issued, not yet waited for): each holds one bucket, the
+# size of the largest unit's gradients in fp32.
+INFLIGHT_BUCKETS = 2
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def process_group(distributed, where: str = "wrap()"):
+    """The ranks to train over for wrap(distributed=...), or None to train alone. None:
+    data parallel when an initialized process group has more than one rank; True: it must
+    exist; False: never."""
+    if distributed is False:
+        return None
+    ready = dist.is_available() and dist.is_initialized()
+    if distributed is True and not ready:
+        raise ValueError(
+            f"{where}: distributed=True but no torch.distributed process group is initialized: call "
+            "torch.distributed.init_process_group() first (torchrun sets its environment), or pass "
+            "distributed=None (data parallel only when a group exists) or False (each rank alone)"
+        )
+    if not ready or (distributed is None and dist.get_world_size() == 1):
+        return None
+    return dist.group.WORLD
+
+
+def _timeout_of(group) -> datetime.timedelta:
+    """The timeout the user gave the process group, for the groups made from it (gloo keeps
+    it on its backend; other backends fall back to torch's default)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (RuntimeError, AttributeError):
+        return dist.distributed_c10d.default_pg_timeout
+
+
+def _model_signature(units) -> list:
+    """What every rank's model must agree on: each parameter's name, shape, dtype and
+    whether it trains, in unit order."""
+    return [(s.name, tuple(s.param.shape), str(s.dtype), s.trainable) for u in units for s in u.slots]
+
+
+@dataclass
+class SlotShard:
+    slot: object
+    numel: int
+    chunk: int  # c: elements per rank, the last rank's padded
+    lo: int  # this rank's elements: [lo, hi) of the flat parameter
+    hi: int
+    offset: int  # where the chunk sits in the unit's segment
+
+
+class UnitShards:
+    """One unit's shard layout ([Note: shards]) and the buffers its reduction lands in."""
+
+    def __init__(self, unit, rank: int, world: int):
+        self.unit = unit
+        self.world = world
+        self.slots = []
+        offset = 0
+        for s in unit.trainable:
+            n = s.param.numel()
+            c = max(1, math.ceil(n / world))
+            lo, hi = min(n, rank * c), min(n, (rank + 1) * c)
+            self.slots.append(SlotShard(s, n, c, lo, hi, offset))
+            offset += c
+        self.segment = offset  # elements of one rank's segment
+        self.reduced = torch.zeros(self.segment, dtype=torch.float32)  # this rank's summed shard
+        self.readers: list = []  # the update jobs reading `reduced`: the next reduction waits for them
+
+    def pack(self, bucket: torch.Tensor, grads: dict) -> None:
+        """Lay this rank's gradients (slot -> tensor; absent: zeros) into `bucket` rank-major."""
+        rows = bucket.view(self.world, self.segment)
+        for sh in self.slots:
+            part = rows[:, sh.offset : sh.offset + sh.chunk]
+            g = grads.get(sh.slot)
+            if g is None:
+                part.zero_()
+                continue
+            flat = g.reshape(-1)
+            full = sh.numel // sh.chunk  # ranks whose chunk is whole
+            part[:full].copy_(flat[: full * sh.chunk].view(full, sh.chunk))
+            rest = sh.numel - full * sh.chunk
+            if full < self.world:
+                part[full:].zero_()
+                if rest:
+                    part[full, :rest].copy_(flat[full * sh.chunk :])
+
+    def grad(self, sh: SlotShard) -> torch.Tensor:
+        """The reduced gradient of this rank's elements of `sh`'s parameter (1-D)."""
+        return self.reduced[sh.offset : sh.offset + (sh.hi - sh.lo)]
+
+    def unpack(self, gathered: torch.Tensor, sh: SlotShard, into: torch.Tensor) -> None:
+        """Every rank's chunk of `sh` from an all-gathered bucket into the flat `into`."""
+        rows = gathered.view(self.world, self.segment)[:, sh.offset : sh.offset + sh.chunk]
+        into.view(-1).copy_(rows.reshape(-1)[: sh.numel])
+
+
+@dataclass
+class Reduced:
+    """A unit's reduction, waited for: which slots some rank had a gradient for, whether
+    any rank's was not finite, and this rank's summed shard (shards.reduced)."""
+
+    shards: UnitShards
+    present: list  # per slot of shards.slots: some rank had a gradient this window
+    finite: bool
+
+
+class _Reduction:
+    """A reduction in flight: its bucket's whole buffer, the reduce-scatter and the flags'
+    all-reduce."""
+
+    __slots__ = ("shards", "buffer", "work", "flags", "flags_work")
+
+    def __init__(self, shards, buffer, work, flags, flags_work):
+        self.shards, self.buffer, self.work, self.flags, self.flags_work = shards, buffer, work, flags, flags_work
+
+
+class GatherHandle:
+    """Done when a unit's update has run on this rank's shard and every rank's new shard has
+    been gathered into the full host weights: what a resident unit's push and a paged
+    unit's fetch wait for (the role of the host job's own handle without data parallel)."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"trainstream: the all-gather of a unit's new weights failed: {self.error}") from (
+                self.error
+            )
+
+
+class RankGroups:
+    """The ranks one wrapped model trains over: two gloo groups over the process group's
+    ranks, made at wrap() (reductions on the training thread, all-gathers on the gather
+    thread: [Note: collective order]). gloo reduces host tensors, which is where the
+    gradients land, whatever backend the default group has. Made only once every rank is
+    known to wrap the same model (check_same_model)."""
+
+    def __init__(self, group, units: list):
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = _timeout_of(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.reduce = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
+        self.gather = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
+        check_same_model(self.reduce, units, self.rank, self.world)
+
+    def from_rank_zero(self, obj):
+        """Rank 0's `obj` on every rank (pickled): what each rank decides from must agree."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.reduce, 0), group=self.reduce)
+        return box[0]
+
+
+class DataParallel:
+    """The communication of one wrapped model across its ranks: every unit's shard layout,
+    the reductions in flight and their buckets, and the gather thread."""
+
+    def __init__(self, ranks: RankGroups, units: list, order: list, grad_of, check_finite: bool):
+        """`order`: the units in forward order; `grad_of(slot)`: this rank's window gradient
+        of a slot on the host, or None if it has none; `check_finite`: flag non-finite
+        gradients (wrap(nonfinite=) is not "ignore")."""
+        self.rank, self.world = ranks.rank, ranks.world
+        self.reduce_group, self.gather_group = ranks.reduce, ranks.gather
+        self.shards = {u: UnitShards(u, self.rank, self.world) for u in units if u.trainable}
+        # [Note: collective order] the reverse of forward order: the order backward makes them.
+        self.order = [u for u in reversed(order) if u in self.shards]
+        self.check_finite = check_finite
+        self._grad_of = grad_of
+        largest = max((sh.segment for sh in self.shards.values()), default=0) * self.world
+        self._free = [torch.zeros(largest, dtype=torch.float32) for _ in range(INFLIGHT_BUCKETS)]
+        self._offered: set = set()  # units with gradients on this rank this window
+        self._next = 0  # position in self.order of the next unit to reduce
+        self._inflight: deque = deque()
+        self._done: list = []  # finished reductions not yet returned (by ready() or drain())
+        self.bytes_reduced = 0  # bytes this rank sent into reductions and gathers, in total
+        self.bytes_gathered = 0
+        self.windows = 0  # windows reduced
+        self._gathers: queue.Queue = queue.Queue()
+        self._gather_error: BaseException | None = None
+        self._gather_thread = threading.Thread(target=self._gather_loop, name="trainstream-allgather", daemon=True)
+        self._gather_thread.start()
+
+    # -- shards --------------------------------------------------------------------------
+
+    def shard_ranges(self) -> dict:
+        """param -> (lo, hi): this rank's elements of each trainable parameter."""
+        return {sh.slot.param: (sh.lo, sh.hi) for us in self.shards.values() for sh in us.slots}
+
+    def shard_of(self, slot) -> tuple[int, int]:
+        sh = next(sh for sh in self.shards[slot.unit].slots if sh.slot is slot)
+        return sh.lo, sh.hi
+
+    # -- reductions (the training thread) ---------------------------------------------------
+
+    def offer(self, unit) -> None:
+        """`unit`'s gradients for this window are in host memory on this rank: reduce it as
+        soon as every unit before it in the reduction order has been."""
+        if unit not in self.shards:
+            return
+        self._offered.add(unit)
+        while self._next < len(self.order) and self.order[self._next] in self._offered:
+            self._issue(self.order[self._next])
+
+    def ready(self) -> list:
+        """The reductions finished so far, in order (Reduced), waiting for none."""
+        while self._inflight and self._inflight[0].work.is_completed() and self._inflight[0].flags_work.is_completed():
+            self._done.append(self._finish(self._inflight.popleft()))
+        out, self._done = self._done, []
+        return out
+
+    def drain(self) -> list:
+        """The window ends: reduce every unit not reduced yet (zeros from this rank where it
+        has no gradient) and wait for all. Returns every unit's Reduced that ready() has not
+        returned, in order."""
+        while self._next < len(self.order):
+            self._issue(self.order[self._next])
+        while self._inflight:
+            self._done.append(self._finish(self._inflight.popleft()))
+        out, self._done = self._done, []
+        self._offered.clear()
+        self._next = 0
+        self.windows += 1
+        return out
+
+    def discard(self) -> None:
+        """A pass that raised: forget the window; nothing of it is applied. What was in
+        flight is not waited for (a rank that raised has left the collective order, and the
+        run ends with the group's timeout on the others)."""
+        while self._inflight:  # a collective may still write its buffer: a new one instead
+            self._free.append(torch.zeros_like(self._inflight.popleft().buffer))
+        self._done = []
+        self._offered.clear()
+        self._next = 0
+
+    def _issue(self, unit) -> None:
+        self._next += 1
+        shards = self.shards[unit]
+        if not self._free:  # every bucket in flight: the oldest reduction frees one
+            self._done.append(self._finish(self._inflight.popleft()))
+        buffer = self._free.pop()
+        bucket = buffer[: self.world * shards.segment]
+        grads = {}
+        for sh in shards.slots:
+            g = self._grad_of(sh.slot)
+            if g is not None:
+                grads[sh.slot] = g
+        shards.pack(bucket, grads)
+        finite = not (self.check_finite and grads) or bool(torch.isfinite(bucket).all())
+        bucket.div_(self.world)  # the mean over ranks, as DDP divides before its all-reduce
+        for h in shards.readers:  # the last update that read `reduced`
+            h.wait()
+        shards.readers = []
+        work = _reduce_scatter(shards.reduced, bucket, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
+        flags = torch.tensor([1.0 if sh.slot in grads else 0.0 for sh in shards.slots] + [0.0 if finite else 1.0])
+        flags_work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
+        self.bytes_reduced += bucket.numel() * bucket.element_size()
+        self._inflight.append(_Reduction(shards, buffer, work, flags, flags_work))
+
+    def _finish(self, r: _Reduction) -> Reduced:
+        r.work.wait()
+        r.flags_work.wait()
+        self._free.append(r.buffer)
+        flags = r.flags.tolist()
+        return Reduced(r.shards, [f > 0 for f in flags[:-1]], flags[-1] == 0)
+
+    def global_sq_norm(self, reduced: list) -> float:
+        """The squared L2 norm of the window's reduced gradients across every rank."""
+        mine = sum(float(torch.linalg.vector_norm(r.shards.reduced, dtype=torch.float64)) ** 2 for r in reduced)
+        total = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.reduce_group)
+        return float(total[0])
+
+    # -- all-gathers (the gather thread) ----------------------------------------------------
+
+    def gather(self, unit, jobs: list, dtypes: dict) -> GatherHandle:
+        """After `jobs` (this rank's update of its shards of `unit`) every rank's new shards
+        into the full host weights, in each dtype `dtypes` (slot -> dtypes the update wrote).
+        Returns at once."""
+        handle = GatherHandle()
+        self.shards[unit].readers = list(jobs)
+        self._gathers.put((self.shards[unit], list(jobs), dtypes, handle))
+        return handle
+
+    def _gather_loop(self) -> None:
+        while True:
+            item = self._gathers.get()
+            if item is None:
+                return
+            shards, jobs, dtypes, handle = item
+            if self._gather_error is not None:  # no further collectives once one failed
+                handle.finish(self._gather_error)
+                continue
+            try:
+                for job in jobs:
+                    job.wait()
+                for dtype in sorted({d for ds in dtypes.values() for d in ds}, key=str):
+                    self._gather_dtype(shards, dtype, dtypes)
+                handle.finish()
+            except BaseException as e:  # surfaced where the weights are waited for
+                self._gather_error = e
+                handle.finish(e)
+            item = shards = jobs = handle = None
+
+    def _gather_dtype(self, shards: UnitShards, dtype, dtypes: dict) -> None:
+        send = torch.zeros(shards.segment, dtype=dtype)
+        for sh in shards.slots:
+            if dtype in dtypes.get(sh.slot, ()):
+                send[sh.offset : sh.offset + (sh.hi - sh.lo)].copy_(sh.slot.host[dtype].view(-1)[sh.lo : sh.hi])
+        recv = torch.empty(self.world * shards.segment, dtype=dtype)
+        _all_gather(recv, send, group=self.gather_group)
+        self.bytes_gathered += send.numel() * send.element_size()
+        for sh in shards.slots:
+            if dtype in dtypes.get(sh.slot, ()):
+                shards.unpack(recv, sh, sh.slot.host[dtype])
+
+    # -- whole tensors (state dicts) ----------------------------------------------------------
+
+    def full_tensor(self, shard: torch.Tensor, param) -> torch.Tensor:
+        """Every rank's elements of `param`-shaped state (this rank's: `shard`, 1-D) as one
+        tensor of the param's shape (a collective: every rank calls it, in the same order)."""
+        sh = next(sh for us in self.shards.values() for sh in us.slots if sh.slot.param is param)
+        send = torch.zeros(sh.chunk, dtype=shard.dtype)
+        send[: sh.hi - sh.lo].copy_(shard.reshape(-1))
+        recv = torch.empty(self.world * sh.chunk, dtype=shard.dtype)
+        _all_gather(recv, send, group=self.reduce_group)
+        return recv[: sh.numel].view(param.shape).clone()
+
+    def stop(self) -> None:
+        """No more gathers: the thread ends once those queued are done."""
+        self._gathers.put(None)
+
+    def describe(self) -> str:
+        moments = sum(sh.hi - sh.lo for us in self.shards.values() for sh in us.slots)
+        total = sum(sh.numel for us in self.shards.values() for sh in us.slots)
+        return (
+            f"data parallel: rank {self.rank} of {self.world}; this rank updates {moments} of {total} trainable "
+            f"elements (its shard of every parameter); gradients reduce-scattered and new weights all-gathered "
+            f"over gloo, unit by unit"
+        )
+
+
+def check_same_model(group, units, rank: int, world: int) -> None:
+    """Every rank wraps the same model: a digest of each parameter's name, shape, dtype and
+    trainability, compared across ranks (a ValueError on every rank if they differ)."""
+    rows = _model_signature(units)
+    digest = hashlib.sha256(repr(rows).encode()).digest()
+    mine = torch.tensor(
+        [len(rows), sum(math.prod(r[1]) for r in rows), int.from_bytes(digest[:8], "little", signed=True)],
+        dtype=torch.int64,
+    )
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(t, every[0]) for t in every):
+        seen = ", ".join(f"rank {r}: {int(t[0])} parameters, {int(t[1])} elements" for r, t in enumerate(every))
+        raise ValueError(
+            "wrap(): data parallel needs the same model on every rank, but the parameters differ "
+            f"(names, shapes, dtypes or which train): {seen}; this is rank {rank}"
+        )
