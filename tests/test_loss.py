@@ -106,6 +106,102 @@ def test_grad_output_scales_the_gradients():
     _assert_close(_loss_and_grads(ours, [hidden, weight, b], g), _loss_and_grads(ref, [hidden, weight, b], g), 1e-9)
 
 
+_MATMULS = {"aten.mm.default", "aten.mm.out", "aten.addmm.default", "aten.addmm_.default", "aten.addmm.out"}
+
+
+class _Calls(TorchDispatchMode):
+    """Records each op's name and the data pointers of the tensors it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.outputs = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.names.append(str(func))
+        self.outputs.update(t.data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel())
+        return out
+
+    def matmuls(self):
+        return sum(name in _MATMULS for name in self.names)
+
+
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_backward_recomputes_nothing(frozen_weight):
+    """Forward makes the gradients: per chunk the logits, d_hidden and (unless the weight is
+    frozen, as under LoRA) d_weight, 3 or 2 matmuls; backward runs none. Without grad, one
+    matmul per chunk."""
+    hidden, weight, b, targets = _inputs(shape=(40,), bias=True)
+    weight.requires_grad_(not frozen_weight)
+    chunks = 5  # 40 tokens in chunks of 8
+    with _Calls() as forward:
+        loss = chunked_cross_entropy(hidden, weight, targets, b, chunk_size=8)
+    with _Calls() as backward:
+        loss.backward()
+    assert forward.matmuls() == chunks * (2 if frozen_weight else 3)
+    assert backward.matmuls() == 0, backward.names
+    with torch.no_grad(), _Calls() as evaluation:
+        chunked_cross_entropy(hidden, weight, targets, b, chunk_size=8)
+    assert evaluation.matmuls() == chunks
+
+
+def test_gradients_become_grad_without_a_copy():
+    """The d_weight and d_hidden forward made are the .grad backward leaves (no copy: the peak
+    holds one weight-sized gradient), in bf16 as in fp64."""
+    for dtype in (torch.float64, torch.bfloat16):
+        hidden, weight, b, targets = _inputs(shape=(40,), dtype=dtype)
+        with _Calls() as forward:
+            loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=8)
+        loss.backward()
+        assert weight.grad.data_ptr() in forward.outputs and hidden.grad.data_ptr() in forward.outputs
+
+
+def test_second_backward_through_the_graph():
+    """retain_graph=True: a second backward gives the same gradients again (they add up in
+    .grad as torch's do), and so does a third."""
+    hidden, weight, b, targets = _inputs(bias=True)
+    tensors = [hidden, weight, b]
+    ours = chunked_cross_entropy(hidden, weight, targets, b, chunk_size=7)
+    for _ in range(3):
+        ours.backward(retain_graph=True)
+    got = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    ref = _reference(hidden, weight, targets, b)
+    for _ in range(3):
+        ref.backward(retain_graph=True)
+    _assert_close(got, [t.grad for t in tensors], 1e-9)
+
+
+def test_double_backward_is_refused():
+    hidden, weight, b, targets = _inputs()
+    loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=7)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(loss, [hidden], create_graph=True)
+
+
+def test_non_finite_grad_output_leaves_ignored_tokens_at_zero():
+    hidden, weight, b, targets = _inputs()
+    g = torch.tensor(float("nan"), dtype=torch.float64)
+    ours = _loss_and_grads(chunked_cross_entropy(hidden, weight, targets, chunk_size=7), [hidden], g)[1]
+    ref = _loss_and_grads(_reference(hidden, weight, targets), [hidden], g)[1]
+    ignored = targets == -100
+    assert torch.equal(ours.isnan(), ref.isnan()) and not ours[ignored].any() and ours[~ignored].isnan().all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grad_output_scales_in_fp32(device):
+    """A loss gradient other than 1 (a loss divided by the accumulation steps) multiplies the
+    gradients forward made in fp32 and rounds them once: 1/3 is not first rounded to bf16
+    (which moves them by up to 2**-9)."""
+    hidden, weight, b, targets = _inputs(shape=(40,), dtype=torch.bfloat16, bias=True, device=device)
+    g = torch.tensor(1 / 3, device=device)
+    once = _loss_and_grads(chunked_cross_entropy(hidden, weight, targets, b, chunk_size=8), [hidden, weight, b])
+    third = _loss_and_grads(chunked_cross_entropy(hidden, weight, targets, b, chunk_size=8), [hidden, weight, b], g)
+    for a, e in zip(third[1:], once[1:]):
+        assert torch.equal(a, (e.float() * torch.tensor(1 / 3, dtype=torch.float32)).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("shape", [(37,), (2, 3, 5), ()])
 def test_any_leading_shape(shape):
     hidden, weight, b, targets = _inputs(shape=shape, ignored=0)
