@@ -420,8 +420,8 @@ def test_gpu_fp32_matches_full_logits(bias):
     ours = _loss_and_grads(chunked_cross_entropy(hidden, weight, targets, b, chunk_size=512), [hidden, weight, b])
     ref = _loss_and_grads(_reference(hidden, weight, targets, b), [hidden, weight, b])
     _assert_close(ours[:1], ref[:1], 1e-6)
-    # cuBLAS rounds the logits of a slice and of the whole matrix differently, by about 1e-6 of
-    # the gradients here: measured against the fp64 truth instead.
+    # cuBLAS rounds the logits of a chunk's rows and of the whole matrix differently, by about
+    # 1e-6 of the gradients here: measured against the fp64 truth instead.
     _assert_as_close_to_truth(ours, ref, [hidden, weight, b], targets, 1e-6)
 
 
@@ -441,10 +441,13 @@ def test_gpu_bf16_as_close_as_the_reference(bias):
 
 
 @pytest.mark.gpu
-def test_gpu_peak_is_a_fraction_of_the_unchunked():
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_gpu_peak_is_an_eighth_of_the_unchunked(frozen_weight):
     """bf16, 8192 tokens, vocab 32000: the loss and its backward peak (above the inputs) at
-    under a quarter of the unchunked loss's, gradients included in both."""
+    under an eighth of the unchunked loss's (issue 21's bound), gradients included in both,
+    with the weight trained or frozen."""
     hidden, weight, b, targets = _inputs(shape=(8192,), dtype=torch.bfloat16, device="cuda", vocab=32000, dim=1024)
+    weight.requires_grad_(not frozen_weight)
 
     def peak(fn):
         hidden.grad = weight.grad = None
@@ -455,6 +458,7 @@ def test_gpu_peak_is_a_fraction_of_the_unchunked():
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    ours = peak(lambda: chunked_cross_entropy(hidden, weight, targets, chunk_size=1024))
-    unchunked = peak(lambda: _reference(hidden, weight, targets))
-    assert ours * 4 < unchunked, (ours, unchunked)
+    chunked = lambda: chunked_cross_entropy(hidden, weight, targets, chunk_size=1024)
+    peak(chunked)  # cuBLAS's workspace for this stream is allocated by a first matmul, not measured
+    ours, unchunked = peak(chunked), peak(lambda: _reference(hidden, weight, targets))
+    assert ours * 8 < unchunked, (ours, unchunked)
