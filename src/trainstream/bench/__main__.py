@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import engine, lora, loss, nonfinite, optimizer, optimizer_gpu, planner, quant, readme
+from . import engine, hf, lora, loss, nonfinite, optimizer, optimizer_gpu, planner, quant, readme
 from .common import env_line, environment, write_result
 
 # suite name -> (needs a GPU, runner(args) -> result dict)
@@ -29,6 +29,7 @@ SUITES = {
     "lora": (True, lambda a: lora.run(quick=a.quick)),
     "loss": (True, lambda a: loss.run(quick=a.quick)),
     "nonfinite": (True, lambda a: nonfinite.run(quick=a.quick)),
+    "hf": (True, lambda a: hf.run(quick=a.quick)),
 }
 
 

@@ -1,0 +1,450 @@
+"""Suite `hf` (GPU): the Hugging Face path (issue 21) against its stock peers, in one run.
+
+- full: a full fine-tune of a Qwen2.5-1.5B-shaped model (transformers' Qwen2Config with the
+  published sizes, random weights from one seed, fp32 weights under TrainingArguments(bf16=True),
+  fused AdamW), 10 steps on batches of 4x512 random token ids, through TrainStreamTrainer under a
+  24 GiB VRAM cap and through the stock transformers.Trainer uncapped and under the same cap
+  (where it runs out of memory, that is the result). The same seed, data and arguments; the
+  losses side by side (TrainStream computes the chunked loss, the stock Trainer the full
+  logits'), s/step the median interval between the Trainer's step ends after 2 warm-up steps.
+- lora: LoRA r=16 from peft on every Linear of the blocks over a Qwen2.5-14B-shaped NF4 base
+  that ``load_model(random_weights=True, quantize="nf4")`` builds, TrainStream under a 24 GiB cap
+  against bitsandbytes QLoRA (Linear4bit, NF4, block 64, no double quantization) uncapped and,
+  with gradient checkpointing, under the same cap. The bitsandbytes base is the same one: built
+  by load_model, then each block Linear's codes dequantized and quantized again by bitsandbytes
+  on the GPU (NF4 values quantize to themselves: the same codes), one tensor at a time, so the
+  first losses agree. A plain loop, the same batch every step, 5 timed steps after 2 warm-up.
+
+Every case runs in its own process (``python -m trainstream.bench.hf CASE``): a VRAM cap and an
+out-of-memory failure stay in it, and its peak host RSS is its own. ``run_case`` takes a
+``device`` and a ``config`` (Qwen2Config fields), so the tests run each case at toy size on the
+CPU. Peak VRAM: ``torch.cuda.max_memory_allocated()`` over the whole run of the case.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from ..sizes import GiB
+from .common import cap_vram, case_in_subprocess, markdown_table
+from .lora import LINEARS
+
+CAP_GIB = 24
+# The published sizes (the models' config.json on the hub).
+QWEN2_5_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+QWEN2_5_14B = dict(
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    vocab_size=152064,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+QUICK = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    max_position_embeddings=1024,
+)
+FULL_STEPS = dict(warmup=2, steps=10)
+LORA_STEPS = dict(warmup=2, steps=5)
+BATCH, SEQ = 4, 512
+
+
+def qwen2_config(fields: dict):
+    import transformers
+
+    config = transformers.Qwen2Config(**fields)
+    config.use_cache = False
+    return config
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """`rows` rows of `seq` random token ids from one seed; the labels are the ids (the model
+    shifts them)."""
+
+    def __init__(self, rows: int, seq: int, vocab: int, seed: int = 1):
+        self.ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _sync(device: str, opt=None) -> None:
+    """Wait for the device and, with TrainStream, for host updates still in flight."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    if opt is not None and hasattr(opt, "synchronize"):
+        opt.synchronize()
+
+
+def _peak_vram_gib(device: str):
+    return torch.cuda.max_memory_allocated() / GiB if device.startswith("cuda") else None
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # ru_maxrss: KiB on Linux
+
+
+def _engine_facts(model) -> dict:
+    """What the engine chose, for the row (nothing when the model was not wrapped)."""
+    import trainstream
+
+    try:
+        report = trainstream.memory_report(model)
+    except ValueError:
+        return {}
+    return {
+        "mode": report["mode"],
+        "paged_blocks": len(report["params"]["paged_blocks"]),
+        "activation_paged_blocks": len(report["params"]["activation_paged_blocks"]),
+    }
+
+
+# -- full fine-tune through the Trainer ------------------------------------------------------------
+
+
+def _step_end_times(device: str):
+    """A TrainerCallback that keeps the wall time at each optimizer step's end (the device
+    synchronized first): the intervals are the steps' times, host work included, since a step
+    waits for what the previous one left in flight."""
+    import transformers
+
+    class StepEndTimes(transformers.TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            _sync(device)
+            self.times.append(time.perf_counter())
+
+    return StepEndTimes()
+
+
+def full_fine_tune(case: dict) -> dict:
+    """One Trainer run: case["runner"] "stock" (transformers.Trainer) or "trainstream"
+    (TrainStreamTrainer with its defaults); the row's figures."""
+    import transformers
+
+    from ..integrations.huggingface import TrainStreamTrainer
+
+    device = case["device"]
+    config = qwen2_config(case["config"])
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)  # fp32, initialized by transformers from seed 0
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out,
+            use_cpu=device == "cpu",
+            report_to="none",
+            per_device_train_batch_size=case["batch"],
+            max_steps=case["steps"],
+            learning_rate=1e-5,
+            bf16=True,
+            optim="adamw_torch_fused",
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            log_level="error",
+            seed=0,
+        )
+        data = TokenRows(case["batch"] * case["steps"], case["seq"], config.vocab_size)
+        timer = _step_end_times(device)
+        if case["runner"] == "trainstream":
+            trainer = TrainStreamTrainer(model=model, args=args, train_dataset=data, callbacks=[timer], trainstream={})
+        else:
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
+        setup_s = time.perf_counter() - t0
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    intervals = [b - a for a, b in zip(timer.times, timer.times[1:])][case["warmup"] - 1 :]
+    return {
+        "s_per_step": statistics.median(intervals),
+        "peak_GiB": _peak_vram_gib(device),
+        "losses": losses,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "setup_s": setup_s,
+        "oom": False,
+        **_engine_facts(trainer.model),
+    }
+
+
+# -- LoRA over an NF4 base ---------------------------------------------------------------------------
+
+
+def _to_bitsandbytes(model, device: str) -> None:
+    """Every block Linear whose weight holds NF4 codes (load_model's) as bitsandbytes'
+    Linear4bit of the same values, quantized by bitsandbytes where it is moved (`device`), one
+    at a time: the dequantized NF4 values quantize to the same codes, and the base never
+    exists in bf16 as a whole."""
+    import bitsandbytes as bnb
+
+    from ..quant import stored
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in LINEARS:
+                linear = getattr(parent, name, None)
+                if linear is None or stored.codes_of(linear.weight) is None:
+                    continue
+                codes = stored.take(linear.weight)  # the hooks no longer serve this weight
+                if codes.format != "nf4":
+                    raise ValueError(f"hf bench: {name} holds {codes.format} codes; bitsandbytes' QLoRA is NF4")
+                q = bnb.nn.Linear4bit(
+                    linear.in_features,
+                    linear.out_features,
+                    bias=linear.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    compress_statistics=False,
+                    quant_type="nf4",
+                    device="meta",
+                )
+                q.weight = bnb.nn.Params4bit(
+                    codes.dequantize(),
+                    requires_grad=False,
+                    compress_statistics=False,
+                    quant_type="nf4",
+                    blocksize=codes.block_size,
+                )
+                if linear.bias is not None:
+                    q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+                setattr(parent, name, q.to(device))
+
+
+def _checkpoint_layers(model) -> None:
+    """transformers' activation checkpointing of every decoder layer, non-reentrant (the
+    frozen embedding's output needs no grad for it); the older name on older transformers."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def lora(case: dict) -> dict:
+    """One LoRA run: case["runner"] "trainstream" (wrap() with its defaults) or "bnb"
+    (bitsandbytes' Linear4bit, fused torch AdamW, gradient checkpointing if
+    case["checkpointing"]); the row's figures."""
+    import peft
+
+    from ..integrations.huggingface import load_model
+
+    device = case["device"]
+    with tempfile.TemporaryDirectory() as folder:
+        qwen2_config(case["config"]).save_pretrained(folder)  # config.json only: random weights
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        base = load_model(folder, random_weights=True, quantize="nf4")
+        if case["runner"] == "bnb":
+            _to_bitsandbytes(base, device)
+        load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lora_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LINEARS), bias="none")
+    model = peft.get_peft_model(base, lora_config).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if case["runner"] == "trainstream":
+        import trainstream
+
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(trainable, lr=1e-4), device=device)
+    else:
+        model = model.to(device)
+        if case.get("checkpointing"):
+            _checkpoint_layers(model.get_base_model())
+        opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
+    setup_s = time.perf_counter() - t0
+    vocab = case["config"]["vocab_size"]
+    ids = torch.randint(0, vocab, (case["batch"], case["seq"]), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    first = float(step().detach())
+    for _ in range(case["warmup"] - 1):
+        step()
+    _sync(device, opt)
+    t = time.perf_counter()
+    for _ in range(case["steps"]):
+        loss = step()
+    _sync(device, opt)
+    s_per_step = (time.perf_counter() - t) / case["steps"]
+    return {
+        "s_per_step": s_per_step,
+        "peak_GiB": _peak_vram_gib(device),
+        "host_rss_GiB": _peak_rss_gib(),
+        "load_s": load_s,
+        "setup_s": setup_s,
+        "first_loss": first,
+        "last_loss": float(loss.detach()),
+        "trainable": sum(p.numel() for p in trainable),
+        "oom": False,
+        **_engine_facts(model),
+    }
+
+
+CASES = {"full": full_fine_tune, "lora": lora}
+
+
+def run_case(case: dict) -> dict:
+    """One case, in this process: case["kind"] "full" or "lora", "runner", "device", "config"
+    (Qwen2Config fields), "batch", "seq", "warmup", "steps", and "cap_gib" (a VRAM cap, CUDA
+    only; None: none). Running out of device memory is a result: {"oom": True, "error"}."""
+    if case["kind"] not in CASES:
+        raise ValueError(f"hf bench: unknown case kind {case['kind']!r}; accepted: {list(CASES)}")
+    if case.get("cap_gib"):
+        cap_vram(case["cap_gib"])
+    try:
+        return CASES[case["kind"]](case)
+    except torch.OutOfMemoryError as e:
+        return {"oom": True, "error": str(e).split("\n")[0][:200]}
+
+
+def cases(quick: bool, device: str = "cuda") -> list[dict]:
+    """The suite's cases, each with the label of its row."""
+    shapes = dict(
+        device=device,
+        batch=2 if quick else BATCH,
+        seq=128 if quick else SEQ,
+    )
+    full = dict(shapes, kind="full", config=QUICK if quick else QWEN2_5_1_5B, **FULL_STEPS)
+    if quick:
+        full.update(steps=4)
+    low_rank = dict(shapes, kind="lora", config=QUICK if quick else QWEN2_5_14B, **LORA_STEPS)
+    if quick:
+        low_rank.update(steps=2)
+    return [
+        dict(full, runner="stock", cap_gib=None, label="stock Trainer"),
+        dict(full, runner="stock", cap_gib=CAP_GIB, label=f"stock Trainer under a {CAP_GIB} GiB cap"),
+        dict(full, runner="trainstream", cap_gib=CAP_GIB, label=f"TrainStreamTrainer under a {CAP_GIB} GiB cap"),
+        dict(low_rank, runner="bnb", cap_gib=None, label="bitsandbytes QLoRA"),
+        dict(
+            low_rank,
+            runner="bnb",
+            cap_gib=CAP_GIB,
+            checkpointing=True,
+            label=f"bitsandbytes QLoRA, gradient checkpointing, under a {CAP_GIB} GiB cap",
+        ),
+        dict(low_rank, runner="trainstream", cap_gib=CAP_GIB, label=f"TrainStream under a {CAP_GIB} GiB cap"),
+    ]
+
+
+def compare(rows: list[dict]) -> None:
+    """Each row against its peer: the full fine-tunes' step time and losses against the
+    uncapped stock Trainer's, the LoRA runs' first loss against uncapped QLoRA's."""
+    peers = {
+        kind: next((r for r in rows if r["kind"] == kind and r["cap_GiB"] is None and "first_loss" in r), None)
+        for kind in CASES
+    }
+    for r in rows:
+        peer = peers[r["kind"]]
+        if peer is None or "first_loss" not in r:
+            continue
+        r["vs_peer"] = r["s_per_step"] / peer["s_per_step"]
+        r["first_loss_diff"] = abs(r["first_loss"] - peer["first_loss"])
+        if "losses" in r and len(r["losses"]) == len(peer["losses"]):
+            r["max_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"], peer["losses"]))
+
+
+def run(*, quick: bool = False) -> dict:
+    rows = []
+    for case in cases(quick):
+        print(f"  {case['kind']}: {case['label']} ...", flush=True)
+        result, error = case_in_subprocess("trainstream.bench.hf", case)
+        row = {"kind": case["kind"], "run": case["label"], "cap_GiB": case["cap_gib"]}
+        row.update(result if error is None else {"error": error[-300:]})
+        rows.append(row)
+        print(f"    {json.dumps(row)}", flush=True)
+    compare(rows)
+    return {"rows": rows, "markdown": markdown(rows, quick)}
+
+
+def markdown(rows: list[dict], quick: bool) -> str:
+    full = markdown_table(
+        [
+            ("run", "run"),
+            ("cap_GiB", "VRAM cap GiB"),
+            ("s_per_step", "s/step"),
+            ("vs_peer", "x stock"),
+            ("peak_GiB", "peak GiB"),
+            ("first_loss", "first loss"),
+            ("last_loss", "last loss"),
+            ("max_loss_diff", "max loss diff vs stock"),
+            ("mode", "engine mode"),
+            ("paged_blocks", "blocks paged"),
+            ("oom", "out of memory"),
+            ("error", "error"),
+        ],
+        [r for r in rows if r["kind"] == "full"],
+    )
+    low_rank = markdown_table(
+        [
+            ("run", "run"),
+            ("cap_GiB", "VRAM cap GiB"),
+            ("s_per_step", "s/step"),
+            ("vs_peer", "x QLoRA"),
+            ("peak_GiB", "peak GiB"),
+            ("host_rss_GiB", "peak host RSS GiB"),
+            ("load_s", "load s"),
+            ("first_loss", "first loss"),
+            ("last_loss", "last loss"),
+            ("first_loss_diff", "first loss diff vs QLoRA"),
+            ("paged_blocks", "blocks paged"),
+            ("activation_paged_blocks", "activations paged"),
+            ("oom", "out of memory"),
+            ("error", "error"),
+        ],
+        [r for r in rows if r["kind"] == "lora"],
+    )
+    sizes = "quick sizes (2 layers, hidden 256)" if quick else "Qwen2.5-1.5B shapes"
+    batch = f"{2 if quick else BATCH}x{128 if quick else SEQ}"
+    steps = "4" if quick else str(FULL_STEPS["steps"])
+    lora_sizes = "quick sizes" if quick else "Qwen2.5-14B shapes"
+    lora_steps = "2" if quick else str(LORA_STEPS["steps"])
+    return (
+        f"Full fine-tune, {sizes}, random weights, fp32 weights under bf16 autocast, fused AdamW, batch {batch}, "
+        f"{steps} steps (s/step: median after 2 warm-up steps).\n\n{full}\n\n"
+        f"LoRA r=16 on every Linear of the blocks, {lora_sizes}, NF4 base from load_model(random_weights=True); "
+        f"bitsandbytes' base: the same codes, quantized again by bitsandbytes (see bench/hf.py); batch {batch}, "
+        f"{lora_steps} timed steps after 2 warm-up.\n\n{low_rank}"
+    )
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_case(json.loads(sys.argv[1]))), flush=True)

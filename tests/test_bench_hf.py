@@ -1,0 +1,130 @@
+"""The hf bench suite's cases (bench/hf.py) at toy size on the CPU: each case's function runs,
+its row holds the keys the tables read, and the two runs of a comparison start from the same
+finite loss (the same weights and batch). The GPU run itself is the lead's (python -m
+trainstream.bench hf)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+
+from trainstream.bench import hf  # noqa: E402
+from trainstream.bench.__main__ import SUITES  # noqa: E402
+
+TOY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+FULL_KEYS = {"s_per_step", "peak_GiB", "losses", "first_loss", "last_loss", "setup_s", "oom"}
+LORA_KEYS = {"s_per_step", "peak_GiB", "host_rss_GiB", "load_s", "setup_s", "first_loss", "last_loss", "oom"}
+ENGINE_KEYS = {"mode", "paged_blocks", "activation_paged_blocks"}
+
+
+def toy_case(kind: str, runner: str, **extra) -> dict:
+    return dict(kind=kind, runner=runner, device="cpu", config=TOY, batch=2, seq=16, warmup=2, steps=3, **extra)
+
+
+def _check_row(row: dict, keys: set, wrapped: bool) -> None:
+    assert keys <= row.keys() and row["oom"] is False
+    assert (ENGINE_KEYS <= row.keys()) == wrapped
+    assert row["peak_GiB"] is None  # no device memory on the CPU
+    assert row["s_per_step"] > 0
+    assert math.isfinite(row["first_loss"]) and math.isfinite(row["last_loss"])
+
+
+def test_the_full_fine_tune_rows_of_both_trainers():
+    stock = hf.run_case(toy_case("full", "stock"))
+    ours = hf.run_case(toy_case("full", "trainstream"))
+    _check_row(stock, FULL_KEYS, wrapped=False)
+    _check_row(ours, FULL_KEYS, wrapped=True)
+    assert len(stock["losses"]) == len(ours["losses"]) == 3
+    assert all(math.isfinite(v) for v in stock["losses"] + ours["losses"])
+    # the same weights and first batch: the chunked loss against the full logits' under bf16 autocast
+    assert ours["first_loss"] == pytest.approx(stock["first_loss"], rel=1e-3)
+
+
+def test_the_lora_rows_of_trainstream_and_bitsandbytes():
+    pytest.importorskip("bitsandbytes")
+    qlora = hf.run_case(toy_case("lora", "bnb"))
+    checkpointed = hf.run_case(toy_case("lora", "bnb", checkpointing=True))
+    ours = hf.run_case(toy_case("lora", "trainstream"))
+    for row in (qlora, checkpointed):
+        _check_row(row, LORA_KEYS, wrapped=False)
+    _check_row(ours, LORA_KEYS, wrapped=True)
+    assert qlora["trainable"] == ours["trainable"] > 0
+    # the same NF4 codes, the same adapters' initialization and batch
+    assert ours["first_loss"] == pytest.approx(qlora["first_loss"], rel=1e-3)
+    assert checkpointed["first_loss"] == qlora["first_loss"]
+
+
+def test_the_bitsandbytes_base_holds_the_codes_load_model_made():
+    bnb = pytest.importorskip("bitsandbytes")
+    import transformers  # noqa: F401
+
+    from trainstream.integrations.huggingface import load_model
+    from trainstream.quant import stored
+
+    with __import__("tempfile").TemporaryDirectory() as folder:
+        hf.qwen2_config(TOY).save_pretrained(folder)
+        torch.manual_seed(0)
+        ours = load_model(folder, random_weights=True, quantize="nf4")
+        torch.manual_seed(0)
+        theirs = load_model(folder, random_weights=True, quantize="nf4")
+    want = stored.codes_of(ours.model.layers[1].mlp.down_proj.weight).dequantize()
+    hf._to_bitsandbytes(theirs, "cpu")
+    q = theirs.model.layers[1].mlp.down_proj
+    assert isinstance(q, bnb.nn.Linear4bit) and q.weight.bnb_quantized
+    got = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).to(want.dtype).view_as(want)
+    assert torch.equal(got, want)
+    assert not any(stored.codes_of(p) is not None for p in theirs.model.layers.parameters())
+
+
+def test_the_suite_is_a_gpu_suite_and_its_cases_have_the_published_shapes():
+    import transformers
+
+    assert SUITES["hf"][0] is True
+    full = [c for c in hf.cases(quick=False) if c["kind"] == "full"]
+    low_rank = [c for c in hf.cases(quick=False) if c["kind"] == "lora"]
+    assert {(c["runner"], c["cap_gib"]) for c in full} == {("stock", None), ("stock", 24), ("trainstream", 24)}
+    assert {(c["runner"], c["cap_gib"]) for c in low_rank} == {("bnb", None), ("bnb", 24), ("trainstream", 24)}
+    assert all((c["batch"], c["seq"], c["device"]) == (4, 512, "cuda") for c in full + low_rank)
+
+    def billions(fields) -> float:
+        with torch.device("meta"):
+            model = transformers.Qwen2ForCausalLM(hf.qwen2_config(fields))
+        return sum(p.numel() for p in model.parameters()) / 1e9  # tied embeddings counted once
+
+    assert billions(hf.QWEN2_5_1_5B) == pytest.approx(1.54, abs=0.01)  # the model card's 1.54B
+    assert billions(hf.QWEN2_5_14B) == pytest.approx(14.77, abs=0.01)  # and 14.7B
+
+
+def test_the_rows_are_compared_with_their_uncapped_peer():
+    rows = [
+        dict(kind="full", cap_GiB=None, s_per_step=2.0, first_loss=5.0, losses=[5.0, 4.0]),
+        dict(kind="full", cap_GiB=24, oom=True),
+        dict(kind="full", cap_GiB=24, s_per_step=3.0, first_loss=5.5, losses=[5.5, 3.0]),
+        dict(kind="lora", cap_GiB=None, s_per_step=1.0, first_loss=7.0),
+        dict(kind="lora", cap_GiB=24, s_per_step=4.0, first_loss=7.25),
+    ]
+    hf.compare(rows)
+    assert rows[2]["vs_peer"] == 1.5 and rows[2]["first_loss_diff"] == 0.5 and rows[2]["max_loss_diff"] == 1.0
+    assert "vs_peer" not in rows[1]
+    assert rows[4]["vs_peer"] == 4.0 and rows[4]["first_loss_diff"] == 0.25 and "max_loss_diff" not in rows[4]
+    text = hf.markdown(rows, quick=False)
+    assert "| 1.5 |" in text and "Qwen2.5-1.5B shapes" in text and "Qwen2.5-14B shapes" in text
+
+
+def test_an_unknown_case_kind_is_refused():
+    with pytest.raises(ValueError, match="unknown case kind 'dpo'; accepted: \\['full', 'lora'\\]"):
+        hf.run_case(dict(toy_case("full", "stock"), kind="dpo"))
