@@ -23,6 +23,14 @@ def size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
+def count(n: int) -> str:
+    """A parameter count: "1.54B", "13.6M", "8.2K"."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
 def host_peak_rss_gib() -> float:
     """The process's peak resident set so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

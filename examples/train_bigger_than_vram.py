@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     model = GPT(GPTConfig(dim=args.d_model, layers=args.layers, heads=args.heads, vocab=args.vocab))
     n = sum(p.numel() for p in model.parameters())
     stock = stock_training_bytes(model)
-    print(f"GPT: {args.layers} layers, d_model {args.d_model}, {n / 1e6:.1f}M parameters (fp32)")
+    print(f"GPT: {args.layers} layers, d_model {args.d_model}, {ms.count(n)} parameters (fp32)")
     print(
         "stock PyTorch training state: "
         + ", ".join(f"{k} {ms.size(v)}" for k, v in stock.items())
