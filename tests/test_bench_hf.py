@@ -128,3 +128,10 @@ def test_the_rows_are_compared_with_their_uncapped_peer():
 def test_an_unknown_case_kind_is_refused():
     with pytest.raises(ValueError, match="unknown case kind 'dpo'; accepted: \\['full', 'lora'\\]"):
         hf.run_case(dict(toy_case("full", "stock"), kind="dpo"))
+
+
+def test_a_case_without_timed_steps_is_refused():
+    with pytest.raises(ValueError, match="warmup=2 leaves no timed step of steps=2"):
+        hf.run_case(dict(toy_case("full", "stock"), steps=2))
+    with pytest.raises(ValueError, match="warmup=0 leaves no timed step of steps=3"):
+        hf.run_case(dict(toy_case("lora", "bnb"), warmup=0))

@@ -328,6 +328,11 @@ def run_case(case: dict) -> dict:
     only; None: none). Running out of device memory is a result: {"oom": True, "error"}."""
     if case["kind"] not in CASES:
         raise ValueError(f"hf bench: unknown case kind {case['kind']!r}; accepted: {list(CASES)}")
+    # full: the timed intervals are those between step ends after the first `warmup` steps
+    # of `steps`; lora: `steps` timed steps come after `warmup` untimed ones.
+    timed = case["steps"] - case["warmup"] if case["kind"] == "full" else case["steps"]
+    if case["warmup"] < 1 or timed < 1:
+        raise ValueError(f"hf bench: warmup={case['warmup']} leaves no timed step of steps={case['steps']}")
     if case.get("cap_gib"):
         cap_vram(case["cap_gib"])
     try:
