@@ -320,17 +320,19 @@ def test_autocast_casts_as_linear_does():
 
 
 class _LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op returns."""
+    """Records the element count of the largest tensor any op returns, overall and per dtype."""
 
     def __init__(self):
         super().__init__()
         self.largest = 0
+        self.by_dtype = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
+                self.by_dtype[t.dtype] = max(self.by_dtype.get(t.dtype, 0), t.numel())
         return out
 
 
@@ -345,6 +347,16 @@ def test_never_holds_the_full_logits(chunk_size):
     with _LargestTensor() as unchunked:
         _reference(hidden, weight, targets).backward()
     assert unchunked.largest == 64 * 50
+
+
+def test_bf16_weight_gradient_accumulates_in_bf16():
+    """d_weight is summed over the chunks in the weight's dtype: no fp32 tensor the size of
+    the weight exists (at 152064 x 3584 one would be 2 GiB, past the memory bound)."""
+    hidden, weight, b, targets = _inputs(shape=(64,), dtype=torch.bfloat16, vocab=50, dim=64)
+    with _LargestTensor() as seen:
+        chunked_cross_entropy(hidden, weight, targets, chunk_size=8).backward()
+    assert seen.by_dtype[torch.float32] <= 8 * 50 < weight.numel()
+    assert weight.grad.dtype == torch.bfloat16
 
 
 def test_exported():

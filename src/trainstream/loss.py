@@ -138,14 +138,13 @@ class _CrossEntropyWithGradients(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, divisor, chunk_size, ignore_index):
         need = ctx.needs_input_grad[:3]
         token_loss, grads = _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_index, need)
-        valid = targets != ignore_index
         ctx.grads = grads  # handed over, and dropped, by the first backward
         # Only for a second backward through the same graph; references, no copies.
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.divisor = divisor
         ctx.chunk_size = chunk_size
         ctx.ignore_index = ignore_index
-        return _reduce(token_loss, valid, divisor)
+        return _reduce(token_loss, targets != ignore_index, divisor)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -210,9 +209,7 @@ def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_inde
                 token_loss[r0:r1] = _loss_and_dlogits(
                     z[r0 - c0 : r1 - c0], column[r0:r1], valid[r0:r1], scale[r0:r1], any_grad
                 )
-            if not any_grad:
-                continue
-            # z holds the chunk's d_logits now
+            # z holds the chunk's d_logits now, when any gradient is needed
             if need_hidden:
                 torch.mm(z, weight, out=d_hidden[c0:c1])
             if need_weight:
@@ -222,7 +219,7 @@ def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_inde
                     d_weight.addmm_(z.t(), h)
             if need_bias:
                 d_bias_sum += z.sum(0, dtype=compute)
-            del z
+            del z  # before the next chunk's logits are made
     d_bias = d_bias_sum.to(bias.dtype) if need_bias else None
     return token_loss, (d_hidden, d_weight, d_bias)
 
