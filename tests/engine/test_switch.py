@@ -97,19 +97,22 @@ def test_the_clipped_norm_is_reported_through_the_switch():
     assert after["mode"] == "stock" and after["last_grad_norm"] > 0 and steps == [2, 3]
 
 
-def _auto_mlp(seed: int, **options):
+def _auto_mlp(seed: int, device: str = "cpu", **options):
+    """tiny_mlp wrapped with offload="auto" on a simulated 24 GiB card (on CUDA: the real one),
+    clipping at 1.0; (model, optimizer, batch, loss_fn)."""
     torch.manual_seed(seed)
     model, batch, loss_fn = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    opts = dict(device="cpu", offload="auto", profile=machine(vram_gib=24), max_grad_norm=1.0)
+    profile = machine(vram_gib=24) if device == "cpu" else True
+    opts = dict(device=device, offload="auto", profile=profile, max_grad_norm=1.0)
     model, opt = trainstream.wrap(model, opt, **dict(opts, **options))
     return model, opt, batch, loss_fn
 
 
-def _steps(model, opt, batch, loss_fn, steps) -> list:
+def _steps(model, opt, batch, loss_fn, steps, device: str = "cpu") -> list:
     losses = []
     for i in steps:
-        loss = loss_fn(model, batch(i, "cpu"))
+        loss = loss_fn(model, batch(i, device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -117,32 +120,41 @@ def _steps(model, opt, batch, loss_fn, steps) -> list:
     return losses
 
 
-def test_a_plain_loop_resumed_after_the_switch_continues_in_stock_mode():
+def _resume_after_the_switch(device: str) -> None:
     """torch.save(opt.state_dict()) after offload="auto" switched, then a new wrap() and
     load_state_dict(): the run switches as it loads (it would measure two steps of its own on
     the engine first, and the host AdamW rounds otherwise than the fused one), and continues
     bit for bit as the uninterrupted run."""
     import io
 
-    model, opt, batch, loss_fn = _auto_mlp(0)
-    _steps(model, opt, batch, loss_fn, range(3))  # the switch comes at the end of the second step
+    model, opt, batch, loss_fn = _auto_mlp(0, device)
+    _steps(model, opt, batch, loss_fn, range(3), device)  # the switch comes at the end of the second step
     assert trainstream.memory_report(model)["mode"] == "stock"
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buffer)
-    whole = _steps(model, opt, batch, loss_fn, range(3, 6))
+    whole = _steps(model, opt, batch, loss_fn, range(3, 6), device)
 
-    resumed, resumed_opt, *_ = _auto_mlp(1)  # other initial weights: the saved ones are loaded
+    resumed, resumed_opt, *_ = _auto_mlp(1, device)  # other initial weights: the saved ones are loaded
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     resumed.load_state_dict(saved["model"])
     resumed_opt.load_state_dict(saved["optim"])
     report = trainstream.memory_report(resumed)
     assert report["mode"] == "stock" and "switching now, before the first step" in report["events"]
-    assert _steps(resumed, resumed_opt, batch, loss_fn, range(3, 6)) == whole
+    assert _steps(resumed, resumed_opt, batch, loss_fn, range(3, 6), device) == whole
     for p, q in zip(resumed.parameters(), model.parameters()):
-        assert torch.equal(p, q)
+        assert p.device.type == device and torch.equal(p, q)
     # a plain torch AdamW takes the same state_dict (it ignores the mode's key)
     torch.optim.AdamW(resumed.parameters()).load_state_dict(resumed_opt.state_dict())
+
+
+def test_a_plain_loop_resumed_after_the_switch_continues_in_stock_mode():
+    _resume_after_the_switch("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_a_plain_loop_resumed_after_the_switch_continues_in_stock_mode():
+    _resume_after_the_switch("cuda")
 
 
 def test_a_state_saved_before_the_switch_or_by_torch_keeps_the_engine():
