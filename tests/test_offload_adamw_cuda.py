@@ -459,3 +459,18 @@ def test_no_gradient_is_held_in_vram_after_backward():
     assert all(p.grad is None for p in model.parameters())
     opt.step()
     opt.synchronize()
+
+
+def test_a_new_optimizer_over_the_same_params_takes_their_gradients():
+    ours, theirs = twins("cpu")
+    data = batches(6, "cpu")
+    first = StreamedOnHost(ours.parameters(), lr=1e-2)
+    train(ours, first, data[:3])
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False), data[:3])
+    kept_alive = first  # noqa: F841  (an old optimizer still referenced somewhere)
+    second = StreamedOnHost(ours.parameters(), lr=1e-2)
+    third_party = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    train(ours, second, data[3:])
+    train(theirs, third_party, data[3:])
+    assert second.state[ours.a.weight]["step"].item() == 3
+    assert_close(ours, theirs, 1e-6)

@@ -34,6 +34,16 @@ from .forward_guard import ForwardGuard
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the host AdamW reads fp32 and bf16 gradients
 
+# id(param) -> (the param, the HostUpdates whose hook takes its gradients), both weakly:
+# the newest optimizer built over a param, so an older one not yet collected no longer takes
+# them. Keyed by id: a weak-key dict would compare tensors with ==. An entry goes with its param.
+_owner_of: dict = {}
+
+
+def _set_owner(param: torch.Tensor, owner) -> None:
+    key = id(param)
+    _owner_of[key] = (weakref.ref(param, lambda _: _owner_of.pop(key, None)), weakref.ref(owner))
+
 
 class ParamRecord:
     """One parameter's buffers and the state of its gradient and update. `updates`, `stale`
@@ -93,7 +103,8 @@ class HostUpdates:
         self.records: dict = {}  # param -> ParamRecord, in the order added
         self.lock = threading.RLock()  # the lander pushes under it (its `pager.lock`)
         self.lander = Lander(self)
-        self.guard = ForwardGuard(self._before_reading)
+        me = weakref.ref(self)  # the guard's global hook must not keep the optimizer alive
+        self.guard = ForwardGuard(lambda records: _before_reading(me, records))
         self._hooks: list = []
         self._landing: list = []  # records with a copy into `stage` issued, in issue order
 
@@ -109,6 +120,7 @@ class HostUpdates:
             )
         record = self.records[param] = ParamRecord(param, len(self.records), self.backend)
         self.guard.add(param, record)
+        _set_owner(param, self)
         if param.requires_grad:
             # The hook dict lives in the param's C++ autograd metadata, which the cyclic GC
             # cannot see: holding the optimizer or the record strongly there would keep both,
@@ -123,8 +135,16 @@ class HostUpdates:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for p in self.records:
+            if self.owns(p):
+                del _owner_of[id(p)]
         self.guard.remove()
         self.lander.stop()
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this optimizer takes `param`'s gradients (no newer one was built over it)."""
+        entry = _owner_of.get(id(param))
+        return entry is not None and entry[0]() is param and entry[1]() is self
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -132,7 +152,7 @@ class HostUpdates:
         """autograd finished `record`'s gradient in ``p.grad``: off to the landing buffer."""
         p = record.param
         g = p.grad
-        if g is None:
+        if g is None or not self.owns(p):
             return
         if g.is_sparse:
             raise ValueError("OffloadAdamW does not support sparse gradients")
@@ -301,6 +321,12 @@ class HostUpdates:
                 record.h2d_event = None
                 self.guard.done(record)
         self.lander.raise_error()
+
+
+def _before_reading(owner_ref, records: list) -> None:
+    owner = owner_ref()
+    if owner is not None:
+        owner._before_reading(records)
 
 
 def _on_grad(owner_ref, record_ref) -> None:
