@@ -419,8 +419,9 @@ OPTIONS: dict[str, Option] = {
         "cpu",
         "'cpu', 'gpu'",
         _one_of("cpu", "gpu"),
-        '`"cpu"`: the host AdamW, for parameters in host memory; `"gpu"`: the CUDA AdamW for float32 GPU '
-        "parameters, the moments in pinned host memory",
+        '`"cpu"`: the host AdamW, for parameters in host memory or on a GPU (an fp32 master in host memory, '
+        'gradients and weights streamed); `"gpu"`: the CUDA AdamW for float32 GPU parameters, the moments in '
+        "pinned host memory",
         used_by=(OFFLOAD_ADAMW,),
     ),
     "betas": Option(
