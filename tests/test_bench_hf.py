@@ -110,19 +110,23 @@ def test_the_suite_is_a_gpu_suite_and_its_cases_have_the_published_shapes():
 
 
 def test_the_rows_are_compared_with_their_uncapped_peer():
+    full = dict(kind="full", model="Qwen2.5-1.5B shapes", batch=4, seq=512, warmup=2, steps=10)
+    low_rank = dict(kind="lora", model="Qwen2.5-14B shapes", batch=4, seq=512, warmup=2, steps=5)
     rows = [
-        dict(kind="full", cap_GiB=None, s_per_step=2.0, first_loss=5.0, losses=[5.0, 4.0]),
-        dict(kind="full", cap_GiB=24, oom=True),
-        dict(kind="full", cap_GiB=24, s_per_step=3.0, first_loss=5.5, losses=[5.5, 3.0]),
-        dict(kind="lora", cap_GiB=None, s_per_step=1.0, first_loss=7.0),
-        dict(kind="lora", cap_GiB=24, s_per_step=4.0, first_loss=7.25),
+        dict(full, run="stock", cap_GiB=None, s_per_step=2.0, first_loss=5.0, losses=[5.0, 4.0]),
+        dict(full, run="stock capped", cap_GiB=24, oom=True),
+        dict(full, run="ours", cap_GiB=24, s_per_step=3.0, first_loss=5.5, losses=[5.5, 3.0]),
+        dict(low_rank, run="qlora", cap_GiB=None, s_per_step=1.0, first_loss=7.0),
+        dict(low_rank, run="ours", cap_GiB=24, s_per_step=4.0, first_loss=7.25),
     ]
     hf.compare(rows)
     assert rows[2]["vs_peer"] == 1.5 and rows[2]["first_loss_diff"] == 0.5 and rows[2]["max_loss_diff"] == 1.0
     assert "vs_peer" not in rows[1]
     assert rows[4]["vs_peer"] == 4.0 and rows[4]["first_loss_diff"] == 0.25 and "max_loss_diff" not in rows[4]
-    text = hf.markdown(rows, quick=False)
-    assert "| 1.5 |" in text and "Qwen2.5-1.5B shapes" in text and "Qwen2.5-14B shapes" in text
+    text = hf.markdown(rows)
+    assert "| ours | 24 | 3 | 1.5 |" in text and "| stock capped | 24 | - | - |" in text
+    assert "Qwen2.5-1.5B shapes" in text and "batch 4x512, 10 steps" in text
+    assert "Qwen2.5-14B shapes" in text and "5 timed steps after 2 warm-up" in text
 
 
 def test_an_unknown_case_kind_is_refused():
@@ -135,3 +139,20 @@ def test_a_case_without_timed_steps_is_refused():
         hf.run_case(dict(toy_case("full", "stock"), steps=2))
     with pytest.raises(ValueError, match="warmup=0 leaves no timed step of steps=3"):
         hf.run_case(dict(toy_case("lora", "bnb"), warmup=0))
+
+
+@pytest.mark.gpu
+def test_gpu_the_quick_suite_runs_every_case():
+    """python -m trainstream.bench hf --quick, each case in its own process: every row has its
+    figures (nothing runs out of memory at these sizes, under the cap either), and each
+    comparison starts from the same loss."""
+    pytest.importorskip("bitsandbytes")
+    result = hf.run(quick=True)
+    rows = result["rows"]
+    assert len(rows) == len(hf.cases(quick=True)) == 6
+    for row in rows:
+        assert "error" not in row, row
+        assert row["peak_GiB"] > 0 and math.isfinite(row["first_loss"]) and math.isfinite(row["last_loss"])
+    for row in rows[1:3] + rows[4:]:
+        assert row["first_loss_diff"] <= 1e-2 * rows[0 if row["kind"] == "full" else 3]["first_loss"]
+    assert "| TrainStreamTrainer under a 24 GiB cap |" in result["markdown"]

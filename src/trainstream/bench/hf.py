@@ -342,18 +342,15 @@ def run_case(case: dict) -> dict:
 
 
 def cases(quick: bool, device: str = "cuda") -> list[dict]:
-    """The suite's cases, each with the label of its row."""
-    shapes = dict(
-        device=device,
-        batch=2 if quick else BATCH,
-        seq=128 if quick else SEQ,
-    )
+    """The suite's cases, each with the label of its row and the name of its model's shapes."""
+    shapes = dict(device=device, batch=2 if quick else BATCH, seq=128 if quick else SEQ)
     full = dict(shapes, kind="full", config=QUICK if quick else QWEN2_5_1_5B, **FULL_STEPS)
-    if quick:
-        full.update(steps=4)
     low_rank = dict(shapes, kind="lora", config=QUICK if quick else QWEN2_5_14B, **LORA_STEPS)
     if quick:
-        low_rank.update(steps=2)
+        full.update(steps=4, model="quick shapes (2 layers, hidden 256)")
+        low_rank.update(steps=2, model="quick shapes (2 layers, hidden 256)")
+    else:
+        full["model"], low_rank["model"] = "Qwen2.5-1.5B shapes", "Qwen2.5-14B shapes"
     return [
         dict(full, runner="stock", cap_gib=None, label="stock Trainer"),
         dict(full, runner="stock", cap_gib=CAP_GIB, label=f"stock Trainer under a {CAP_GIB} GiB cap"),
@@ -368,6 +365,10 @@ def cases(quick: bool, device: str = "cuda") -> list[dict]:
         ),
         dict(low_rank, runner="trainstream", cap_gib=CAP_GIB, label=f"TrainStream under a {CAP_GIB} GiB cap"),
     ]
+
+
+# What a row repeats of its case, for the table's heading.
+CASE_FIELDS = ("kind", "model", "batch", "seq", "warmup", "steps")
 
 
 def compare(rows: list[dict]) -> None:
@@ -392,15 +393,15 @@ def run(*, quick: bool = False) -> dict:
     for case in cases(quick):
         print(f"  {case['kind']}: {case['label']} ...", flush=True)
         result, error = case_in_subprocess("trainstream.bench.hf", case)
-        row = {"kind": case["kind"], "run": case["label"], "cap_GiB": case["cap_gib"]}
+        row = {**{k: case[k] for k in CASE_FIELDS}, "run": case["label"], "cap_GiB": case["cap_gib"]}
         row.update(result if error is None else {"error": error[-300:]})
         rows.append(row)
         print(f"    {json.dumps(row)}", flush=True)
     compare(rows)
-    return {"rows": rows, "markdown": markdown(rows, quick)}
+    return {"rows": rows, "markdown": markdown(rows)}
 
 
-def markdown(rows: list[dict], quick: bool) -> str:
+def markdown(rows: list[dict]) -> str:
     full = markdown_table(
         [
             ("run", "run"),
@@ -437,18 +438,25 @@ def markdown(rows: list[dict], quick: bool) -> str:
         ],
         [r for r in rows if r["kind"] == "lora"],
     )
-    sizes = "quick sizes (2 layers, hidden 256)" if quick else "Qwen2.5-1.5B shapes"
-    batch = f"{2 if quick else BATCH}x{128 if quick else SEQ}"
-    steps = "4" if quick else str(FULL_STEPS["steps"])
-    lora_sizes = "quick sizes" if quick else "Qwen2.5-14B shapes"
-    lora_steps = "2" if quick else str(LORA_STEPS["steps"])
-    return (
-        f"Full fine-tune, {sizes}, random weights, fp32 weights under bf16 autocast, fused AdamW, batch {batch}, "
-        f"{steps} steps (s/step: median after 2 warm-up steps).\n\n{full}\n\n"
-        f"LoRA r=16 on every Linear of the blocks, {lora_sizes}, NF4 base from load_model(random_weights=True); "
-        f"bitsandbytes' base: the same codes, quantized again by bitsandbytes (see bench/hf.py); batch {batch}, "
-        f"{lora_steps} timed steps after 2 warm-up.\n\n{low_rank}"
-    )
+    text = []
+    for kind, table in (("full", full), ("lora", low_rank)):
+        case = next((r for r in rows if r["kind"] == kind), None)
+        if case is None:
+            continue
+        batch = f"batch {case['batch']}x{case['seq']}"
+        if kind == "full":
+            text.append(
+                f"Full fine-tune, {case['model']}, random weights, fp32 weights under bf16 autocast, fused AdamW, "
+                f"{batch}, {case['steps']} steps (s/step: the median step after {case['warmup']} warm-up steps)."
+            )
+        else:
+            text.append(
+                f"LoRA r=16 on every Linear of the blocks, {case['model']}, NF4 base from "
+                "load_model(random_weights=True); bitsandbytes' base: the same codes, quantized again by "
+                f"bitsandbytes (bench/hf.py); {batch}, {case['steps']} timed steps after {case['warmup']} warm-up."
+            )
+        text.append(table)
+    return "\n\n".join(text)
 
 
 if __name__ == "__main__":
