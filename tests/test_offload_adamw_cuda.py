@@ -227,10 +227,23 @@ def test_params_without_a_gradient_are_not_updated(device):
     theirs.unused.load_state_dict(ours.unused.state_dict())
     data = batches(6, device)
     opt = optimizer_class(device)(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     train(ours, opt, data)
-    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, foreach=False), data)
+    train(theirs, torch_opt, data)
     assert_close(ours, theirs, TOL[device])
     assert ours.c.weight not in opt.state and ours.unused.weight not in opt.state
+    assert ours.c.weight not in opt._host_updates.records, "a frozen param took host buffers"
+    # Unfrozen later, it trains from its first gradient on, as with torch. That first one
+    # reaches p.grad (the param had no hook) and step() takes it; the hook takes the rest.
+    for model, o in ((ours, opt), (theirs, torch_opt)):
+        model.c.weight.requires_grad_(True)
+        loss_of(model, *data[0]).backward()
+        o.step()
+        o.zero_grad()
+    train(ours, opt, data)
+    train(theirs, torch_opt, data)
+    assert_close(ours, theirs, TOL[device])
+    assert opt.state[ours.c.weight]["step"].item() == len(data) + 1
 
 
 @pytest.mark.parametrize("device", DEVICES)

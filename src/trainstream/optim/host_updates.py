@@ -112,12 +112,18 @@ class HostUpdates:
     def device(self) -> torch.device:
         return self.backend.device
 
-    def add(self, param: torch.Tensor) -> None:
+    def adopt(self, param: torch.Tensor) -> None:
+        """A param of the optimizer. A frozen one gets no buffers (a frozen base would take
+        its size twice over in pinned memory): it gets them with its first gradient."""
         if param.device != self.device:
             raise ValueError(
                 f"OffloadAdamW(mode='cpu'): every parameter on a GPU must be on one device; "
                 f"got {param.device} and {self.device}"
             )
+        if param.requires_grad:
+            self._add(param)
+
+    def _add(self, param: torch.Tensor) -> ParamRecord:
         record = self.records[param] = ParamRecord(param, len(self.records), self.backend)
         self.guard.add(param, record)
         _set_owner(param, self)
@@ -127,6 +133,7 @@ class HostUpdates:
             # and the model, alive for ever.
             me, rec = weakref.ref(self), weakref.ref(record)
             self._hooks.append(param.register_post_accumulate_grad_hook(lambda p: _on_grad(me, rec)))
+        return record
 
     def close(self) -> None:
         """Every update landed, then the hooks off and the lander stopped (the optimizer was
@@ -169,12 +176,14 @@ class HostUpdates:
         self._landing.append(record)
         p.grad = None
 
-    def take_stray_grads(self) -> None:
-        """Gradients that reached ``p.grad`` without the hook (made before this optimizer
-        existed, or while the param did not require grad) are taken as the hook takes them."""
-        for record in self.records.values():
-            if record.param.grad is not None:
-                self.on_grad(record)
+    def take_stray_grads(self, params) -> None:
+        """Gradients of `params` that reached ``p.grad`` without the hook (made before this
+        optimizer existed, or by a param frozen when it was built) are taken as the hook
+        takes them."""
+        for p in params:
+            if p.grad is not None:
+                record = self.records.get(p)
+                self.on_grad(record if record is not None else self._add(p))
 
     def _fold(self, record: ParamRecord) -> None:
         record.stage_event.synchronize()
@@ -198,11 +207,11 @@ class HostUpdates:
             record.reader.wait()
             record.reader = None
 
-    def gradients(self) -> dict:
-        """param -> the host tensor holding its gradient of this window, for every param
-        that has one; waits for the copies still landing. The tensors stay valid until the
-        next backward pass or zero_grad()."""
-        self.take_stray_grads()
+    def gradients(self, params) -> dict:
+        """param -> the host tensor holding its gradient of this window, for every one of
+        `params` (the optimizer's) that has one; waits for the copies still landing. The
+        tensors stay valid until the next backward pass or zero_grad()."""
+        self.take_stray_grads(params)
         for record in self._landing:
             record.stage_event.synchronize()
         self._landing = []

@@ -201,7 +201,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         if self._host_updates is None:
             self._host_updates = HostUpdates(p.device)
-        self._host_updates.add(p)
+        self._host_updates.adopt(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._host_updates is not None:
@@ -434,7 +434,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         accumulates. With accumulation the update reads the host fp32 sums."""
         current = {}
         if self._host_updates is not None:  # landed in host memory (the hooks took p.grad)
-            current = self._host_updates.gradients()
+            current = self._host_updates.gradients([p for g in self.param_groups for p in g["params"]])
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
