@@ -31,9 +31,9 @@ def test_lr_with_an_optimizer_is_an_error():
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", lr=0.1)
 
 
-def test_undelivered_options_say_so():
+def test_distributed_true_without_a_process_group_says_so():
     model, _, _ = tiny_mlp()
-    with pytest.raises(NotImplementedError, match="data parallel is not available yet"):
+    with pytest.raises(ValueError, match="distributed=True but no torch.distributed process group is initialized"):
         trainstream.wrap(model, None, device="cpu", distributed=True)
 
 

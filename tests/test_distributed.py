@@ -1,0 +1,423 @@
+"""Data parallel (engine/distributed.py): 2 and 3 CPU processes over gloo, each spawned with
+a FileStore and a short group timeout, joined under a deadline so a failure never hangs.
+
+The reference for "matches one process training on the whole batch" is torch's own DDP,
+run in the same processes on the same batches: a rank's mean gradient differs from the
+whole batch's by reduction-order rounding, which Adam turns into lr-sized steps on
+near-zero gradients, so the engine must be within three times DDP's distance."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import assert_same_bits
+from models import tiny_gpt
+
+import trainstream
+from trainstream.engine.distributed import UnitShards
+
+GLOBAL_ROWS = 6  # sequences per step, split evenly over 1, 2 or 3 ranks
+LR = 1e-2
+JOIN_S = 90  # every spawned group is killed past this: a hang fails the test, not CI
+
+
+def _batch(step: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, 97, (GLOBAL_ROWS, 16), generator=g)
+    tgt = torch.roll(idx, -1, 1)
+    per = GLOBAL_ROWS // world
+    return idx[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
+
+
+def _model():
+    torch.manual_seed(0)
+    model, _, _ = tiny_gpt()
+    return model
+
+
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
+
+
+def _train(model, opt, rank, world, steps, accumulation=1, clip=None, stock=False, poison=None):
+    """`steps` optimizer steps on this rank's share of each global batch; `poison`: the step
+    at which this rank's loss is NaN."""
+    norms = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            loss = model(*_batch(step * accumulation + micro, rank, world)) / accumulation
+            if step == poison:
+                loss = loss * float("nan")
+            loss.backward()
+        if stock and clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        if not stock and clip is not None:
+            norms.append(opt.last_grad_norm)
+    return norms
+
+
+def _host_state(model) -> dict:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _same_bits(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert_same_bits(a[k], b[k])
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+# -- spawning ---------------------------------------------------------------------------------
+
+
+def _entry(rank, world, root, timeout_s, fn, args):
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    torch.set_num_threads(1)
+    store = os.path.join(root, "store")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world, *args)
+    except BaseException as e:  # the parent reads what each rank raised
+        result = {"error": f"{type(e).__name__}: {e}"}
+    torch.save(result, os.path.join(root, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _spawn(world: int, root, fn, *args, timeout_s: float = 30) -> list:
+    """Run fn(rank, world, *args) on `world` processes; each one's return value (or
+    {"error": ...}). A process still running past JOIN_S is killed and reads as None."""
+    root = str(root)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, world, root, timeout_s, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(JOIN_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    out = []
+    for r in range(world):
+        path = os.path.join(root, f"rank{r}.pt")
+        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    return out
+
+
+def _ok(results: list) -> list:
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} did not finish"
+        assert "error" not in res, f"rank {r}: {res['error']}"
+    return results
+
+
+# -- what the ranks run -----------------------------------------------------------------------
+
+
+def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint):
+    """The engine data parallel, then torch's DDP on the same batches (same processes)."""
+    model = _model()
+    opt = _optimizer(model)
+    model, opt = trainstream.wrap(
+        model,
+        opt,
+        device="cpu",
+        threads=1,
+        profile=False,
+        accumulation_steps=accumulation,
+        max_grad_norm=clip,
+        **options,
+    )
+    norms = _train(model, opt, rank, world, steps, accumulation, clip)
+    out = {
+        "state": _host_state(model),
+        "norms": norms,
+        "report": trainstream.memory_report(model),
+        "skipped": opt.skipped_steps,
+    }
+    if checkpoint is not None:
+        osd = opt.state_dict()  # a collective: every rank asks
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optim": osd}, checkpoint)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(_model())
+    ddp_opt = _optimizer(ddp_model)
+    _train(ddp_model, ddp_opt, rank, world, steps, accumulation, clip, stock=True)
+    out["ddp"] = {k.removeprefix("module."): v for k, v in _host_state(ddp_model).items()}
+    return out
+
+
+def _two_runs(rank, world, checkpoint):
+    """Eager updates (rank 0 saves a checkpoint), then accumulation with clipping."""
+    eager = _wrapped_and_ddp(rank, world, STEPS, {"offload": True}, 1, None, checkpoint)
+    held = _wrapped_and_ddp(rank, world, HELD_STEPS, {"offload": True}, ACCUMULATION, CLIP, None)
+    return {"eager": eager, "held": held}
+
+
+def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
+    model = _model()
+    model, opt = trainstream.wrap(
+        model,
+        _optimizer(model),
+        device="cpu",
+        threads=1,
+        profile=False,
+        param_offload=True,
+        activation_offload=True,
+        moment_dtype="bfloat16",
+    )
+    _train(model, opt, rank, world, steps, poison=poison_step if rank == poison_rank else None)
+    return {"state": _host_state(model), "skipped": opt.skipped_steps, "report": trainstream.memory_report(model)}
+
+
+def _resume(rank, world, checkpoint):
+    """Load a checkpoint, give back both state dicts, then take one step."""
+    model = _model()
+    model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
+    saved = torch.load(checkpoint, weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    loaded = {"model": _host_state(model), "optim": copy.deepcopy(opt.state_dict())}  # steps write the live one
+    _train(model, opt, rank, world, 1)
+    return {"loaded": loaded, "after": _host_state(model)}
+
+
+def _failures(rank, world):
+    """Models that differ (refused on every rank), then a rank that raises after wrap()."""
+    out = {}
+    torch.manual_seed(0)
+    model, _, _ = tiny_gpt(dim=64 if rank == 0 else 32)
+    try:
+        trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
+        out["differ"] = None
+    except ValueError as e:
+        out["differ"] = str(e)
+    model = _model()
+    model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
+    if rank == 1:
+        out["raised"] = "rank 1 fails before its first backward"
+        return out
+    try:
+        _train(model, opt, rank, world, 2)
+        out["raised"] = None
+    except Exception as e:  # the others' collectives time out
+        out["raised"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+# -- single-process references ----------------------------------------------------------------
+
+
+def _alone(steps, accumulation=1, clip=None, wrapped=True):
+    model = _model()
+    opt = _optimizer(model)
+    if wrapped:
+        model, opt = trainstream.wrap(
+            model,
+            opt,
+            device="cpu",
+            threads=1,
+            profile=False,
+            offload=True,
+            accumulation_steps=accumulation,
+            max_grad_norm=clip,
+            distributed=False,
+        )
+    norms = _train(model, opt, 0, 1, steps, accumulation, clip, stock=not wrapped)
+    return model, opt, norms
+
+
+STEPS = 3
+HELD_STEPS, ACCUMULATION, CLIP = 2, 2, 0.05
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two ranks train 3 eager steps (rank 0 saves a checkpoint), then 2 steps of 2
+    accumulated passes with clipping; DDP beside each."""
+    root = tmp_path_factory.mktemp("dp2")
+    checkpoint = str(root / "ckpt.pt")
+    results = _ok(_spawn(2, root, _two_runs, checkpoint))
+    return [r["eager"] for r in results], checkpoint, [r["held"] for r in results]
+
+
+@pytest.fixture(scope="module")
+def three_ranks(two_ranks, tmp_path_factory):
+    """Three ranks resume the two ranks' checkpoint, then train paged with a NaN on rank 2."""
+    _, checkpoint, _ = two_ranks
+    return _ok(_spawn(3, tmp_path_factory.mktemp("dp3"), _three_runs, checkpoint))
+
+
+def _three_runs(rank, world, checkpoint):
+    return {"resume": _resume(rank, world, checkpoint), "paged": _paged_with_a_nan(rank, world, 3, 2, 1)}
+
+
+def test_every_rank_holds_the_same_weights(two_ranks):
+    (a, b), _, _ = two_ranks
+    _same_bits(a["state"], b["state"])
+
+
+def test_matches_one_process_as_closely_as_ddp(two_ranks):
+    (a, _), _, _ = two_ranks
+    model, _, _ = _alone(STEPS)
+    stock, _, _ = _alone(STEPS, wrapped=False)
+    ours = _max_diff(a["state"], _host_state(model))
+    ddp = _max_diff(a["ddp"], _host_state(stock))
+    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
+
+
+def test_each_rank_holds_half_the_moments(two_ranks):
+    (a, b), _, _ = two_ranks
+    model, _, _ = _alone(1)
+    alone = trainstream.memory_report(model)["host_moment_bytes"]
+    for r in (a, b):
+        assert r["report"]["distributed"]["world_size"] == 2
+        # Each parameter's chunks are ceil(n / 2): a rank holds at most one element more per parameter.
+        n_params = len(list(_model().parameters()))
+        assert alone / 2 <= r["report"]["host_moment_bytes"] <= alone / 2 + 8 * n_params
+        assert r["report"]["distributed"]["bytes_communicated_per_step"] > 0
+    assert a["report"]["host_moment_bytes"] + b["report"]["host_moment_bytes"] == alone
+
+
+def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
+    _, checkpoint, _ = two_ranks
+    saved = torch.load(checkpoint, weights_only=False)
+    res = _resume(0, 1, checkpoint)  # no process group here: the engine trains alone
+    _same_bits(res["loaded"]["model"], {k: v for k, v in saved["model"].items()})
+    for pid, st in saved["optim"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(res["loaded"]["optim"]["state"][pid][key], st[key]), (pid, key)
+
+
+def test_saved_with_two_ranks_resumes_with_three_exactly(two_ranks, three_ranks):
+    _, checkpoint, _ = two_ranks
+    saved = torch.load(checkpoint, weights_only=False)
+    results = [r["resume"] for r in three_ranks]
+    for res in results:
+        _same_bits(res["loaded"]["model"], saved["model"])
+        for pid, st in saved["optim"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(res["loaded"]["optim"]["state"][pid][key], st[key]), (pid, key)
+    _same_bits(results[0]["after"], results[1]["after"])
+    _same_bits(results[0]["after"], results[2]["after"])
+    assert _max_diff(results[0]["after"], saved["model"]) > 0  # the step trained
+
+
+def test_accumulation_and_clipping_match_one_process_as_closely_as_ddp(two_ranks):
+    steps, accumulation, clip = HELD_STEPS, ACCUMULATION, CLIP
+    a, b = two_ranks[2]
+    _same_bits(a["state"], b["state"])
+    assert a["norms"] == b["norms"]
+    model, _, norms = _alone(steps, accumulation, clip)
+    stock, _, stock_norms = _alone(steps, accumulation, clip, wrapped=False)
+    assert all(n > clip for n in norms)  # every step clipped
+    # The global norm is the whole batch's, not a rank's: as close to it as DDP's is.
+    ours = max(abs(x - y) for x, y in zip(a["norms"], norms))
+    assert ours <= 3 * max(max(abs(x - y) for x, y in zip(stock_norms, norms)), 1e-6), ours
+    ours = _max_diff(a["state"], _host_state(model))
+    ddp = _max_diff(a["ddp"], _host_state(stock))
+    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
+
+
+def test_paging_bf16_moments_and_a_nan_on_one_rank(three_ranks):
+    """Three ranks, every block's weights and activations paged, bf16 moments; rank 2's
+    loss is NaN at step 1: every rank skips that step, and all stay identical."""
+    results = [r["paged"] for r in three_ranks]
+    for res in results:
+        assert res["skipped"] == 1
+        assert "not finite on some rank" in res["report"]["events"]
+        assert res["report"]["params"]["paged_blocks"] == [0, 1, 2, 3]
+    _same_bits(results[0]["state"], results[1]["state"])
+    _same_bits(results[0]["state"], results[2]["state"])
+    assert all(torch.isfinite(v).all() for v in results[0]["state"].values())
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    return _ok(_spawn(2, tmp_path_factory.mktemp("dpfail"), _failures, timeout_s=5))
+
+
+def test_models_that_differ_are_refused_on_every_rank(failures):
+    for res in failures:
+        assert res["differ"] is not None and "same model on every rank" in res["differ"]
+
+
+def test_a_rank_that_raises_stops_the_others_with_an_error(failures):
+    # rank 0 returned (it did not hang: the spawn's deadline would have killed it), with the
+    # error its collectives raised once the group's 5 s timeout passed.
+    assert failures[0]["raised"] is not None
+
+
+def test_distributed_true_needs_a_process_group():
+    model = _model()
+    with pytest.raises(ValueError, match="distributed=True but no torch.distributed process group"):
+        trainstream.wrap(model, _optimizer(model), device="cpu", distributed=True)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [1, 5, 12, 13])
+def test_a_units_shards_rebuild_every_gradient(world, numel):
+    """[Note: shards]: packing each rank's gradients rank-major and summing the buckets gives
+    every rank its elements' sum; the segments gathered rebuild each tensor."""
+    lin = torch.nn.Linear(numel, 1, bias=True)
+
+    class Slot:
+        def __init__(self, p):
+            self.param, self.trainable = p, True
+
+    class Unit:
+        trainable = [Slot(lin.weight), Slot(lin.bias)]
+
+    grads = [{s: torch.randn(s.param.shape) for s in Unit.trainable} for _ in range(world)]
+    layouts = [UnitShards(Unit, r, world) for r in range(world)]
+    buckets = []
+    for r, us in enumerate(layouts):
+        bucket = torch.full((world * us.segment,), float("nan"))
+        us.pack(bucket, grads[r])
+        buckets.append(bucket)
+    summed = torch.stack(buckets).sum(0).view(world, -1)
+    for r, us in enumerate(layouts):
+        us.reduced.copy_(summed[r])
+        for sh in us.slots:
+            want = sum(g[sh.slot] for g in grads).reshape(-1)[sh.lo : sh.hi]
+            assert torch.equal(us.grad(sh), want)
+    gathered = summed.reshape(-1)
+    for sh in layouts[0].slots:
+        out = torch.empty(sh.slot.param.shape)
+        layouts[0].unpack(gathered, sh, out)
+        assert torch.equal(out, sum(g[sh.slot] for g in grads))
+    assert sum(sh.hi - sh.lo for us in layouts for sh in us.slots) == numel + 1  # every element once
+
+
+@pytest.mark.gpu
+def test_two_processes_on_one_gpu_hold_the_same_weights(tmp_path):
+    """On a GPU: two ranks sharing it (gloo: the engine's reductions are host tensors)."""
+    results = _ok(_spawn(2, tmp_path, _on_the_gpu))
+    _same_bits(results[0]["state"], results[1]["state"])
+
+
+def _on_the_gpu(rank, world):
+    model = _model()
+    model, opt = trainstream.wrap(model, _optimizer(model), device="cuda", offload=True)
+    for step in range(3):
+        idx, tgt = _batch(step, rank, world)
+        model(idx.cuda(), tgt.cuda()).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"state": _host_state(model)}
