@@ -136,7 +136,9 @@ def parse_args(argv=None):
     p.add_argument("--vram-gb", type=ms.positive_float, default=None, help="VRAM cap in GiB (default: the whole GPU)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--verbose", action="store_true", help="wrap(verbose=True): print every decision as it is made")
-    p.add_argument("--smoke", action="store_true", help="a tiny Qwen2 on the CPU (what CI runs)")
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny Qwen2, on the CPU unless --device says otherwise (what CI runs)"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         if args.model is not None:

@@ -84,11 +84,10 @@ def positive_int(text: str) -> int:
 
 
 def pick_device(parser: argparse.ArgumentParser, requested: str | None, smoke: bool) -> torch.device:
-    """--smoke runs on the CPU; otherwise the GPU when there is one (or what --device says)."""
-    if smoke:
-        return torch.device("cpu")
+    """What --device says; without it, the CPU under --smoke (what CI runs), otherwise the GPU
+    when there is one."""
     if requested is None:
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
+        requested = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU (use --device cpu or --smoke)")
     return torch.device(requested)

@@ -45,7 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--moments", choices=MOMENTS, default="auto", help="wrap(moment_dtype=...): AdamW moments' dtype")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--verbose", action="store_true", help="wrap(verbose=True): print every decision as it is made")
-    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (what CI runs)")
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny model, on the CPU unless --device says otherwise (what CI runs)"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.d_model, args.heads, args.vocab = 2, 64, 4, 256
