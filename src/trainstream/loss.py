@@ -19,10 +19,11 @@ an ignored token. When autograd will need gradients, the chunk then costs two mo
 - d_hidden of its tokens is one matmul over the vocabulary, written in place: the unchunked
   loss's computation of those rows;
 - d_weight accumulates over the chunks in the weight's dtype (``addmm_``: the matmul adds in
-  fp32 and rounds once per chunk). An fp32 accumulator would round once in all, but at
-  152064 x 3584 it is 2 GiB, and with the bf16 gradient it becomes 3 GiB, past the memory
-  bound this module exists for (an eighth of the unchunked loss's 14 GiB); a weight frozen
-  (LoRA) has no d_weight at all;
+  fp32 and rounds once per chunk, so in bf16 its rounding error grows with the number of
+  chunks, where the unchunked loss rounds once). An fp32 accumulator would round once in all,
+  but at 152064 x 3584 it is 2 GiB, and with the bf16 gradient made from it 3 GiB, past the
+  memory bound this module exists for (an eighth of the unchunked loss's 14 GiB, gradients
+  included). A frozen weight (LoRA) gets no d_weight at all;
 - d_bias accumulates over the chunks in fp32 (fp64 for fp64) and is rounded once.
 So the loss with its gradients costs three matmuls, as the unchunked one does; without grad
 (evaluation) each chunk is the logits' matmul and the log-sum-exp only. Backward multiplies
