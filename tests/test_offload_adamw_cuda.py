@@ -487,3 +487,51 @@ def test_a_new_optimizer_over_the_same_params_takes_their_gradients():
     train(theirs, third_party, data[3:])
     assert second.state[ours.a.weight]["step"].item() == 3
     assert_close(ours, theirs, 1e-6)
+
+
+def test_wrap_takes_a_streamed_optimizer_over():
+    import trainstream
+
+    ours, theirs = twins("cpu")
+    data = batches(6, "cpu")
+    opt = StreamedOnHost(ours.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    train(ours, opt, data[:2])
+    train(theirs, torch_opt, data[:2])
+    model, wrapped = trainstream.wrap(ours, opt, offload=True, profile=False)
+    for x, y in data[2:]:
+        loss_of(model, x, y).backward()
+        wrapped.step()
+        wrapped.zero_grad()
+    wrapped.synchronize()
+    train(theirs, torch_opt, data[2:])
+    assert_close(ours, theirs, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lander", [True, False])
+def test_each_forward_reads_the_new_weights_of_a_model_whose_update_outlasts_it(lander):
+    """Updates of 4M-element tensors take the host longer than a forward takes the GPU: a
+    forward that did not wait for its own parameters' copies would read old weights. Without
+    the lander, each forward pushes its own (the guard)."""
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+    theirs = copy.deepcopy(ours)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-3)
+    if not lander:
+        _without_lander(opt)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(8, 2048, generator=gen).cuda() for _ in range(5)]
+    losses = {}
+    for model, o in ((ours, opt), (theirs, torch_opt)):  # each forward right after its step()
+        losses[o] = []
+        for x in xs:
+            loss = model(x).square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses[o].append(loss)
+    assert [v.item() for v in losses[opt]] == pytest.approx([v.item() for v in losses[torch_opt]], rel=1e-5)
+    opt.synchronize()
+    assert_close(ours, theirs, 1e-5)
