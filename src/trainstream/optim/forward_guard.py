@@ -31,7 +31,7 @@ class ForwardGuard:
         self._owned: set = set()  # records some seen forward reads
         self._called: weakref.WeakSet = weakref.WeakSet()  # modules whose forward has run
         self._readers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (generation, records)
-        self._generation = 0  # bumped when _called grows: the readers are recomputed
+        self._generation = 0  # bumped when the readers may have changed: they are recomputed
         me = weakref.ref(self)
         # The global hook holds the guard weakly: the optimizer (and through it the model's
         # parameters) stays collectable; a finalizer takes the hook off.
@@ -63,8 +63,13 @@ class ForwardGuard:
 
     def before_forward(self, module: torch.nn.Module) -> None:
         if module not in self._called:
+            # A first call moves the params this module reads out of its ancestors' readers;
+            # a module reading none of ours (a loss module built each step) changes nothing.
             self._called.add(module)
-            self._generation += 1
+            readers = self._read_by(module)
+            if readers:
+                self._generation += 1
+            self._readers[module] = (self._generation, readers)
         # Computed even with nothing pending: the records it reads become owned, which the
         # next step() needs to know before any update is pending.
         cached = self._readers.get(module)
