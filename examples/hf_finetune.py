@@ -1,14 +1,14 @@
 """Fine-tune a Hugging Face causal LM with TrainStreamTrainer, the transformers.Trainer whose
 optimizer state, gradients and (when needed) weights and activations live in host RAM.
 
---model is a hub id or a local folder (AutoModelForCausalLM.from_pretrained, fp32 weights
-trained under bf16 autocast on a GPU). --lora trains peft LoRA adapters on every Linear of the
+--model is a hub id or a local folder (AutoModelForCausalLM.from_pretrained; fp32 weights by
+default, --dtype bfloat16 halves them; on a GPU the Trainer computes under bf16 autocast). --lora trains peft LoRA adapters on every Linear of the
 blocks instead of every parameter. --activation-offload pages every block's saved activations
 to host RAM (wrap(activation_offload=True)); without it the planner decides. --compare runs the
 same model, data and arguments through the stock transformers.Trainer afterwards and prints
 the two runs' losses side by side, with the peak VRAM of each. The data are rows of random
 token ids from one seed (replace TokenRows with your dataset); with --smoke the model is a tiny
-Llama built here, on the CPU, so nothing is downloaded.
+Llama built here (on the CPU unless --device says otherwise), so nothing is downloaded.
 
 Run:
     python examples/hf_finetune.py --model Qwen/Qwen2.5-1.5B --compare
@@ -27,6 +27,8 @@ import time
 import memory_stats as ms
 import torch
 
+# The weights' dtype: what TrainStream trains (trainable parameters are float32 or bfloat16).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SMOKE_CONFIG = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -63,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--activation-offload", action="store_true", help="page every block's activations (default: the planner)"
     )
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="the weights' dtype (default float32)")
     p.add_argument("--steps", type=ms.positive_int, default=10)
     p.add_argument("--batch", type=ms.positive_int, default=4, help="per_device_train_batch_size")
     p.add_argument("--accumulation", type=ms.positive_int, default=1, help="gradient_accumulation_steps")
@@ -96,7 +99,10 @@ def build_model(args):
     if args.smoke:
         model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMOKE_CONFIG))
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        # Loaded in the checkpoint's dtype (or transformers' default), then cast: the dtype
+        # argument's name differs between transformers releases.
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model)
+    model = model.to(DTYPES[args.dtype])
     if args.lora:
         import peft
 
