@@ -293,6 +293,11 @@ def test_each_rank_holds_half_the_moments(two_ranks):
         assert alone / 2 <= r["report"]["host_moment_bytes"] <= alone / 2 + 8 * n_params
         assert r["report"]["distributed"]["bytes_communicated_per_step"] > 0
     assert a["report"]["host_moment_bytes"] + b["report"]["host_moment_bytes"] == alone
+    # The planner counts the shard: half the moments' host bytes, on every rank alike.
+    n = a["report"]["distributed"]["trainable_elements"]
+    assert trainstream.memory_report(model)["plan"]["budget"]["host"]["moments"] == 8 * n
+    assert a["report"]["plan"]["budget"] == b["report"]["plan"]["budget"]
+    assert a["report"]["plan"]["budget"]["host"]["moments"] == 8 * -(-n // 2)
 
 
 def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):

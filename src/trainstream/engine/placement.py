@@ -181,6 +181,14 @@ def choose(opts, block_units, outside_units, unpageable: list, profile, model_by
     return Placement(sorted(paged), sorted(act), notes)
 
 
+def world_size(distributed) -> int:
+    """The ranks wrap(distributed=...) trains over (1: alone)."""
+    from .distributed import process_group
+
+    group = process_group(distributed)
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
 def local_processes() -> int:
     """Processes sharing this machine's RAM (torchrun / Slurm set these)."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
@@ -202,10 +210,13 @@ def host_bytes(opts, units, moment_bytes: int, device_grads: bool = False) -> di
     n_train = sum(s.param.numel() for s in trainable)
     acc = 4 if opts.accumulation_steps > 1 else 0
     landing = 0 if device_grads else sum(s.param.numel() * s.dtype.itemsize for s in trainable)
+    # Data parallel: this rank keeps the moments of its shard only (distributed.py), with the
+    # reduced gradients' shard beside them; its masters and landing buffers stay whole.
+    shards = world_size(opts.distributed)
     return {
         "fp32 master weights": 4 * n_train,
-        "gradient buffers": landing + acc * n_train,
-        "moments": 2 * moment_bytes * n_train,
+        "gradient buffers": landing + acc * n_train + (4 * -(-n_train // shards) if shards > 1 else 0),
+        "moments": 2 * moment_bytes * -(-n_train // shards),
         "paged frozen weights": sum(s.nbytes for u in units if u.paged for s in u.slots if not s.trainable),
         "lower-precision copies": sum(
             s.param.numel() * 2 for s in trainable if s.dtype != torch.float32 or (s.unit.paged and s.is_linear)
