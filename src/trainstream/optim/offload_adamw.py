@@ -282,8 +282,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every update in flight: parameters read after it hold the last step()'s
         values. A gpu-mode step returns with its kernels queued (whatever stream they ran on);
-        a cpu-mode step has finished when it returns. state_dict() and load_state_dict() call
-        it themselves."""
+        a cpu-mode step on GPU parameters with its host updates queued, their weights on their
+        way back; one on host parameters has finished when it returns. state_dict() and
+        load_state_dict() call it themselves."""
         for event in self._inflight:
             event.synchronize()
         self._inflight = []
