@@ -28,11 +28,12 @@ void bind_cuda(py::module_& m) {
       "adamw_gpu_launch",
       [](int64_t tensors, int64_t scalars, int64_t grad_scale, int num_tensors, int64_t num_chunks,
          bool decoupled, int grad_dtype, int moment_dtype, int param_dtype, int device, int64_t stream,
-         int64_t max_blocks) {
+         int64_t max_blocks, int64_t skip_flag) {
         GpuAdamWLaunch L;
         L.tensors = as_ptr<const GpuAdamWTensor>(tensors);
         L.scalars = as_ptr<const float>(scalars);
         L.grad_scale = as_ptr<const float>(grad_scale);
+        L.skip_flag = as_ptr<const int32_t>(skip_flag);
         L.num_tensors = num_tensors;
         L.num_chunks = num_chunks;
         L.decoupled = decoupled;
@@ -46,7 +47,8 @@ void bind_cuda(py::module_& m) {
       },
       py::arg("tensors"), py::arg("scalars"), py::arg("grad_scale"), py::arg("num_tensors"),
       py::arg("num_chunks"), py::arg("decoupled"), py::arg("grad_dtype"), py::arg("moment_dtype"),
-      py::arg("param_dtype"), py::arg("device"), py::arg("stream"), py::arg("max_blocks") = 0);
+      py::arg("param_dtype"), py::arg("device"), py::arg("stream"), py::arg("max_blocks") = 0,
+      py::arg("skip_flag") = 0);
   m.attr("GPU_ADAMW_CHUNK") = kGpuAdamWChunk;
 
   m.def(
@@ -60,6 +62,17 @@ void bind_cuda(py::module_& m) {
       py::arg("tensors"), py::arg("num_tensors"), py::arg("num_chunks"), py::arg("dtype"),
       py::arg("partials"), py::arg("out"), py::arg("device"), py::arg("stream"));
   m.attr("SQ_NORM_CHUNK") = kSqNormChunk;
+
+  m.def(
+      "mark_nonfinite_launch",
+      [](int64_t tensors, int num_tensors, int64_t num_chunks, int dtype, int64_t found, int64_t flag,
+         int64_t max_blocks, int device, int64_t stream) {
+        mark_nonfinite_launch(as_ptr<const SqNormTensor>(tensors), num_tensors, num_chunks,
+                              static_cast<DType>(dtype), as_ptr<int32_t>(found), as_ptr<int32_t>(flag), max_blocks,
+                              device, stream);
+      },
+      py::arg("tensors"), py::arg("num_tensors"), py::arg("num_chunks"), py::arg("dtype"), py::arg("found"),
+      py::arg("flag"), py::arg("max_blocks"), py::arg("device"), py::arg("stream"));
 
   m.def(
       "quant_cuda",

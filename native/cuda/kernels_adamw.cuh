@@ -188,6 +188,7 @@ __device__ void update_chunk(const GpuAdamWLaunch& L, int64_t chunk) {
 // One block per chunk, or (max_blocks) fewer blocks that loop over the chunks.
 template <typename G, typename M, bool kDecoupled>
 __global__ void __launch_bounds__(256) adamw_kernel(GpuAdamWLaunch L) {
+  if (L.skip_flag != nullptr && *L.skip_flag != 0) return;  // a non-finite gradient: nothing is written
   for (int64_t chunk = blockIdx.x; chunk < L.num_chunks; chunk += gridDim.x) update_chunk<G, M, kDecoupled>(L, chunk);
 }
 

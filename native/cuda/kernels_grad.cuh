@@ -67,5 +67,31 @@ __global__ void __launch_bounds__(256) tensor_sums(const SqNormTensor* tensors, 
   if (threadIdx.x == 0) out[ti] = acc;
 }
 
+// Bits of a value whose exponent is all ones: NaN or an infinity. U: the element's bits.
+__device__ __forceinline__ bool nonfinite_bits(uint32_t bits) { return (bits & 0x7f800000u) == 0x7f800000u; }
+__device__ __forceinline__ bool nonfinite_bits(uint16_t bits) { return (bits & 0x7f80u) == 0x7f80u; }  // bf16
+__device__ __forceinline__ bool nonfinite_bits(Half h) { return (h.bits & 0x7c00u) == 0x7c00u; }
+
+// One chunk of one tensor per block and pass; a block that sees a non-finite value marks
+// its tensor and the flag. Every writer writes 1, so the racing stores agree; the gradient
+// is only read.
+template <typename U>
+__global__ void __launch_bounds__(256) mark_nonfinite(const SqNormTensor* tensors, int n, int64_t num_chunks,
+                                                     int32_t* found, int32_t* flag) {
+  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {  // uniform per block
+    const int ti = find_tensor(tensors, n, chunk);
+    const SqNormTensor t = tensors[ti];
+    const U* x = reinterpret_cast<const U*>(t.data);
+    const int64_t begin = (chunk - t.first_chunk) * kSqNormChunk;
+    const int64_t end = min(t.numel, begin + kSqNormChunk);
+    int bad = 0;
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) bad |= nonfinite_bits(x[i]);
+    if (__syncthreads_or(bad) && threadIdx.x == 0) {
+      found[ti] = 1;
+      *flag = 1;
+    }
+  }
+}
+
 }  // namespace grad_gpu
 }  // namespace trainstream

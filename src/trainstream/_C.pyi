@@ -74,9 +74,21 @@ def adamw_gpu_launch(
     device: int,
     stream: int,
     max_blocks: int = 0,
+    skip_flag: int = 0,
 ) -> None: ...
 def grad_sq_norms_launch(
     tensors: int, num_tensors: int, num_chunks: int, dtype: int, partials: int, out: int, device: int, stream: int
+) -> None: ...
+def mark_nonfinite_launch(
+    tensors: int,
+    num_tensors: int,
+    num_chunks: int,
+    dtype: int,
+    found: int,
+    flag: int,
+    max_blocks: int,
+    device: int,
+    stream: int,
 ) -> None: ...
 def quant_cuda(
     dequantize: bool,

@@ -378,6 +378,135 @@ def test_nonfinite_accepts_only_its_values():
         _wrapped(nonfinite="warn")
 
 
+# -- optimizer_mode="gpu" with the gradients on the device: the check decided on the device ---
+
+
+def _flags_at_each_update(monkeypatch) -> list:
+    """(unit name, the skip flag's value when its kernels ran) for every device update."""
+    from trainstream.engine.optimizer import StreamedAdamW
+
+    seen = []
+    queue = StreamedAdamW.queue_on_device
+
+    def recording(self, device, slots, *args, skip_flag=None, **kwargs):
+        if len(args) > 6:  # skip_flag passed by position
+            args, skip_flag = args[:6], args[6]
+        seen.append((slots[0].unit.name, None if skip_flag is None else int(skip_flag)))
+        return queue(self, device, slots, *args, skip_flag=skip_flag, **kwargs)
+
+    monkeypatch.setattr(StreamedAdamW, "queue_on_device", recording)
+    return seen
+
+
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_gpu_mode_queues_every_update_at_once_and_the_device_flag_skips(monkeypatch, base):
+    """No host read decides: every unit's update is queued as it lands, behind the device
+    flag, which the bad block's check sets and which stays set for the rest of the pass."""
+    seen = _flags_at_each_update(monkeypatch)
+    model, opt, batch, loss_fn = _wrapped(base=base, **GPU_MODE)
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    assert seen == [(f"block {i}", int(i <= BAD)) for i in range(LAYERS - 1, -1, -1)]
+    opt.step()
+    opt.zero_grad()
+    seen.clear()
+    loss_fn(model, batch(1, "cpu")).backward()  # a new window: the flag is clear again
+    assert seen == [(f"block {i}", 0) for i in range(LAYERS - 1, -1, -1)]
+
+
+def test_gpu_mode_with_ignore_has_no_device_check(monkeypatch):
+    seen = _flags_at_each_update(monkeypatch)
+    model, opt, batch, loss_fn = _wrapped(nonfinite="ignore", **GPU_MODE)
+    loss_fn(model, batch(0, "cpu")).backward()
+    assert seen and all(flag is None for _, flag in seen)
+
+
+class _InFlight:
+    """An event whose work the device has not reached: query() says so until it is waited for."""
+
+    def __init__(self):
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+    def synchronize(self) -> None:
+        self.passed = True
+
+
+def _bad_step_then_a_clean_one(model, opt, batch, loss_fn):
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    yield
+    loss_fn(model, batch(1, "cpu")).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_gpu_mode_a_skip_learned_after_the_step_is_taken_back_before_the_next_update(monkeypatch):
+    """The device's updates still in flight when step() returns (as on a GPU): the host has
+    read nothing yet. The skipped blocks' step counts go back before their next update is
+    queued, so the run holds the bits of the host optimizer's run, which skips at once (and
+    is torch's with those blocks not stepped in the bad step); reading
+    optimizer.skipped_steps waits and counts it, and the events name the step it was."""
+    model, opt, batch, loss_fn = _wrapped(**GPU_MODE)
+    engine = model._trainstream_engine
+    monkeypatch.setattr(engine.backend, "record", lambda stream=None: _InFlight())
+    run = _bad_step_then_a_clean_one(model, opt, batch, loss_fn)
+    next(run)
+    assert len(engine.grads.device_check.pending()) == LAYERS  # nothing read on the host yet
+    assert opt._skipped_steps == 0
+    next(run, None)
+    assert opt.skipped_steps == 1
+    events = trainstream.memory_report(model)["events"]
+    assert "step 1: the gradient of 3.weight is not finite: skipped the updates of " in events
+    assert "['block 3', 'block 2', 'block 1', 'block 0']" in events
+    assert _steps(opt) == {i: (2 if i > BAD else 1) for i in range(LAYERS)}
+
+    host_model, host_opt, batch, loss_fn = _wrapped()
+    for _ in _bad_step_then_a_clean_one(host_model, host_opt, batch, loss_fn):
+        pass
+    assert_same_bits((None, _host_state(model)), (None, _host_state(host_model)))
+
+    torch.manual_seed(0)
+    stock_model, batch, loss_fn = tiny_mlp(layers=LAYERS)
+    stock_opt = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    loss_fn(stock_model, batch(0, "cpu")).backward()
+    for i in range(BAD + 1):
+        stock_model[i].weight.grad = None  # torch steps only the parameters that have a gradient
+    stock_opt.step()
+    stock_opt.zero_grad()
+    loss_fn(stock_model, batch(1, "cpu")).backward()
+    stock_opt.step()
+    # A first AdamW step is g / (|g| + eps): where |g| is tiny, rounding in g shows (about 1e-5 here).
+    assert max_diff(_host_state(model), _host_state(stock_model)) < 1e-4
+
+
+def test_gpu_mode_raise_at_the_end_of_backward_updates_nothing_from_the_bad_gradient():
+    model, opt, batch, loss_fn = _wrapped(nonfinite="raise", **GPU_MODE)
+    before = _host_state(model)
+    handle = _poison(model, BAD)
+    with pytest.raises(FloatingPointError, match=r"the gradient of 3\.weight is not finite"):
+        loss_fn(model, batch(0, "cpu")).backward()
+    handle.remove()
+    opt.zero_grad()
+    after = _host_state(model)
+    for i in range(LAYERS):
+        assert torch.equal(after[f"{i}.weight"], before[f"{i}.weight"]) == (i <= BAD), i
+    assert _steps(opt) == {i: 1 for i in range(BAD + 1, LAYERS)}  # the skipped ones' counts went back
+    assert opt.skipped_steps == 0
+    for i in range(2):
+        loss_fn(model, batch(i + 1, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.isfinite(v).all() for v in _host_state(model).values())
+    assert _steps(opt) == {i: (3 if i > BAD else 2) for i in range(LAYERS)}
+
+
 # -- on a GPU --------------------------------------------------------------------------------
 
 
@@ -438,3 +567,61 @@ def test_gpu_raise_names_the_parameter(mode):
     loss_fn(model, batch(1, "cuda")).backward()
     opt.step()
     assert all(torch.isfinite(v).all() for v in _host_state(model).values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+def test_gpu_mode_a_nan_skips_its_block_and_every_later_one_bit_for_bit(base, moment_dtype):
+    """optimizer_mode="gpu", the check on the device: after a NaN in block BAD's gradient,
+    it and the blocks after it in backward keep their weights, moments and step counts bit
+    for bit; the blocks before it were updated; the next steps train every block."""
+    model, opt, batch, loss_fn = _wrapped(device="cuda", base=base, moment_dtype=moment_dtype, **GPU_MODE)
+    loss_fn(model, batch(0, "cuda")).backward()
+    opt.step()
+    opt.zero_grad()
+    weights, state = _host_state(model), opt.state_dict()["state"]
+    handle = _poison(model, BAD)
+    loss_fn(model, batch(1, "cuda")).backward()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    after, after_state = _host_state(model), opt.state_dict()["state"]
+    for i in range(LAYERS):
+        same = torch.equal(after[f"{i}.weight"], weights[f"{i}.weight"])
+        assert same == (i <= BAD), i
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(after_state[i][key], state[i][key]) == (i <= BAD), (i, key)
+    assert opt.skipped_steps == 1
+    assert f"the gradient of {BAD}.weight is not finite" in trainstream.memory_report(model)["events"]
+    loss_fn(model, batch(2, "cuda")).backward()
+    opt.step()
+    opt.zero_grad()
+    final = _host_state(model)
+    assert all(not torch.equal(final[k], after[k]) and torch.isfinite(final[k]).all() for k in final)
+    assert _steps(opt) == {i: (3 if i > BAD else 2) for i in range(LAYERS)}
+    assert opt.skipped_steps == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_gpu_mode_a_skip_then_three_steps_hold_the_host_optimizers_bits(base):
+    """The bad step's skipped blocks take their next update with the step count they would
+    have had: three more steps give the bits of the host optimizer (optimizer_mode="cpu"),
+    which skips on the host at once, as the CUDA AdamW gives the host AdamW's bits."""
+
+    def run(mode):
+        model, opt, batch, loss_fn = _wrapped(device="cuda", base=base, **mode)
+        handle = _poison(model, BAD)
+        for i in range(4):
+            loss_fn(model, batch(i, "cuda")).backward()
+            if i == 0:
+                handle.remove()
+            opt.step()
+            opt.zero_grad()
+        return _host_state(model), _steps(opt), opt.skipped_steps
+
+    on_device, on_host = run(GPU_MODE), run({})
+    assert_same_bits((None, on_device[0]), (None, on_host[0]))
+    assert on_device[1] == on_host[1] == {i: (4 if i > BAD else 3) for i in range(LAYERS)}
+    assert on_device[2] == on_host[2] == 1

@@ -30,6 +30,9 @@ struct GpuAdamWLaunch {
   const GpuAdamWTensor* tensors;  // device
   const float* scalars;           // device, [num_tensors][kGpuScalarFields]
   const float* grad_scale;        // device scalar multiplied into every gradient, or nullptr
+  // Device int32, or nullptr: when it holds a non-zero value the kernel returns without
+  // writing anything (the non-finite check set it earlier on the stream, grad_gpu.h).
+  const int32_t* skip_flag;
   int num_tensors;
   int64_t num_chunks;
   // At most this many thread blocks, each looping over chunks (0: one block per chunk).

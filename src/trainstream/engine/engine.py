@@ -599,20 +599,25 @@ class Engine:
             self.after_backward()
         self._report_skipped()
 
-    def _report_skipped(self) -> None:
+    def _report_skipped(self, wait: bool = False) -> None:
         """Units whose update a non-finite gradient made the streamer skip: into the events,
-        and the window into optimizer.skipped_steps (once)."""
-        found = self.grads.take_skipped()
-        if found is None:
-            return
-        first, units, first_report = found
-        if first_report:
-            self.optimizer.count_skipped_step()
-        what = f"the gradient of {first.name} is not finite" if first is not None else "a gradient is not finite"
-        self.events.add(
-            f"step {self.steps + 1}: {what}: skipped the updates of {[u.name for u in units]} (nonfinite='skip'; "
-            "their weights, moments and step counts are unchanged)"
-        )
+        and the window into optimizer.skipped_steps (once). A skip the device decided is known
+        once its update has run: those that have are taken in here, or all of them (`wait`)."""
+        self.grads.settle_device_checks(wait=wait)
+        while (found := self.grads.take_skipped(self.steps + 1)) is not None:
+            first, units, first_report, step = found
+            if first_report:
+                self.optimizer.count_skipped_step()
+            what = f"the gradient of {first.name} is not finite" if first is not None else "a gradient is not finite"
+            self.events.add(
+                f"step {step}: {what}: skipped the updates of {[u.name for u in units]} (nonfinite='skip'; "
+                "their weights, moments and step counts are unchanged)"
+            )
+
+    def report_skipped(self) -> None:
+        """Wait for every update still to say whether the device skipped it, and report those
+        it did (optimizer.skipped_steps reads this)."""
+        self._report_skipped(wait=True)
 
     # -- the optimizer's side --------------------------------------------------------------------
 
@@ -832,5 +837,7 @@ class Engine:
                     self.grads.skip_window(first)
 
     def synchronize(self) -> None:
-        """Every queued update written on the host and, for resident units, on the device."""
+        """Every queued update written on the host and, for resident units, on the device
+        (and, with the check on the device, known to have run or been skipped)."""
         self.weights.synchronize_all()
+        self._report_skipped(wait=True)

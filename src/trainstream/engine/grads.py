@@ -50,6 +50,7 @@ from .. import ops
 from ..sizes import MiB
 from .device import DONE, DeviceUpdate
 from .layout import GradWindow
+from .nonfinite import DeviceCheck, Pending
 
 
 def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -91,11 +92,17 @@ class GradStreamer:
         # backward pass with accumulation) rather than being queued as each unit lands.
         self.hold = settings.clip or settings.accumulation_steps > 1
         # The squared norms of every batch go to the host with it; with clipping the global
-        # norm computed at step() is the check (see the note).
-        self.check_batches = settings.nonfinite != "ignore" and not settings.clip
+        # norm computed at step() is the check; with the gradients left on the device, the
+        # check runs on the device before each update (see the note).
+        checks = settings.nonfinite != "ignore"
+        self.check_batches = checks and not settings.clip and not settings.on_device
+        self.device_check = DeviceCheck(backend, units) if checks and settings.on_device else None
         self.nonfinite = None  # the window's first slot whose gradient was not finite
-        self._skipped: list = []  # units SKIPPED and not yet reported (take_skipped)
-        self._reported = False  # this window's skip has been reported once
+        self._skipped: list = []  # units SKIPPED on the host and not yet reported (take_skipped)
+        self.window_serial = 0  # numbers the windows (reset_window); the device check's records carry it
+        self._counted: set = set()  # serials of windows already counted in skipped_steps
+        self._labels: dict = {}  # window serial -> the step label take_skipped was last given in it
+        self._device_skips: dict = {}  # window serial -> (first slot, [units]) the device skipped, to report
         self.passes = 0  # backward passes in the current accumulation window
         self.in_backward = False
         self._ready = deque()  # units whose gradients have all been issued D2H, in order
@@ -170,9 +177,7 @@ class GradStreamer:
             self.ledger.make_room(nbytes)
             slot.device_grad = g
             p.grad = None
-            self._landed(slot, DONE)
-            if self.check_batches and unit.landed == len(unit.trainable):
-                self._check_on_device(unit)
+            self._landed(slot, DONE)  # the check runs on the device, ahead of the update (check_on_device)
             return self.poll()
         if self.clip_on_device:
             # Norm of the gradient as an fp32 tensor, so a bf16 gradient (a paged block under
@@ -250,24 +255,54 @@ class GradStreamer:
             out.append((host, [s for s, _ in items]))
         return out
 
-    def _check_on_device(self, unit) -> None:
-        """optimizer_mode="gpu", gradients left on the device: the squared norms of the
-        unit's gradients of this pass go to the host on the copy-out stream; the unit is
-        handed on once they are there (its grad_event), so its kernel is never queued
-        before the check could read them."""
-        backend = self.backend
-        fresh = [s for s in unit.trainable if s.fresh and s.device_grad is not None]
-        if not fresh:
+    # -- the check on the device (optimizer_mode="gpu", gradients left there; nonfinite.py) --------
+
+    def check_on_device(self, unit, slots: list):
+        """Called by the updater on the update stream, before `unit`'s kernels: the device
+        flag those kernels skip on (None when the device does not check). The unit's last
+        update is settled first, so that what the host advanced for it is right before the
+        next is counted; its kernels ran before this unit's forward did, so the wait is, as a
+        rule, for work long done."""
+        if self.device_check is None:
+            return None
+        self.settle_device_checks(unit=unit)
+        return self.device_check.check(unit, slots, [s.device_grad for s in slots])
+
+    def checked_on_device(self, unit, slots: list, handle, undo) -> None:
+        """`unit`'s update of `slots` was queued behind the check (`handle`: its DeviceUpdate);
+        `undo()` takes back what the host advanced for it, should the device have skipped it."""
+        self.device_check.queued(Pending(unit, slots, handle, self.window_serial, undo))
+
+    def settle_device_checks(self, wait: bool = False, unit=None) -> None:
+        """Learn which updates the device skipped, oldest first: those whose kernels have
+        run, all (`wait`), or at least up to `unit`'s. A skipped update is taken back
+        (`undo`); a skip of the current window marks its unit SKIPPED and sets the window's
+        first non-finite slot; each window's skipped units are reported once all of its
+        updates are settled (take_skipped)."""
+        if self.device_check is None:
             return
-        backend.follow_compute(backend.copy_out)
-        with backend.on(backend.copy_out):
-            unit.checks += self._squares_to_host(unit, fresh, [s.device_grad for s in fresh])
-            for s in fresh:
-                backend.keep_until(s.device_grad, backend.copy_out)
-        unit.grad_event = backend.record(backend.copy_out)
-        # Nothing goes into the ledger here: the gradients are not let go of at this event (they
-        # stay in slot.device_grad until their update is queued, and the updater counts them
-        # as released at its kernel's end), so counting them here would count them twice.
+        for done in self.device_check.settle(wait=wait, unit=unit):
+            if not done.skipped:
+                continue
+            p = done.pending
+            p.undo()
+            current = p.window == self.window_serial
+            if current:  # as _skip: its gradients are dropped, and nothing hands it on again
+                p.unit.window = GradWindow.SKIPPED
+                for s in p.unit.trainable:
+                    s.has_grad = False
+                if self.nonfinite is None:
+                    self.nonfinite = done.first
+            if self.settings.nonfinite == "raise":
+                # end_pass raises for the current window; an earlier one was a pass that raised
+                # (and was dropped) before its end could.
+                if not current:
+                    self.events.add(
+                        f"the update of {p.unit.name}, queued by a backward pass that raised, was skipped on the "
+                        "device (a gradient not finite)"
+                    )
+                continue
+            self._device_skips.setdefault(p.window, (done.first, []))[1].append(p.unit)
 
     def _first_nonfinite(self, unit):
         """The first of `unit`'s freshly landed slots whose gradient is not finite, or None.
@@ -349,12 +384,19 @@ class GradStreamer:
         for unit in self.units:
             if unit.waiting:  # a unit with a parameter this pass did not reach
                 yield from self._send(unit)
-        if self.settings.on_device and self.check_batches:
-            for unit in self._partial:
-                self._check_on_device(unit)
         for unit in [*self._ready, *self._partial]:
             unit.grad_event.synchronize()
             yield from self._hand_on(unit)
+        if self.device_check is not None and self.settings.nonfinite == "raise":
+            # Every update of the pass is queued by now (each unit was queued as it was
+            # yielded): wait for them and raise at the first gradient found not finite. Its
+            # update and every later one were skipped on the device, and are taken back.
+            self.settle_device_checks(wait=True)
+            if self.nonfinite is not None:
+                raise FloatingPointError(
+                    f"trainstream: the gradient of {self.nonfinite.name} is not finite (wrap(nonfinite='raise')); "
+                    "this backward pass's gradients are dropped"
+                )
         if self._window_complete():
             if self.nonfinite is not None:
                 self.skip_window()
@@ -390,14 +432,29 @@ class GradStreamer:
         unit.window = GradWindow.SKIPPED
         self._skipped.append(unit)
 
-    def take_skipped(self):
-        """(first non-finite slot, units SKIPPED since the last call, whether this is the
-        window's first report), or None when nothing was skipped since."""
+    def take_skipped(self, step: int):
+        """(first non-finite slot, units SKIPPED, whether this is the window's first report,
+        the step it belongs to), one report per call, or None when there is nothing new to
+        report. `step`: the label of the current window's step (the caller's count). Windows
+        the device check skipped in are reported once all of their updates are settled, which
+        may be after the window has ended: with the label they had then."""
+        self._labels[self.window_serial] = step
+        for serial in sorted(self._device_skips):
+            current = serial == self.window_serial
+            if (current and self.in_backward) or self.device_check.has_pending(window=serial):
+                continue  # more of this window may still turn out skipped: one report, when it is whole
+            first, units = self._device_skips.pop(serial)
+            return first, units, self._count(serial), self._labels.get(serial, step)
         if not self._skipped:
             return None
         units, self._skipped = self._skipped, []
-        first_report, self._reported = not self._reported, True
-        return self.nonfinite, units, first_report
+        return self.nonfinite, units, self._count(self.window_serial), step
+
+    def _count(self, serial: int) -> bool:
+        """True the first time window `serial` is reported (optimizer.skipped_steps counts it once)."""
+        first = serial not in self._counted
+        self._counted.add(serial)
+        return first
 
     def first_nonfinite_in_window(self, slots):
         """The first of `slots` whose window gradient (the host sum, or the landed one) is
@@ -502,7 +559,16 @@ class GradStreamer:
     def reset_window(self) -> None:
         self.passes = 0
         self.nonfinite = None
-        self._reported = False
+        self.window_serial += 1
+        if self.device_check is not None:
+            self.device_check.new_window()  # behind every kernel of the window that ends
+            # Only windows with updates still to settle or skips still to report keep their labels.
+            keep = set(self._device_skips) | {p.window for p in self.device_check.pending()}
+            self._labels = {w: v for w, v in self._labels.items() if w in keep}
+            self._counted = {w for w in self._counted if w in keep}
+        else:
+            self._labels.clear()
+            self._counted.clear()
         for unit in self.units:
             unit.window = GradWindow.EMPTY
             for s in unit.trainable:

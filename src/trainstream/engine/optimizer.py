@@ -47,9 +47,7 @@ class StreamedAdamW(OffloadAdamW):
     _stock_clip = None  # the max_grad_norm stock steps clip at, as torch does it
     stock_steps = 0  # steps taken by the stock optimizer
     _stock_grad_norm = None  # with no engine: the last stock step's clipped norm, else the engine's last
-    # Steps (accumulation windows) whose updates were skipped, all or from one block on, for a
-    # gradient that was not finite (wrap(nonfinite="skip")); counted by the engine.
-    skipped_steps = 0
+    _skipped_steps = 0  # counted by the engine (skipped_steps)
     # optimizer_mode="gpu": param -> its moments in the host arena (pinned on a GPU), which
     # the update copies to VRAM or maps. Their state exists from wrap() on, and a loaded
     # state_dict is copied into them. Moments made later (mode "cpu") are those of no kernel.
@@ -228,8 +226,18 @@ class StreamedAdamW(OffloadAdamW):
         self._mapped = {}  # the pinned moments the kernel read: freed with the old state
         self._stock, self._stock_clip, self._engine = stock, max_grad_norm, None
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps (accumulation windows) whose updates were skipped, all or from one block on,
+        for a gradient that was not finite (wrap(nonfinite="skip")). With optimizer_mode="gpu"
+        the device decides a skip as the update runs: reading this waits for the updates in
+        flight to have run, so the count is that of every step so far."""
+        if self._engine is not None:
+            self._engine.report_skipped()
+        return self._skipped_steps
+
     def count_skipped_step(self) -> None:
-        self.skipped_steps += 1
+        self._skipped_steps += 1
 
     def _engine_or_raise(self):
         if self._engine is None:
@@ -363,13 +371,17 @@ class StreamedAdamW(OffloadAdamW):
         moments: dict,
         grad_scale: float,
         max_blocks: int = 0,
+        skip_flag: torch.Tensor | None = None,
     ) -> None:
         """optimizer_mode="gpu": the CUDA AdamW on the current stream for `slots`, reading
         `grads` and writing the new weights into `targets` (each on the device or in pinned
         host memory), the host fp32 `masters` (None where the fp32 target is the master)
         and the moments where `moments` (param -> (exp_avg, exp_avg_sq)) puts them: staged
-        in VRAM, or pinned. `max_blocks` caps the kernel's grid. On the CPU backend the host
-        AdamW, which gives the same bits, stands in and is done when this returns."""
+        in VRAM, or pinned. `max_blocks` caps the kernel's grid. `skip_flag` (a device int32):
+        set when the kernel runs, it writes nothing (the step counts are still advanced here:
+        their owner takes them back once it has read the flag, engine/updates.py). On the CPU
+        backend the host AdamW, which gives the same bits, stands in and is done when this
+        returns, and the flag is read at once."""
         where = {s: (t, m) for s, t, m in zip(slots, targets, masters)}
         key = lambda s: (where[s][0].dtype, where[s][1] is None)  # noqa: E731  (one kernel launch each)
         for group, items in self._batches(slots, grads, key):
@@ -392,8 +404,11 @@ class StreamedAdamW(OffloadAdamW):
                     grad_scale=grad_scale,
                     seeds=seeds,
                     max_blocks=max_blocks,
+                    skip_flag=skip_flag,
                     **_hyper(group),
                 )
+            elif skip_flag is not None and int(skip_flag) != 0:
+                continue  # as the kernel: nothing written
             else:
                 copies = None if mstrs is None or all(t is mm for t, mm in zip(tgts, mstrs)) else tgts
                 ops.adamw_step(

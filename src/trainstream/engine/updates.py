@@ -124,7 +124,12 @@ class Updater:
         for s in slots:  # a host job still adding into the gradient sum (accumulation): the kernel
             if s.reader is not None and not isinstance(s.reader, DeviceUpdate):  # is outside its pool
                 s.reader.wait()
-        kernel_done = home = None
+        with backend.on(stream):
+            # The non-finite check on the device, ahead of the kernels (None: gradients not left
+            # on the device, or nonfinite="ignore"): they write nothing once it is set.
+            skip_flag = self.grads.check_on_device(unit, slots)
+        counted = []  # the slots whose step the optimizer has advanced
+        kernel_done = home = handle = None
         try:
             for group in self.moments.by_region(slots):
                 targets, masters = zip(*(_device_update_roles(s, unit.paged) for s in group))
@@ -140,7 +145,9 @@ class Updater:
                         staged.moments,
                         grad_scale,
                         self.DEVICE_UPDATE_BLOCKS,
+                        skip_flag,
                     )
+                    counted += group
                     for g in grads:
                         if g.device == backend.device:
                             backend.keep_until(g, stream)
@@ -161,3 +168,14 @@ class Updater:
                 handle = DeviceUpdate(kernel_done, home)
                 self.grads.read_by(slots, handle)
                 self.weights.device_update_queued(unit, handle)
+            if skip_flag is not None:
+                # Whatever was queued, the check was: its outcome is learned once the stream is past it.
+                done = handle if handle is not None else DeviceUpdate(backend.record(stream))
+                self.grads.checked_on_device(unit, counted, done, lambda: self._take_back(counted))
+
+    def _take_back(self, slots) -> None:
+        """The device skipped the update of `slots` (a gradient not finite, nonfinite.py): the
+        step counts the optimizer advanced when it was queued go back, so the next update of
+        each takes the step this one would have."""
+        for s in slots:
+            self.optimizer.state[s.param]["step"] -= 1

@@ -6,7 +6,7 @@ pointers to ``trainstream._C``; ``reference`` holds the pure-torch twin of each 
 
 from . import reference
 from .adamw import AdamWHandle, adamw_step, adamw_step_gpu, get_pool
-from .grad import accumulate_, grad_sq_norms
+from .grad import accumulate_, grad_sq_norms, mark_nonfinite_
 from .quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "dequantize_nf4",
     "get_pool",
     "grad_sq_norms",
+    "mark_nonfinite_",
     "quantize_int8",
     "quantize_nf4",
     "reference",

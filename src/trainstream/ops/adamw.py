@@ -239,6 +239,7 @@ def adamw_step_gpu(
     grad_scale: float = 1.0,
     grad_scale_tensor: torch.Tensor | None = None,
     seeds: Sequence[int] | None = None,
+    skip_flag: torch.Tensor | None = None,
 ) -> None:
     """Queue the zero-copy CUDA AdamW on the current stream of the params' device.
 
@@ -247,8 +248,11 @@ def adamw_step_gpu(
     over PCIe. Without masters the float32 params are the master weights; with masters the
     params (float32, bfloat16 or float16) receive the updated weights. `grad_scale_tensor`
     (a float32 scalar on the device) multiplies every gradient without a host sync, for
-    clipping. Results equal :func:`adamw_step`'s bit for bit. The host tensors must not be
-    touched until the stream has finished the update.
+    clipping. `skip_flag` (one int32 on the device, as :func:`ops.mark_nonfinite_` sets it):
+    when it holds a non-zero value by the time the kernel runs, the kernel writes nothing
+    (params, masters and moments keep their bits), decided on the device without a host sync.
+    Results equal :func:`adamw_step`'s bit for bit. The host tensors must not be touched until
+    the stream has finished the update.
     """
     from .._native import require_cuda
 
@@ -277,6 +281,7 @@ def adamw_step_gpu(
         grad_scale=grad_scale,
         grad_scale_tensor=grad_scale_tensor,
         seeds=seeds,
+        skip_flag=skip_flag,
     )
 
 
@@ -287,7 +292,8 @@ def adamw_step_mapped(
     in pinned host memory (a paged block's host weights, gradients landed in host memory
     for clipping or accumulation); the kernel reaches mapped host memory over PCIe.
     The moments may be on `device` too (copied there for the update, engine/moments.py).
-    `max_blocks` > 0 caps the kernel's grid (see GpuAdamWLaunch.max_blocks)."""
+    `max_blocks` > 0 caps the kernel's grid (see GpuAdamWLaunch.max_blocks); `skip_flag` as
+    in :func:`adamw_step_gpu`."""
     from .._native import require_cuda
 
     require_cuda("the GPU AdamW")
@@ -332,6 +338,7 @@ def _gpu_launch(
     grad_scale_tensor=None,
     seeds=None,
     max_blocks: int = 0,
+    skip_flag=None,
 ) -> None:
     op = "adamw_step_gpu"
     for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
@@ -340,6 +347,10 @@ def _gpu_launch(
         _args.tensors(op, "masters", masters)
     if grad_scale_tensor is not None:
         _args.tensor(op, "grad_scale_tensor", grad_scale_tensor)
+    if skip_flag is not None:
+        _args.tensor(op, "skip_flag", skip_flag)
+        if skip_flag.device != device or skip_flag.numel() != 1 or skip_flag.dtype != torch.int32:
+            raise ValueError(f"adamw_step_gpu: skip_flag must be one int32 value on {device}")
     lr, beta1, beta2, eps, weight_decay, grad_scale = _scalars(op, lr, beta1, beta2, eps, weight_decay, grad_scale)
     decoupled = _args.flag(op, "decoupled", decoupled)
     n = len(params)
@@ -410,4 +421,5 @@ def _gpu_launch(
         device.index,
         torch.cuda.current_stream(device).cuda_stream,
         int(max_blocks),
+        skip_flag.data_ptr() if skip_flag is not None else 0,
     )

@@ -1,5 +1,5 @@
-"""Gradient helpers: host accumulation of micro-batch gradients, and per-tensor squared
-norms on the GPU for global-norm clipping."""
+"""Gradient helpers: host accumulation of micro-batch gradients, per-tensor squared norms
+on the GPU for global-norm clipping, and the non-finite check before an update."""
 
 from __future__ import annotations
 
@@ -89,3 +89,71 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         torch.cuda.current_stream(device).cuda_stream,
     )
     return out
+
+
+NONFINITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what mark_nonfinite_ reads
+
+
+def mark_nonfinite_(
+    tensors: Sequence[torch.Tensor], found: torch.Tensor, flag: torch.Tensor, *, max_blocks: int = 0
+) -> None:
+    """For each of `tensors` (one dtype of float32 / bfloat16 / float16, contiguous, on one
+    device) that holds a value that is not finite (NaN, +inf, -inf), set ``found[i] = 1``
+    and ``flag`` to 1. Neither is ever cleared, so `flag` stays set over several calls (the
+    engine's window flag, which the GPU AdamW's `skip_flag` reads). Values are checked, not
+    squares: a finite value never counts, however large. The tensors are only read.
+
+    found: int32, one value per tensor, contiguous; flag: one int32. On CUDA both are written
+    by a kernel on the current stream without a host sync (`found` may be on the device or
+    in pinned host memory, `flag` on the device), readable once the stream is past it;
+    `max_blocks` > 0 caps its grid. On the CPU the pure-torch twin (all on the host)."""
+    op = "mark_nonfinite_"
+    _args.tensors(op, "tensors", tensors)
+    _args.tensor(op, "found", found)
+    _args.tensor(op, "flag", flag)
+    max_blocks = _args.integer(op, "max_blocks", max_blocks)
+    if max_blocks < 0:
+        raise ValueError(f"{op}: max_blocks must be >= 0, got {max_blocks}")
+    device = tensors[0].device if tensors else flag.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: tensors must be CPU or CUDA tensors, got {device}")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1 or not dtypes <= set(NONFINITE_DTYPES):
+        raise ValueError(f"{op}: tensors must share one of float32, bfloat16, float16; got {sorted(map(str, dtypes))}")
+    for i, t in enumerate(tensors):
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"{op}: tensors[{i}] must be contiguous and on {device}")
+    if found.dtype != torch.int32 or not found.is_contiguous() or found.numel() != len(tensors):
+        raise ValueError(f"{op}: found must be a contiguous int32 tensor of {len(tensors)} values (one per tensor)")
+    if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
+        raise ValueError(f"{op}: flag must be one int32 value on {device}")
+    if device.type != "cuda":
+        if found.device.type != "cpu":
+            raise ValueError(f"{op}: found must be in host memory for CPU tensors, got {found.device}")
+        reference.mark_nonfinite_(tensors, found, flag)
+        return
+    if found.device != device and not (found.device.type == "cpu" and found.is_pinned()):
+        raise ValueError(f"{op}: found must be on {device} or in pinned host memory (tensor.pin_memory())")
+    from .._native import require_cuda
+
+    require_cuda("mark_nonfinite_ on the GPU")
+    if not tensors:
+        return
+    native = lib()
+    chunk = native.SQ_NORM_CHUNK  # the squared-norm kernel's table and chunking
+    rows, first = [], 0
+    for t in tensors:
+        rows.append([t.data_ptr(), t.numel(), first])
+        first += -(-t.numel() // chunk)
+    table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    native.mark_nonfinite_launch(
+        table.data_ptr(),
+        len(tensors),
+        first,
+        _dtypes.code(dtypes.pop()),
+        found.data_ptr(),
+        flag.data_ptr(),
+        max_blocks,
+        device.index,
+        torch.cuda.current_stream(device).cuda_stream,
+    )

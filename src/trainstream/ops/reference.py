@@ -138,6 +138,15 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.float().pow(2).sum() for t in tensors]) if tensors else torch.zeros(0)
 
 
+def mark_nonfinite_(tensors: Sequence[torch.Tensor], found: torch.Tensor, flag: torch.Tensor) -> None:
+    """Twin of :func:`trainstream.ops.grad.mark_nonfinite_`: the same marks, bit for bit
+    (a value is finite or it is not)."""
+    for i, t in enumerate(tensors):
+        if not bool(torch.isfinite(t).all()):
+            found[i] = 1
+            flag.fill_(1)
+
+
 # -- quantization ------------------------------------------------------------------------
 #
 # NF4 is bitsandbytes' format: 16 NormalFloat levels, an fp32 absmax per block of
