@@ -453,7 +453,8 @@ def markdown(rows: list[dict]) -> str:
             text.append(
                 f"LoRA r=16 on every Linear of the blocks, {case['model']}, NF4 base from "
                 "load_model(random_weights=True); bitsandbytes' base: the same codes, quantized again by "
-                f"bitsandbytes (bench/hf.py); {batch}, {case['steps']} timed steps after {case['warmup']} warm-up."
+                f"bitsandbytes (bench/hf.py; its load s includes that); {batch}, {case['steps']} timed steps after "
+                f"{case['warmup']} warm-up; peak host RSS: the process's, loading included."
             )
         text.append(table)
     return "\n\n".join(text)
