@@ -197,7 +197,8 @@ def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_inde
     column = targets.clamp(0, vocab - 1).unsqueeze(1)  # ignored tokens' column is unused
     token_loss = torch.empty(n, dtype=compute, device=device)
     any_grad = need_hidden or need_weight or need_bias
-    d_hidden = torch.empty_like(hidden) if need_hidden else None
+    # Each chunk writes its rows whole, contiguous whatever hidden's strides.
+    d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
     # The first chunk writes d_weight whole; with no token there is no chunk.
     d_weight = torch.zeros_like(weight) if need_weight and n == 0 else None
     d_bias_sum = torch.zeros(vocab, dtype=compute, device=device) if need_bias else None
