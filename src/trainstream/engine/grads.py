@@ -19,23 +19,38 @@ Nothing here blocks the autograd thread on a copy: finished copies are noticed b
 their events at each hook, and whatever is still in flight when backward ends is waited
 for in the end-of-backward callback.
 
-[Note: non-finite gradients] (wrap(nonfinite=...)). Each batch of gradients gets its
-squared norms taken on the device, on the copy-out stream behind the copies, and sent to
-host memory with them (`unit.checks`: views of a buffer per unit allocated at wrap(), whose
-reuse waits for its reader as a landing buffer's does). They are read where the unit is
-handed on, which already waits for that copy, so the check costs one reduction per batch
-and no host sync.
-A value that is not finite is confirmed on the gradient itself (a finite gradient's square
-can overflow), and then:
+[Note: non-finite gradients] (wrap(nonfinite=...)). Where the gradients go to host memory,
+each batch gets its squared norms taken on the device, on the copy-out stream behind the
+copies, and sent to host memory with them (`unit.checks`: views of a buffer per unit
+allocated at wrap(), whose reuse waits for its reader as a landing buffer's does). They are
+read where the unit is handed on, which already waits for that copy, so the check costs one
+reduction per batch and no host sync. A value that is not finite is confirmed on the
+gradient itself (a finite gradient's square can overflow), and then:
 - updates held for the end of the window (clipping, accumulation): the window is marked
   and at its end every unit's gradients are dropped (GradWindow.SKIPPED), nothing updated;
   with clipping the global norm at step() is the check, and nothing else runs;
 - updates queued as units land: that unit and every unit handed on after it in the pass
   are SKIPPED; those queued before it stand.
+Where the gradients stay on the device (optimizer_mode="gpu", neither clipping nor
+accumulation), the device decides, in stream order, and no host read comes before an update
+(nonfinite.py): a unit is handed on as soon as its gradients are there, and on the update
+stream, right before its AdamW kernels, ops.mark_nonfinite_ reads its gradients (values, not
+squares) and sets the window's device flag, which those kernels and every later one of the
+window read and then write nothing. So the same units are skipped as above, and the kernels
+overlap backward (a host read of each unit's check would hold every update until backward's
+GPU work had reached it, and the gradients would pile up against max_inflight_bytes). The
+host learns which were skipped from each unit's marks once its update has run, oldest first
+(settle_device_checks): where it sees that it has (each report point), before the unit's
+next update (whose step count depends on it), and waiting, at synchronize() (state_dict())
+and when optimizer.skipped_steps or memory_report() is read. A skipped update's step counts
+are then taken back; a skip within the window marks its unit SKIPPED; each window is
+reported once all of its updates are settled, with the step it belongs to.
 A SKIPPED unit's landing buffers and sums are rewritten by the next window's first pass,
 as after zero_grad(); its weights, moments and step count are untouched. "raise" raises
 FloatingPointError at the first one instead (the pass is then dropped, as any pass that
-raises); "ignore" checks nothing.
+raises); with the check on the device it raises at the end of backward, having waited for
+the pass's updates (the unit found and those after it were skipped on the device). "ignore"
+checks nothing.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ def moment_copies(engine) -> dict | None:
 
 
 def build_report(engine) -> dict:
+    engine.report_skipped()  # a skip the device decided is in the events once its update has run: wait for it
     blocks = engine.block_units
     quant = quantization(engine)
     peaks = {"steps": engine.steps_taken, "max_allocated_bytes": None}
