@@ -265,7 +265,24 @@ def three_ranks(two_ranks, tmp_path_factory):
 
 
 def _three_runs(rank, world, checkpoint):
-    return {"resume": _resume(rank, world, checkpoint), "paged": _paged_with_a_nan(rank, world, 3, 2, 1)}
+    return {
+        "resume": _resume(rank, world, checkpoint),
+        "paged": _paged_with_a_nan(rank, world, 3, 2, 1),
+        "quantized": _frozen_quantized_base(rank, world),
+    }
+
+
+def _frozen_quantized_base(rank, world):
+    """The blocks' matmul weights frozen and stored as int8, the rest trained (as LoRA over
+    a quantized base trains its adapters)."""
+    model = _model()
+    for name, p in model.named_parameters():
+        if name.startswith("layers.") and name.endswith(("qkv.weight", "proj.weight", "fc.weight", "out.weight")):
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, foreach=False)
+    model, opt = trainstream.wrap(model, opt, device="cpu", threads=1, profile=False, offload=True, quantize="int8")
+    _train(model, opt, rank, world, 2)
+    return {"state": _host_state(model), "report": trainstream.memory_report(model)}
 
 
 def test_every_rank_holds_the_same_weights(two_ranks):
@@ -356,6 +373,13 @@ def test_paging_bf16_moments_and_a_nan_on_one_rank(three_ranks):
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory):
     return _ok(_spawn(2, tmp_path_factory.mktemp("dpfail"), _failures, timeout_s=5))
+
+
+def test_a_frozen_quantized_base_trains_alike_on_every_rank(three_ranks):
+    results = [r["quantized"] for r in three_ranks]
+    assert results[0]["report"]["plan"]["quantized"]["tensors"] == 16
+    _same_bits(results[0]["state"], results[1]["state"])
+    _same_bits(results[0]["state"], results[2]["state"])
 
 
 def test_models_that_differ_are_refused_on_every_rank(failures):

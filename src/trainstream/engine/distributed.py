@@ -28,6 +28,7 @@ import hashlib
 import math
 import queue
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -219,13 +220,17 @@ class DataParallel:
         self._next = 0  # position in self.order of the next unit to reduce
         self._inflight: deque = deque()
         self._done: list = []  # finished reductions not yet returned (by ready() or drain())
-        self.bytes_reduced = 0  # bytes this rank sent into reductions and gathers, in total
-        self.bytes_gathered = 0
+        self.bytes_reduced = 0  # bytes this rank sent into the reductions, in total
         self.windows = 0  # windows reduced
-        self._gathers: queue.Queue = queue.Queue()
-        self._gather_error: BaseException | None = None
-        self._gather_thread = threading.Thread(target=self._gather_loop, name="trainstream-allgather", daemon=True)
-        self._gather_thread.start()
+        self._gatherer = _Gatherer(self.gather_group)
+        # The thread holds the gatherer only, never this object: a model dropped without
+        # unwrap() lets it go, and the thread ends with it.
+        threading.Thread(target=self._gatherer.run, name="trainstream-allgather", daemon=True).start()
+        weakref.finalize(self, self._gatherer.stop)
+
+    @property
+    def bytes_gathered(self) -> int:
+        return self._gatherer.bytes_sent
 
     # -- shards --------------------------------------------------------------------------
 
@@ -325,40 +330,8 @@ class DataParallel:
         Returns at once."""
         handle = GatherHandle()
         self.shards[unit].readers = list(jobs)
-        self._gathers.put((self.shards[unit], list(jobs), dtypes, handle))
+        self._gatherer.queue.put((self.shards[unit], list(jobs), dtypes, handle))
         return handle
-
-    def _gather_loop(self) -> None:
-        while True:
-            item = self._gathers.get()
-            if item is None:
-                return
-            shards, jobs, dtypes, handle = item
-            if self._gather_error is not None:  # no further collectives once one failed
-                handle.finish(self._gather_error)
-                continue
-            try:
-                for job in jobs:
-                    job.wait()
-                for dtype in sorted({d for ds in dtypes.values() for d in ds}, key=str):
-                    self._gather_dtype(shards, dtype, dtypes)
-                handle.finish()
-            except BaseException as e:  # surfaced where the weights are waited for
-                self._gather_error = e
-                handle.finish(e)
-            item = shards = jobs = handle = None
-
-    def _gather_dtype(self, shards: UnitShards, dtype, dtypes: dict) -> None:
-        send = torch.zeros(shards.segment, dtype=dtype)
-        for sh in shards.slots:
-            if dtype in dtypes.get(sh.slot, ()):
-                send[sh.offset : sh.offset + (sh.hi - sh.lo)].copy_(sh.slot.host[dtype].view(-1)[sh.lo : sh.hi])
-        recv = torch.empty(self.world * shards.segment, dtype=dtype)
-        _all_gather(recv, send, group=self.gather_group)
-        self.bytes_gathered += send.numel() * send.element_size()
-        for sh in shards.slots:
-            if dtype in dtypes.get(sh.slot, ()):
-                shards.unpack(recv, sh, sh.slot.host[dtype])
 
     # -- whole tensors (state dicts) ----------------------------------------------------------
 
@@ -374,7 +347,7 @@ class DataParallel:
 
     def stop(self) -> None:
         """No more gathers: the thread ends once those queued are done."""
-        self._gathers.put(None)
+        self._gatherer.stop()
 
     def describe(self) -> str:
         moments = sum(sh.hi - sh.lo for us in self.shards.values() for sh in us.slots)
@@ -384,6 +357,54 @@ class DataParallel:
             f"elements (its shard of every parameter); gradients reduce-scattered and new weights all-gathered "
             f"over gloo, unit by unit"
         )
+
+
+class _Gatherer:
+    """The gather thread's side: all-gathers, one unit at a time in the order queued, each
+    once that unit's update jobs are done."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.bytes_sent = 0
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+    def run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            shards, jobs, dtypes, handle = item
+            item = None
+            if self.error is not None:  # no further collectives once one failed
+                handle.finish(self.error)
+                continue
+            try:
+                for job in jobs:
+                    job.wait()
+                for dtype in sorted({d for ds in dtypes.values() for d in ds}, key=str):
+                    self._gather(shards, dtype, dtypes)
+                handle.finish()
+            except BaseException as e:  # surfaced where the weights are waited for
+                self.error = e
+                handle.finish(e)
+            shards = jobs = dtypes = handle = None  # nothing of the model held while idle
+
+    def _gather(self, shards: UnitShards, dtype, dtypes: dict) -> None:
+        send = torch.zeros(shards.segment, dtype=dtype)
+        for sh in shards.slots:
+            if dtype in dtypes.get(sh.slot, ()):
+                send[sh.offset : sh.offset + (sh.hi - sh.lo)].copy_(sh.slot.host[dtype].view(-1)[sh.lo : sh.hi])
+        recv = torch.empty(self.world * shards.segment, dtype=dtype)
+        _all_gather(recv, send, group=self.group)
+        self.bytes_sent += send.numel() * send.element_size()
+        for sh in shards.slots:
+            if dtype in dtypes.get(sh.slot, ()):
+                shards.unpack(recv, sh, sh.slot.host[dtype])
 
 
 def check_same_model(group, units, rank: int, world: int) -> None:
