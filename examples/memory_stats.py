@@ -55,6 +55,8 @@ def cap_vram(device: torch.device, cap_gib: float | None) -> None:
     and the planner reads the cap as the usable VRAM (None: no cap)."""
     if cap_gib is None:
         return
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"cap_vram: device must be a CUDA device with an index, got {device}")
     total = torch.cuda.get_device_properties(device).total_memory
     if cap_gib * GiB > total:
         raise SystemExit(f"--vram-gb {cap_gib} is more than this GPU's {total / GiB:.1f} GiB")
@@ -90,7 +92,13 @@ def pick_device(parser: argparse.ArgumentParser, requested: str | None, smoke: b
         requested = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU (use --device cpu or --smoke)")
-    return torch.device(requested)
+    return cuda_device() if requested == "cuda" else torch.device(requested)
+
+
+def cuda_device() -> torch.device:
+    """The current CUDA device with its index: torch.cuda.set_per_process_memory_fraction
+    refuses a device without one."""
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def spans(indices: list[int]) -> str:

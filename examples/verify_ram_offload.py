@@ -57,7 +57,7 @@ def parse_args(argv=None):
         p.error(f"--heads {args.heads} must divide --d-model {args.d_model}")
     if not args.smoke and not torch.cuda.is_available():
         p.error("the VRAM check needs a CUDA GPU; --smoke runs the host-side checks on the CPU")
-    args.device = torch.device("cpu" if args.smoke else "cuda")
+    args.device = torch.device("cpu") if args.smoke else ms.cuda_device()
     return args
 
 
