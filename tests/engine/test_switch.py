@@ -120,7 +120,7 @@ def _steps(model, opt, batch, loss_fn, steps, device: str = "cpu") -> list:
     return losses
 
 
-def _resume_after_the_switch(device: str) -> None:
+def _resume_after_the_switch(device: str, model_first: bool = True) -> None:
     """torch.save(opt.state_dict()) after offload="auto" switched, then a new wrap() and
     load_state_dict(): the run switches as it loads (it would measure two steps of its own on
     the engine first, and the host AdamW rounds otherwise than the fused one), and continues
@@ -137,8 +137,11 @@ def _resume_after_the_switch(device: str) -> None:
     resumed, resumed_opt, *_ = _auto_mlp(1, device)  # other initial weights: the saved ones are loaded
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    resumed.load_state_dict(saved["model"])
+    if model_first:
+        resumed.load_state_dict(saved["model"])
     resumed_opt.load_state_dict(saved["optim"])
+    if not model_first:  # the switch unwrapped the model: its state loads into the plain model
+        resumed.load_state_dict(saved["model"])
     report = trainstream.memory_report(resumed)
     assert report["mode"] == "stock" and "switching now, before the first step" in report["events"]
     assert _steps(resumed, resumed_opt, batch, loss_fn, range(3, 6), device) == whole
@@ -148,8 +151,9 @@ def _resume_after_the_switch(device: str) -> None:
     torch.optim.AdamW(resumed.parameters()).load_state_dict(resumed_opt.state_dict())
 
 
-def test_a_plain_loop_resumed_after_the_switch_continues_in_stock_mode():
-    _resume_after_the_switch("cpu")
+@pytest.mark.parametrize("model_first", [True, False], ids=["model_first", "optimizer_first"])
+def test_a_plain_loop_resumed_after_the_switch_continues_in_stock_mode(model_first):
+    _resume_after_the_switch("cpu", model_first)
 
 
 @pytest.mark.gpu
