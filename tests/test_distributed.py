@@ -209,6 +209,15 @@ def _failures(rank, world):
     except ValueError as e:
         out["differ"] = str(e)
     model = _model()
+    try:
+        trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, optimizer_mode="gpu")
+        out["gpu mode"] = None
+    except ValueError as e:
+        out["gpu mode"] = str(e)
+    model, _ = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False)  # offload="auto"
+    out["auto"] = trainstream.memory_report(model)["events"]
+    trainstream.unwrap(model)  # a collective: the optimizer gathers its moments back
+    model = _model()
     model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
     if rank == 1:
         out["raised"] = "rank 1 fails before its first backward"
@@ -385,6 +394,12 @@ def test_a_frozen_quantized_base_trains_alike_on_every_rank(three_ranks):
 def test_models_that_differ_are_refused_on_every_rank(failures):
     for res in failures:
         assert res["differ"] is not None and "same model on every rank" in res["differ"]
+
+
+def test_options_not_built_with_distributed_say_so(failures):
+    for res in failures:
+        assert "optimizer_mode='gpu' is not supported with distributed yet" in res["gpu mode"]
+        assert "offload='auto' keeps the engine" in res["auto"]
 
 
 def test_a_rank_that_raises_stops_the_others_with_an_error(failures):
