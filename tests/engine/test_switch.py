@@ -120,7 +120,7 @@ def _steps(model, opt, batch, loss_fn, steps, device: str = "cpu") -> list:
     return losses
 
 
-def _resume_after_the_switch(device: str, model_first: bool = True) -> None:
+def _resume_after_the_switch(device: str, model_first: bool = True, **resumed_options) -> None:
     """torch.save(opt.state_dict()) after offload="auto" switched, then a new wrap() and
     load_state_dict(): the run switches as it loads (it would measure two steps of its own on
     the engine first, and the host AdamW rounds otherwise than the fused one), and continues
@@ -134,7 +134,7 @@ def _resume_after_the_switch(device: str, model_first: bool = True) -> None:
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buffer)
     whole = _steps(model, opt, batch, loss_fn, range(3, 6), device)
 
-    resumed, resumed_opt, *_ = _auto_mlp(1, device)  # other initial weights: the saved ones are loaded
+    resumed, resumed_opt, *_ = _auto_mlp(1, device, **resumed_options)  # other initial weights: the saved ones load
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     if model_first:
@@ -154,6 +154,12 @@ def _resume_after_the_switch(device: str, model_first: bool = True) -> None:
 @pytest.mark.parametrize("model_first", [True, False], ids=["model_first", "optimizer_first"])
 def test_a_plain_loop_resumed_after_the_switch_continues_in_stock_mode(model_first):
     _resume_after_the_switch("cpu", model_first)
+
+
+def test_a_resume_after_the_switch_into_optimizer_mode_gpu_continues_in_stock_mode():
+    """A run whose moments live in the device update's regions (optimizer_mode="gpu") switches
+    as it loads too, and continues as the uninterrupted run."""
+    _resume_after_the_switch("cpu", optimizer_mode="gpu")
 
 
 @pytest.mark.gpu
