@@ -199,7 +199,8 @@ def _resume(rank, world, checkpoint):
 
 
 def _failures(rank, world):
-    """Models that differ (refused on every rank), then a rank that raises after wrap()."""
+    """Models and options that differ (refused on every rank), nonfinite="raise", options
+    not built with data parallel, then a rank that raises after wrap()."""
     out = {}
     torch.manual_seed(0)
     model, _, _ = tiny_gpt(dim=64 if rank == 0 else 32)
@@ -208,6 +209,25 @@ def _failures(rank, world):
         out["differ"] = None
     except ValueError as e:
         out["differ"] = str(e)
+    model = _model()
+    try:
+        clip = 1.0 if rank == 0 else None
+        trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, max_grad_norm=clip)
+        out["options differ"] = None
+    except ValueError as e:
+        out["options differ"] = str(e)
+    model = _model()
+    model, opt = trainstream.wrap(
+        model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, nonfinite="raise"
+    )
+    try:
+        _train(model, opt, rank, world, 1, poison=0 if rank == 1 else None)
+        out["nonfinite raised"] = None
+    except FloatingPointError as e:
+        out["nonfinite raised"] = str(e)
+    before = _host_state(model)
+    _train(model, opt, rank, world, 1)  # the next window goes on, every rank in step
+    out["after the raise"] = (before, _host_state(model))
     model = _model()
     try:
         trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, optimizer_mode="gpu")
@@ -394,6 +414,21 @@ def test_a_frozen_quantized_base_trains_alike_on_every_rank(three_ranks):
 def test_models_that_differ_are_refused_on_every_rank(failures):
     for res in failures:
         assert res["differ"] is not None and "same model on every rank" in res["differ"]
+
+
+def test_options_that_differ_are_refused_on_every_rank(failures):
+    for res in failures:
+        assert res["options differ"] is not None and "same options on every rank" in res["options differ"]
+
+
+def test_nonfinite_raise_raises_on_every_rank_and_the_run_goes_on(failures):
+    for res in failures:
+        assert res["nonfinite raised"] is not None and "not finite on some rank" in res["nonfinite raised"]
+    (before0, after0), (before1, after1) = (res["after the raise"] for res in failures)
+    _same_bits(before0, before1)
+    _same_bits(before0, _host_state(_model()))  # the raised window changed nothing
+    _same_bits(after0, after1)
+    assert _max_diff(after0, before0) > 0
 
 
 def test_options_not_built_with_distributed_say_so(failures):

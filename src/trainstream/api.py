@@ -154,7 +154,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     # Frozen parameters in the optimizer are skipped, as torch skips them (SPEC.md).
     trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
     layout = lay_out_model(model, stack, trainable, device)
-    ranks = RankGroups(group, layout.block_units + layout.outside_units) if group is not None else None
+    ranks = None
+    if group is not None:
+        # The options that decide which collectives each window issues: ranks that differ would deadlock.
+        settings = tuple((k, getattr(opts, k)) for k in ("accumulation_steps", "max_grad_norm", "nonfinite"))
+        ranks = RankGroups(group, layout.block_units + layout.outside_units, settings)
     profile = _profile_for(opts, device)
     if ranks is not None:  # one plan on every rank: made from rank 0's measurements
         profile = ranks.from_rank_zero(profile)

@@ -183,14 +183,25 @@ class RankGroups:
     gradients land, whatever backend the default group has. Made only once every rank is
     known to wrap the same model (check_same_model)."""
 
-    def __init__(self, group, units: list):
+    def __init__(self, group, units: list, settings: tuple = ()):
+        """`settings`: the options that decide which collectives a window issues, which
+        every rank must share as it shares the model."""
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = _timeout_of(group)
         ranks = dist.get_process_group_ranks(group)
         self.reduce = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
         self.gather = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
-        check_same_model(self.reduce, units, self.rank, self.world)
+        try:
+            check_same_model(self.reduce, units, self.rank, self.world, settings)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def destroy(self) -> None:
+        """Give the groups back (a refused wrap())."""
+        for group in (self.reduce, self.gather):
+            dist.destroy_process_group(group)
 
     def from_rank_zero(self, obj):
         """Rank 0's `obj` on every rank (pickled): what each rank decides from must agree."""
@@ -407,20 +418,32 @@ class _Gatherer:
                 shards.unpack(recv, sh, sh.slot.host[dtype])
 
 
-def check_same_model(group, units, rank: int, world: int) -> None:
-    """Every rank wraps the same model: a digest of each parameter's name, shape, dtype and
-    trainability, compared across ranks (a ValueError on every rank if they differ)."""
+def check_same_model(group, units, rank: int, world: int, settings: tuple = ()) -> None:
+    """Every rank wraps the same model with the same `settings`: a digest of each parameter's
+    name, shape, dtype and trainability, and one of the settings, compared across ranks (a
+    ValueError on every rank if they differ)."""
     rows = _model_signature(units)
     digest = hashlib.sha256(repr(rows).encode()).digest()
+    options = hashlib.sha256(repr(settings).encode()).digest()
     mine = torch.tensor(
-        [len(rows), sum(math.prod(r[1]) for r in rows), int.from_bytes(digest[:8], "little", signed=True)],
+        [
+            len(rows),
+            sum(math.prod(r[1]) for r in rows),
+            int.from_bytes(digest[:8], "little", signed=True),
+            int.from_bytes(options[:8], "little", signed=True),
+        ],
         dtype=torch.int64,
     )
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    if any(not torch.equal(t, every[0]) for t in every):
+    if any(not torch.equal(t[:3], every[0][:3]) for t in every):
         seen = ", ".join(f"rank {r}: {int(t[0])} parameters, {int(t[1])} elements" for r, t in enumerate(every))
         raise ValueError(
             "wrap(): data parallel needs the same model on every rank, but the parameters differ "
             f"(names, shapes, dtypes or which train): {seen}; this is rank {rank}"
+        )
+    if any(t[3] != every[0][3] for t in every):
+        raise ValueError(
+            f"wrap(): data parallel needs the same options on every rank, but they differ; this is rank {rank} "
+            f"with {dict(settings)}"
         )
