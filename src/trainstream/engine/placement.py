@@ -211,11 +211,18 @@ def host_bytes(opts, units, moment_bytes: int, device_grads: bool = False) -> di
     acc = 4 if opts.accumulation_steps > 1 else 0
     landing = 0 if device_grads else sum(s.param.numel() * s.dtype.itemsize for s in trainable)
     # Data parallel: this rank keeps the moments of its shard only (distributed.py), with the
-    # reduced gradients' shard beside them; its masters and landing buffers stay whole.
+    # reduced gradients' shard beside them and the fp32 buckets of the reductions in flight
+    # (each the size of the largest unit's gradients); its masters and landing buffers stay whole.
     shards = world_size(opts.distributed)
+    reducing = 0
+    if shards > 1:
+        from .distributed import INFLIGHT_BUCKETS
+
+        largest = max((sum(s.param.numel() for s in u.trainable) for u in units), default=0)
+        reducing = 4 * -(-n_train // shards) + INFLIGHT_BUCKETS * 4 * (largest + shards * len(trainable))
     return {
         "fp32 master weights": 4 * n_train,
-        "gradient buffers": landing + acc * n_train + (4 * -(-n_train // shards) if shards > 1 else 0),
+        "gradient buffers": landing + acc * n_train + reducing,
         "moments": 2 * moment_bytes * -(-n_train // shards),
         "paged frozen weights": sum(s.nbytes for u in units if u.paged for s in u.slots if not s.trainable),
         "lower-precision copies": sum(
