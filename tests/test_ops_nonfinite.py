@@ -45,7 +45,11 @@ def _cases(dtype):
         t = torch.randn(n).to(dtype)
         t[(i * 7919) % n] = _in(dtype, value)
         out.append(t)
-    return out
+    odd = torch.zeros(64, dtype=dtype)
+    odd[33] = float("nan")  # the high half of a 32-bit word, for the 16-bit dtypes
+    unaligned = torch.zeros(1001, dtype=dtype)[1:]  # not 16-byte aligned: the element-wise path
+    unaligned[998] = float("inf")
+    return out + [odd, unaligned]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,6 +142,13 @@ def test_bad_arguments_name_the_argument(call, message):
 # -- on a GPU --------------------------------------------------------------------------------
 
 
+def _on_cuda(t):
+    """`t` on the GPU at the same offset into its storage (a misaligned view stays misaligned)."""
+    view = torch.empty(t.storage_offset() + t.numel(), dtype=t.dtype, device="cuda")[t.storage_offset() :]
+    view.copy_(t)
+    return view
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("found_on", ["device", "pinned"])
@@ -150,14 +161,14 @@ def test_gpu_kernel_agrees_with_its_twin(dtype, found_on, max_blocks):
     if found_on == "pinned":
         found = found.pin_memory()
     flag = torch.zeros((), dtype=torch.int32, device="cuda")
-    ops.mark_nonfinite_([t.cuda() for t in cases], found, flag, max_blocks=max_blocks)
+    ops.mark_nonfinite_([_on_cuda(t) for t in cases], found, flag, max_blocks=max_blocks)
     torch.cuda.synchronize()
     twin_found = torch.zeros(len(cases), dtype=torch.int32)
     twin_flag = torch.zeros((), dtype=torch.int32)
     reference.mark_nonfinite_(cases, twin_found, twin_flag)
     assert found.cpu().tolist() == twin_found.tolist()
     assert int(flag) == int(twin_flag) == 1
-    assert twin_found.tolist() == [0] + [int(counts) for _, counts in SPECIALS]
+    assert twin_found.tolist() == [0] + [int(counts) for _, counts in SPECIALS] + [1, 1]
 
 
 @pytest.mark.gpu

@@ -72,12 +72,26 @@ __device__ __forceinline__ bool nonfinite_bits(uint32_t bits) { return (bits & 0
 __device__ __forceinline__ bool nonfinite_bits(uint16_t bits) { return (bits & 0x7f80u) == 0x7f80u; }  // bf16
 __device__ __forceinline__ bool nonfinite_bits(Half h) { return (h.bits & 0x7c00u) == 0x7c00u; }
 
+// The same test on a 32-bit word of U elements (one fp32, or two 16-bit values: the high
+// one's exponent sits 16 bits up).
+template <typename U> __device__ __forceinline__ bool nonfinite_word(uint32_t w);
+template <> __device__ __forceinline__ bool nonfinite_word<uint32_t>(uint32_t w) { return nonfinite_bits(w); }
+template <> __device__ __forceinline__ bool nonfinite_word<uint16_t>(uint32_t w) {
+  return ((w & 0x7f80u) == 0x7f80u) | ((w & 0x7f800000u) == 0x7f800000u);
+}
+template <> __device__ __forceinline__ bool nonfinite_word<Half>(uint32_t w) {
+  return ((w & 0x7c00u) == 0x7c00u) | ((w & 0x7c000000u) == 0x7c000000u);
+}
+
 // One chunk of one tensor per block and pass; a block that sees a non-finite value marks
 // its tensor and the flag. Every writer writes 1, so the racing stores agree; the gradient
-// is only read.
+// is only read. 16-byte loads where the tensor is aligned (a chunk starts a multiple of
+// kSqNormChunk elements in, so its start is too), then the elements past the last whole
+// vector one by one.
 template <typename U>
 __global__ void __launch_bounds__(256) mark_nonfinite(const SqNormTensor* tensors, int n, int64_t num_chunks,
                                                      int32_t* found, int32_t* flag) {
+  constexpr int64_t kPerVector = 16 / sizeof(U);
   for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {  // uniform per block
     const int ti = find_tensor(tensors, n, chunk);
     const SqNormTensor t = tensors[ti];
@@ -85,7 +99,18 @@ __global__ void __launch_bounds__(256) mark_nonfinite(const SqNormTensor* tensor
     const int64_t begin = (chunk - t.first_chunk) * kSqNormChunk;
     const int64_t end = min(t.numel, begin + kSqNormChunk);
     int bad = 0;
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) bad |= nonfinite_bits(x[i]);
+    int64_t rest = begin;
+    if (t.data % 16 == 0) {
+      const int64_t vectors = (end - begin) / kPerVector;
+      const uint4* v = reinterpret_cast<const uint4*>(x + begin);
+#pragma unroll 4
+      for (int64_t k = threadIdx.x; k < vectors; k += blockDim.x) {
+        const uint4 q = v[k];
+        bad |= nonfinite_word<U>(q.x) | nonfinite_word<U>(q.y) | nonfinite_word<U>(q.z) | nonfinite_word<U>(q.w);
+      }
+      rest = begin + vectors * kPerVector;
+    }
+    for (int64_t i = rest + threadIdx.x; i < end; i += blockDim.x) bad |= nonfinite_bits(x[i]);
     if (__syncthreads_or(bad) && threadIdx.x == 0) {
       found[ti] = 1;
       *flag = 1;
