@@ -572,10 +572,15 @@ def test_gpu_raise_names_the_parameter(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("base", [RESIDENT, PAGED], ids=["resident", "paged"])
 @pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
-def test_gpu_mode_a_nan_skips_its_block_and_every_later_one_bit_for_bit(base, moment_dtype):
+@pytest.mark.parametrize("copied", [True, False], ids=["copied", "mapped"])
+def test_gpu_mode_a_nan_skips_its_block_and_every_later_one_bit_for_bit(base, moment_dtype, copied, monkeypatch):
     """optimizer_mode="gpu", the check on the device: after a NaN in block BAD's gradient,
-    it and the blocks after it in backward keep their weights, moments and step counts bit
-    for bit; the blocks before it were updated; the next steps train every block."""
+    it and the blocks after it in backward keep their weights, moments (copied through VRAM
+    and home, or mapped) and step counts bit for bit; the blocks before it were updated; the
+    next steps train every block."""
+    from trainstream.engine.moments import MomentStager
+
+    monkeypatch.setattr(MomentStager, "room", lambda self: None if copied else 0)  # None: no limit
     model, opt, batch, loss_fn = _wrapped(device="cuda", base=base, moment_dtype=moment_dtype, **GPU_MODE)
     loss_fn(model, batch(0, "cuda")).backward()
     opt.step()
@@ -601,6 +606,8 @@ def test_gpu_mode_a_nan_skips_its_block_and_every_later_one_bit_for_bit(base, mo
     assert all(not torch.equal(final[k], after[k]) and torch.isfinite(final[k]).all() for k in final)
     assert _steps(opt) == {i: (3 if i > BAD else 2) for i in range(LAYERS)}
     assert opt.skipped_steps == 1
+    stager = model._trainstream_engine.moments
+    assert (stager.copies > 0, stager.mapped > 0) == (copied, not copied)
 
 
 @pytest.mark.gpu
