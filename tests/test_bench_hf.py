@@ -156,3 +156,34 @@ def test_gpu_the_quick_suite_runs_every_case():
     for row in rows[1:3] + rows[4:]:
         assert row["first_loss_diff"] <= 1e-2 * rows[0 if row["kind"] == "full" else 3]["first_loss"]
     assert "| TrainStreamTrainer under a 24 GiB cap |" in result["markdown"]
+
+
+def test_the_cases_run_one_process_each_and_quick_ones_in_one(monkeypatch):
+    calls = []
+
+    def fake_subprocess(module, batch):
+        calls.append((module, [c["label"] for c in batch]))
+        if any(c["cap_gib"] for c in batch) and len(batch) == 1 and batch[0]["kind"] == "full":
+            return None, "Traceback ... RuntimeError: the process failed"
+        return [dict(s_per_step=1.0, first_loss=5.0, losses=[5.0], steps_seen=c["steps"]) for c in batch], None
+
+    monkeypatch.setattr(hf, "case_in_subprocess", fake_subprocess)
+    rows = hf.run(quick=False)["rows"]
+    assert [labels for _, labels in calls] == [[c["label"]] for c in hf.cases(quick=False)]
+    assert all(module == "trainstream.bench.hf" for module, _ in calls)
+    failed = [r for r in rows if "error" in r]
+    assert [r["run"] for r in failed] == ["stock Trainer under a 24 GiB cap", "TrainStreamTrainer under a 24 GiB cap"]
+    assert all(r["steps_seen"] == r["steps"] == 10 for r in rows if r["kind"] == "full" and "error" not in r)
+    calls.clear()
+    rows = hf.run(quick=True)["rows"]
+    assert len(calls) == 1 and calls[0][1] == [c["label"] for c in hf.cases(quick=True)]
+    assert len(rows) == 6 and not any("error" in r for r in rows)
+
+
+def test_the_case_runner_takes_one_case_or_a_list(monkeypatch):
+    import json
+
+    monkeypatch.setattr(hf, "CASES", {"full": lambda case: {"steps": case["steps"]}})
+    one = toy_case("full", "stock")
+    assert json.loads(hf.main(json.dumps(one))) == {"steps": 3}
+    assert json.loads(hf.main(json.dumps([one, dict(one, steps=4)]))) == [{"steps": 3}, {"steps": 4}]

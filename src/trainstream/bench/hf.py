@@ -16,13 +16,14 @@
   first losses agree. A plain loop, the same batch every step, 5 timed steps after 2 warm-up.
 
 Every case runs in its own process (``python -m trainstream.bench.hf CASE``): a VRAM cap and an
-out-of-memory failure stay in it, and its peak host RSS is its own. ``run_case`` takes a
-``device`` and a ``config`` (Qwen2Config fields), so the tests run each case at toy size on the
-CPU. Peak VRAM: ``torch.cuda.max_memory_allocated()`` over the whole run of the case.
+out-of-memory failure stay in it, and its peak host RSS is its own (``--quick``: the tiny cases
+one after another in one process). ``run_case`` takes a ``device`` and a ``config`` (Qwen2Config
+fields), so the tests run each case at toy size on the CPU. Peak VRAM: ``torch.cuda.max_memory_allocated()`` over the whole run of the case.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import statistics
@@ -333,8 +334,14 @@ def run_case(case: dict) -> dict:
     timed = case["steps"] - case["warmup"] if case["kind"] == "full" else case["steps"]
     if case["warmup"] < 1 or timed < 1:
         raise ValueError(f"hf bench: warmup={case['warmup']} leaves no timed step of steps={case['steps']}")
-    if case.get("cap_gib"):
-        cap_vram(case["cap_gib"])
+    if case["device"].startswith("cuda"):
+        # A case's cap, or none: the cases of --quick run one after another in one process.
+        gc.collect()
+        torch.cuda.empty_cache()
+        if case.get("cap_gib"):
+            cap_vram(case["cap_gib"])
+        else:
+            torch.cuda.set_per_process_memory_fraction(1.0)
     try:
         return CASES[case["kind"]](case)
     except torch.OutOfMemoryError as e:
@@ -388,15 +395,25 @@ def compare(rows: list[dict]) -> None:
             r["max_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"], peer["losses"]))
 
 
+def _measured(batch: list[dict]) -> list[dict]:
+    """Each case's result from one process running `batch`, or the error of that process."""
+    results, error = case_in_subprocess("trainstream.bench.hf", batch)
+    return results if error is None else [{"error": error[-300:]}] * len(batch)
+
+
 def run(*, quick: bool = False) -> dict:
+    """Every case, each in its own process; with `quick`, all in one process after another
+    (a second import of transformers, peft and bitsandbytes would cost more than the tiny
+    cases themselves; their host RSS is then the process's peak so far)."""
+    todo = cases(quick)
+    batches = [todo] if quick else [[case] for case in todo]
     rows = []
-    for case in cases(quick):
-        print(f"  {case['kind']}: {case['label']} ...", flush=True)
-        result, error = case_in_subprocess("trainstream.bench.hf", case)
-        row = {**{k: case[k] for k in CASE_FIELDS}, "run": case["label"], "cap_GiB": case["cap_gib"]}
-        row.update(result if error is None else {"error": error[-300:]})
-        rows.append(row)
-        print(f"    {json.dumps(row)}", flush=True)
+    for batch in batches:
+        print("  " + "; ".join(f"{case['kind']}: {case['label']}" for case in batch) + " ...", flush=True)
+        for case, result in zip(batch, _measured(batch)):
+            row = {**{k: case[k] for k in CASE_FIELDS}, "run": case["label"], "cap_GiB": case["cap_gib"], **result}
+            rows.append(row)
+            print(f"    {json.dumps(row)}", flush=True)
     compare(rows)
     return {"rows": rows, "markdown": markdown(rows)}
 
@@ -460,5 +477,12 @@ def markdown(rows: list[dict]) -> str:
     return "\n\n".join(text)
 
 
+def main(argument: str) -> str:
+    """`python -m trainstream.bench.hf CASES`: one case (a JSON object) or several (a list),
+    run in this process; their results as the last line of output, in the same shape."""
+    given = json.loads(argument)
+    return json.dumps([run_case(c) for c in given] if isinstance(given, list) else run_case(given))
+
+
 if __name__ == "__main__":
-    print(json.dumps(run_case(json.loads(sys.argv[1]))), flush=True)
+    print(main(sys.argv[1]), flush=True)
