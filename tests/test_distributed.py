@@ -9,6 +9,7 @@ near-zero gradients, so the engine must be within three times DDP's distance."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import os
 
@@ -500,3 +501,17 @@ def _on_the_gpu(rank, world):
         opt.step()
         opt.zero_grad()
     return {"state": _host_state(model)}
+
+
+def test_the_ranks_of_a_machine_share_its_pinnable_memory(monkeypatch):
+    from trainstream.engine.placement import pinned_share
+    from trainstream.planner import conservative_profile
+
+    profile = conservative_profile(torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert pinned_share(profile) == profile.pinned_limit_bytes // 4
+    # RLIMIT_MEMLOCK binds each process on its own.
+    limited = dataclasses.replace(
+        profile, pinned_bound_by="RLIMIT_MEMLOCK (ulimit -l): a pinned allocation above it failed"
+    )
+    assert pinned_share(limited) == profile.pinned_limit_bytes

@@ -204,6 +204,14 @@ def ram_share(profile) -> int:
     return profile.ram_available_bytes // local_processes()
 
 
+def pinned_share(profile) -> int:
+    """This process's share of the pinnable memory: the machine's RAM (or cgroup) is shared by
+    the processes on it; RLIMIT_MEMLOCK, where it binds, is each process's own."""
+    if "RLIMIT_MEMLOCK" in profile.pinned_bound_by:
+        return profile.pinned_limit_bytes
+    return profile.pinned_limit_bytes // local_processes()
+
+
 def host_bytes(opts, units, moment_bytes: int, device_grads: bool = False) -> dict:
     """Host memory the engine needs, by class (`device_grads`: gradients stay on the device)."""
     trainable = [s for u in units for s in u.trainable]
@@ -327,6 +335,7 @@ def check_fits(
     }
     need_host, need_dev = sum(host.values()), sum(device.values())
     have_host = ram_share(profile)
+    have_pinned = pinned_share(profile)
     usable = usable_device_bytes(opts, profile, model_bytes_on_device)
     budget = {
         "host": host,
@@ -334,7 +343,7 @@ def check_fits(
         "host_available": have_host,
         "device_usable": usable,
         "pinned": pinned_bytes if backend.is_cuda else 0,
-        "pinned_limit": profile.pinned_limit_bytes,
+        "pinned_limit": have_pinned,
     }
     if not opts.check_memory:
         return budget
@@ -348,11 +357,16 @@ def check_fits(
             + (f" (this process's share of {local_processes()} on the machine)" if local_processes() > 1 else "")
         )
     pinned = pinned_bytes if backend.is_cuda else 0
-    if pinned > profile.pinned_limit_bytes:
+    if pinned > have_pinned:
         problems.append(
             f"pinned memory: needs {pinned_bytes / GiB:.2f} GiB of transfer buffers, the limit is "
-            f"{profile.pinned_limit_bytes / GiB:.2f} GiB ("
+            f"{have_pinned / GiB:.2f} GiB ("
             + (f"{profile.pinned_bound_by}; " if profile.pinned_bound_by else "")
+            + (
+                f"this process's share of {local_processes()} on the machine; "
+                if have_pinned != profile.pinned_limit_bytes
+                else ""
+            )
             + "raise RLIMIT_MEMLOCK, ulimit -l, or the cgroup's limit)"
         )
     if need_dev > usable:
@@ -365,7 +379,7 @@ def check_fits(
     if problems:
         raise DoesNotFit(
             needs={"vram": need_dev, "ram": need_host, "pinned": pinned},
-            has={"vram": usable, "ram": have_host, "pinned": profile.pinned_limit_bytes},
+            has={"vram": usable, "ram": have_host, "pinned": have_pinned},
             problems=problems,
             suggestions=[
                 "moment_dtype='bfloat16' (halves the moments)",
