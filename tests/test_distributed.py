@@ -168,7 +168,8 @@ def _two_runs(rank, world, checkpoint):
     """Eager updates (rank 0 saves a checkpoint), then accumulation with clipping."""
     eager = _wrapped_and_ddp(rank, world, STEPS, {"offload": True}, 1, None, checkpoint)
     held = _wrapped_and_ddp(rank, world, HELD_STEPS, {"offload": True}, ACCUMULATION, CLIP, None)
-    return {"eager": eager, "held": held}
+    switched = _wrapped_and_ddp(rank, world, SWITCHED_STEPS, {}, 1, None, None)  # offload="auto"
+    return {"eager": eager, "held": held, "switched": switched}
 
 
 def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
@@ -235,9 +236,10 @@ def _failures(rank, world):
         out["gpu mode"] = None
     except ValueError as e:
         out["gpu mode"] = str(e)
-    model, _ = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False)  # offload="auto"
-    out["auto"] = trainstream.memory_report(model)["events"]
+    model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
+    _train(model, opt, rank, world, 1)
     trainstream.unwrap(model)  # a collective: the optimizer gathers its moments back
+    out["moments after unwrap"] = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
     model = _model()
     model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
     if rank == 1:
@@ -254,7 +256,7 @@ def _failures(rank, world):
 # -- single-process references ----------------------------------------------------------------
 
 
-def _alone(steps, accumulation=1, clip=None, wrapped=True):
+def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True):
     model = _model()
     opt = _optimizer(model)
     if wrapped:
@@ -264,7 +266,7 @@ def _alone(steps, accumulation=1, clip=None, wrapped=True):
             device="cpu",
             threads=1,
             profile=False,
-            offload=True,
+            offload=offload,
             accumulation_steps=accumulation,
             max_grad_norm=clip,
             distributed=False,
@@ -275,6 +277,7 @@ def _alone(steps, accumulation=1, clip=None, wrapped=True):
 
 STEPS = 3
 HELD_STEPS, ACCUMULATION, CLIP = 2, 2, 0.05
+SWITCHED_STEPS = 5  # offload="auto" switches to stock training after 2 measured steps
 
 
 @pytest.fixture(scope="module")
@@ -284,13 +287,13 @@ def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp2")
     checkpoint = str(root / "ckpt.pt")
     results = _ok(_spawn(2, root, _two_runs, checkpoint))
-    return [r["eager"] for r in results], checkpoint, [r["held"] for r in results]
+    return [r["eager"] for r in results], checkpoint, [r["held"] for r in results], [r["switched"] for r in results]
 
 
 @pytest.fixture(scope="module")
 def three_ranks(two_ranks, tmp_path_factory):
     """Three ranks resume the two ranks' checkpoint, then train paged with a NaN on rank 2."""
-    _, checkpoint, _ = two_ranks
+    _, checkpoint, _, _ = two_ranks
     return _ok(_spawn(3, tmp_path_factory.mktemp("dp3"), _three_runs, checkpoint))
 
 
@@ -316,12 +319,12 @@ def _frozen_quantized_base(rank, world):
 
 
 def test_every_rank_holds_the_same_weights(two_ranks):
-    (a, b), _, _ = two_ranks
+    (a, b), _, _, _ = two_ranks
     _same_bits(a["state"], b["state"])
 
 
 def test_matches_one_process_as_closely_as_ddp(two_ranks):
-    (a, _), _, _ = two_ranks
+    (a, _), _, _, _ = two_ranks
     model, _, _ = _alone(STEPS)
     stock, _, _ = _alone(STEPS, wrapped=False)
     ours = _max_diff(a["state"], _host_state(model))
@@ -330,7 +333,7 @@ def test_matches_one_process_as_closely_as_ddp(two_ranks):
 
 
 def test_each_rank_holds_half_the_moments(two_ranks):
-    (a, b), _, _ = two_ranks
+    (a, b), _, _, _ = two_ranks
     model, _, _ = _alone(1)
     alone = trainstream.memory_report(model)["host_moment_bytes"]
     for r in (a, b):
@@ -348,7 +351,7 @@ def test_each_rank_holds_half_the_moments(two_ranks):
 
 
 def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
-    _, checkpoint, _ = two_ranks
+    _, checkpoint, _, _ = two_ranks
     saved = torch.load(checkpoint, weights_only=False)
     res = _resume(0, 1, checkpoint)  # no process group here: the engine trains alone
     _same_bits(res["loaded"]["model"], {k: v for k, v in saved["model"].items()})
@@ -358,7 +361,7 @@ def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
 
 
 def test_saved_with_two_ranks_resumes_with_three_exactly(two_ranks, three_ranks):
-    _, checkpoint, _ = two_ranks
+    _, checkpoint, _, _ = two_ranks
     saved = torch.load(checkpoint, weights_only=False)
     results = [r["resume"] for r in three_ranks]
     for res in results:
@@ -382,6 +385,22 @@ def test_accumulation_and_clipping_match_one_process_as_closely_as_ddp(two_ranks
     # The global norm is the whole batch's, not a rank's: as close to it as DDP's is.
     ours = max(abs(x - y) for x, y in zip(a["norms"], norms))
     assert ours <= 3 * max(max(abs(x - y) for x, y in zip(stock_norms, norms)), 1e-6), ours
+    ours = _max_diff(a["state"], _host_state(model))
+    ddp = _max_diff(a["ddp"], _host_state(stock))
+    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
+
+
+def test_offload_auto_switches_every_rank_to_stock_training_as_ddp(two_ranks):
+    """offload='auto' switches to the fused AdamW on every rank alike, and the gradients are
+    averaged over the ranks from then on, as DDP averages them."""
+    a, b = two_ranks[3]
+    for r in (a, b):
+        assert r["report"]["mode"] == "stock"
+        assert "averaged over the 2 ranks" in r["report"]["events"]
+    _same_bits(a["state"], b["state"])
+    model, _, _ = _alone(SWITCHED_STEPS, offload="auto")
+    assert trainstream.memory_report(model)["mode"] == "stock"
+    stock, _, _ = _alone(SWITCHED_STEPS, wrapped=False)
     ours = _max_diff(a["state"], _host_state(model))
     ddp = _max_diff(a["ddp"], _host_state(stock))
     assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
@@ -435,7 +454,14 @@ def test_nonfinite_raise_raises_on_every_rank_and_the_run_goes_on(failures):
 def test_options_not_built_with_distributed_say_so(failures):
     for res in failures:
         assert "optimizer_mode='gpu' is not supported with distributed yet" in res["gpu mode"]
-        assert "offload='auto' keeps the engine" in res["auto"]
+
+
+def test_unwrap_gives_the_optimizer_its_whole_moments_back(failures):
+    a, b = (res["moments after unwrap"] for res in failures)
+    shapes = {n: p.shape for n, p in _model().named_parameters()}
+    for name, m in a.items():
+        assert m.shape == shapes[name]
+        assert_same_bits(m, b[name])
 
 
 def test_a_rank_that_raises_stops_the_others_with_an_error(failures):

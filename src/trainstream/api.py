@@ -74,9 +74,8 @@ def _adopt_optimizer_settings(opts, optimizer) -> None:
 
 
 def _data_parallel_settings(opts) -> list:
-    """Data parallel runs the host AdamW and keeps the engine (distributed.py): options that
-    would leave either are refused, or settled for the user where the choice was theirs to
-    leave to us ("auto"). Returns the events that say so."""
+    """Data parallel runs the host AdamW (distributed.py): optimizer_mode='gpu' is refused,
+    'auto' settled for the user. Returns the events that say so."""
     if opts.optimizer_mode == "gpu":
         raise ValueError(
             "wrap(): optimizer_mode='gpu' is not supported with distributed yet (data parallel shards the host "
@@ -86,13 +85,6 @@ def _data_parallel_settings(opts) -> list:
     if opts.optimizer_mode == "auto":
         opts.values["optimizer_mode"] = "cpu"
         notes.append("data parallel: optimizer_mode='auto' runs the host AdamW (the sharded optimizer)")
-    if opts.offload == "auto":
-        # The switch to stock would have to become DDP with fused AdamW, decided alike on every
-        # rank; until it does, the engine stays.
-        opts.values["offload"] = True
-        notes.append(
-            "data parallel: offload='auto' keeps the engine (no switch to stock training with distributed yet)"
-        )
     return notes
 
 
@@ -193,6 +185,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     engine = _engine_of(model)
     if engine.mode != "stock":  # a switched run is already plain
         engine.unwrap()
+    else:
+        engine.leave_stock()
     object.__delattr__(model, _ATTR)
     return model
 

@@ -24,6 +24,7 @@ activation placement stay local: nothing in them communicates.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import math
 import queue
@@ -368,6 +369,70 @@ class DataParallel:
             f"elements (its shard of every parameter); gradients reduce-scattered and new weights all-gathered "
             f"over gloo, unit by unit"
         )
+
+
+def _stock_landed(ref, param) -> None:
+    me = ref()
+    if me is not None:
+        me.landed()
+
+
+class StockGradients:
+    """After offload='auto' switched to stock training (torch's fused AdamW on the device):
+    DDP's part. At the end of each backward pass every trainable parameter's gradient is
+    averaged over the ranks, in one fixed order, with a flag per parameter saying whether
+    some rank had one (one no rank had stays None, as torch leaves it). With accumulation in
+    the loop every pass is averaged, which gives the mean of the sums, as DDP without
+    no_sync does."""
+
+    def __init__(self, group, params: list):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.params = list(params)
+        self._queued = False
+        # Weakly held by the hooks: a hook dict lives in C++ autograd metadata, out of the
+        # cyclic GC's sight (see the engine's install()).
+        me = weakref.ref(self)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_stock_landed, me)) for p in self.params
+        ]
+
+    def landed(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+
+    def reduce(self) -> None:
+        """Average every parameter's gradient over the ranks (host tensors over gloo)."""
+        self._queued = False
+        present = torch.tensor([0.0 if p.grad is None else 1.0 for p in self.params])
+        grads = [p.grad.detach().reshape(-1).float().cpu() if p.grad is not None else None for p in self.params]
+        flat = torch.cat([g if g is not None else torch.zeros(p.numel()) for g, p in zip(grads, self.params)])
+        flat.div_(self.world)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        dist.all_reduce(present, group=self.group)
+        work.wait()
+        offset = 0
+        for p, some in zip(self.params, present.tolist()):
+            part = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if some == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(part)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def agree(group, yes: bool) -> bool:
+    """True on every rank if `yes` is true on every rank (a collective)."""
+    flag = torch.tensor([1 if yes else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag[0])
 
 
 class _Gatherer:

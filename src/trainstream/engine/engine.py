@@ -34,7 +34,7 @@ from ..sizes import MiB
 from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
-from .distributed import DataParallel
+from .distributed import DataParallel, StockGradients, agree
 from .grads import GradSettings, GradStreamer
 from .layout import Fetch
 from .measure import ActivationMeter
@@ -163,6 +163,7 @@ class Engine:
         self._applies: dict = {}  # module -> its own _apply attribute, if it had one (install)
         self._warned_groups: set = set()  # param groups warned about hyper-parameters changed after queuing
         self.dp = None  # data parallel: the DataParallel every unit's gradients and weights go through
+        self._stock_grads = None  # data parallel after the switch to stock: the gradients' averaging
         self._dp_bad = None  # data parallel: the first unit of this window found not finite
         self._dp_skipped: list = []  # data parallel: the units of this window skipped for it
         if ranks is not None:
@@ -752,7 +753,22 @@ class Engine:
         self.weights.land_updates()
         if not self.opts.guard_params:
             self.synchronize()
-        self.apply(self.adapter.after_step(explicit_paging(self.opts) or quantized(self.units)))
+        decision = self.adapter.after_step(explicit_paging(self.opts) or quantized(self.units))
+        if self.dp is not None and self.opts.offload == "auto" and self.adapter.steps == Adapter.SWITCH_AFTER:
+            decision = self._dp_agree_on_switch(decision)
+        self.apply(decision)
+
+    def _dp_agree_on_switch(self, decision):
+        """offload='auto' with data parallel: the switch to stock happens on every rank or on
+        none (a collective; placement decisions stay each rank's own: nothing in them
+        communicates)."""
+        wants = isinstance(decision, SwitchToStock)
+        if agree(self.dp.reduce_group, wants):
+            return decision
+        if wants:
+            self.events.add("offload='auto': stock training fits here but not on every rank: the engine stays")
+            return None
+        return decision
 
     def _nonfinite_window(self, first) -> None:
         """step() with clipping found the window's global norm not finite: `first` is the
@@ -795,6 +811,13 @@ class Engine:
                 self.acts.page(unit, False)
             self.optimizer.switch_to_stock(self.opts.max_grad_norm)
             self.mode = "stock"
+            if self.dp is not None:  # DDP's part from here on: gradients averaged over the ranks
+                params = [s.param for u in self.units for s in u.trainable]
+                self._stock_grads = StockGradients(self.dp.reduce_group, params)
+                self.events.add(
+                    "data parallel in stock mode: each backward's gradients are averaged over the "
+                    f"{self.dp.world} ranks before the fused AdamW steps, as DDP does"
+                )
             return
         if not isinstance(decision, Replan):
             raise TypeError(f"trainstream internal: unknown decision {decision!r}")
@@ -835,6 +858,13 @@ class Engine:
                 first = self.grads.first_nonfinite_in_window(slots)
                 if first is not None:  # None: only the norm overflowed, the gradients are finite
                     self.grads.skip_window(first)
+
+    def leave_stock(self) -> None:
+        """unwrap() of a model trained stock since the switch: data parallel's gradient
+        averaging hooks off (the model is plain from here on)."""
+        if self._stock_grads is not None:
+            self._stock_grads.remove()
+            self._stock_grads = None
 
     def synchronize(self) -> None:
         """Every queued update written on the host and, for resident units, on the device
