@@ -486,6 +486,25 @@ def test_gpu_mode_a_skip_learned_after_the_step_is_taken_back_before_the_next_up
     assert max_diff(_host_state(model), _host_state(stock_model)) < 1e-4
 
 
+@pytest.mark.parametrize("read", ["skipped_steps", "memory_report", "synchronize", "state_dict"])
+def test_gpu_mode_each_reader_of_the_outcome_waits_for_it(monkeypatch, read):
+    """The updates still in flight after step(): each of these waits for them, and then the
+    count, the events and the step counts are those of the step."""
+    model, opt, batch, loss_fn = _wrapped(**GPU_MODE)
+    monkeypatch.setattr(model._trainstream_engine.backend, "record", lambda stream=None: _InFlight())
+    next(_bad_step_then_a_clean_one(model, opt, batch, loss_fn))
+    assert opt._skipped_steps == 0
+    {
+        "skipped_steps": lambda: opt.skipped_steps,
+        "memory_report": lambda: trainstream.memory_report(model),
+        "synchronize": opt.synchronize,
+        "state_dict": opt.state_dict,
+    }[read]()
+    assert opt._skipped_steps == 1
+    assert "step 1: the gradient of 3.weight is not finite" in trainstream.memory_report(model)["events"]
+    assert _steps(opt) == {i: 1 for i in range(BAD + 1, LAYERS)}
+
+
 def test_gpu_mode_raise_at_the_end_of_backward_updates_nothing_from_the_bad_gradient():
     model, opt, batch, loss_fn = _wrapped(nonfinite="raise", **GPU_MODE)
     before = _host_state(model)
