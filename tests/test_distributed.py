@@ -46,13 +46,14 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
 
 
-def _train(model, opt, rank, world, steps, accumulation=1, clip=None, stock=False, poison=None):
+def _train(model, opt, rank, world, steps, accumulation=1, clip=None, stock=False, poison=None, autocast=False):
     """`steps` optimizer steps on this rank's share of each global batch; `poison`: the step
-    at which this rank's loss is NaN."""
+    at which this rank's loss is NaN; `autocast`: forward under bf16 autocast."""
     norms = []
     for step in range(steps):
         for micro in range(accumulation):
-            loss = model(*_batch(step * accumulation + micro, rank, world)) / accumulation
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(*_batch(step * accumulation + micro, rank, world)) / accumulation
             if step == poison:
                 loss = loss * float("nan")
             loss.backward()
@@ -184,7 +185,9 @@ def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
         activation_offload=True,
         moment_dtype="bfloat16",
     )
-    _train(model, opt, rank, world, steps, poison=poison_step if rank == poison_rank else None)
+    # Under bf16 autocast a paged block keeps a bf16 copy of its weights, which the update
+    # writes beside the master: both are gathered.
+    _train(model, opt, rank, world, steps, poison=poison_step if rank == poison_rank else None, autocast=True)
     return {"state": _host_state(model), "skipped": opt.skipped_steps, "report": trainstream.memory_report(model)}
 
 
@@ -407,8 +410,8 @@ def test_offload_auto_switches_every_rank_to_stock_training_as_ddp(two_ranks):
 
 
 def test_paging_bf16_moments_and_a_nan_on_one_rank(three_ranks):
-    """Three ranks, every block's weights and activations paged, bf16 moments; rank 2's
-    loss is NaN at step 1: every rank skips that step, and all stay identical."""
+    """Three ranks, every block's weights and activations paged, bf16 moments, bf16 autocast;
+    rank 2's loss is NaN at step 1: every rank skips that step, and all stay identical."""
     results = [r["paged"] for r in three_ranks]
     for res in results:
         assert res["skipped"] == 1
