@@ -233,6 +233,12 @@ def _failures(rank, world):
     before = _host_state(model)
     _train(model, opt, rank, world, 1)  # the next window goes on, every rank in step
     out["after the raise"] = (before, _host_state(model))
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    try:
+        trainstream.wrap(ddp, _optimizer(ddp), device="cpu", threads=1, profile=False)
+        out["ddp"] = None
+    except ValueError as e:
+        out["ddp"] = str(e)
     model = _model()
     try:
         trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, optimizer_mode="gpu")
@@ -457,6 +463,7 @@ def test_nonfinite_raise_raises_on_every_rank_and_the_run_goes_on(failures):
 def test_options_not_built_with_distributed_say_so(failures):
     for res in failures:
         assert "optimizer_mode='gpu' is not supported with distributed yet" in res["gpu mode"]
+        assert "pass the module itself" in res["ddp"]  # a model already in DDP would be reduced twice
 
 
 def test_unwrap_gives_the_optimizer_its_whole_moments_back(failures):

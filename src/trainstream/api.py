@@ -131,6 +131,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     opts = _options.parse(options)
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("wrap(): this model is already wrapped (unwrap() it first)")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "wrap(): the model is a DistributedDataParallel; pass the module itself (model.module): wrap() trains "
+            "data parallel on its own when a process group exists, and DDP's reduction would come on top of it"
+        )
     group = process_group(opts.distributed)
     dp_notes = _data_parallel_settings(opts) if group is not None else []
     if optimizer is not None and "lr" in opts.given:
