@@ -181,8 +181,8 @@ class RankGroups:
     """The ranks one wrapped model trains over: two gloo groups over the process group's
     ranks, made at wrap() (reductions on the training thread, all-gathers on the gather
     thread: [Note: collective order]). gloo reduces host tensors, which is where the
-    gradients land, whatever backend the default group has. Made only once every rank is
-    known to wrap the same model (check_same_model)."""
+    gradients land, whatever backend the default group has. Before anything else, every
+    rank is checked to wrap the same model with the same settings (check_same_model)."""
 
     def __init__(self, group, units: list, settings: tuple = ()):
         """`settings`: the options that decide which collectives a window issues, which
@@ -249,10 +249,6 @@ class DataParallel:
     def shard_ranges(self) -> dict:
         """param -> (lo, hi): this rank's elements of each trainable parameter."""
         return {sh.slot.param: (sh.lo, sh.hi) for us in self.shards.values() for sh in us.slots}
-
-    def shard_of(self, slot) -> tuple[int, int]:
-        sh = next(sh for sh in self.shards[slot.unit].slots if sh.slot is slot)
-        return sh.lo, sh.hi
 
     # -- reductions (the training thread) ---------------------------------------------------
 
