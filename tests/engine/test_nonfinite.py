@@ -2,6 +2,7 @@
 default), raises FloatingPointError naming its parameter ("raise"), or is applied as torch
 applies it ("ignore"). Checked against torch.optim.AdamW on the same batches."""
 
+import copy
 import re
 
 import pytest
@@ -604,13 +605,14 @@ def test_gpu_mode_a_nan_skips_its_block_and_every_later_one_bit_for_bit(base, mo
     loss_fn(model, batch(0, "cuda")).backward()
     opt.step()
     opt.zero_grad()
-    weights, state = _host_state(model), opt.state_dict()["state"]
+    # state_dict() holds the live moment tensors (as torch's does): copies, to compare later
+    weights, state = _host_state(model), copy.deepcopy(opt.state_dict()["state"])
     handle = _poison(model, BAD)
     loss_fn(model, batch(1, "cuda")).backward()
     handle.remove()
     opt.step()
     opt.zero_grad()
-    after, after_state = _host_state(model), opt.state_dict()["state"]
+    after, after_state = _host_state(model), copy.deepcopy(opt.state_dict()["state"])
     for i in range(LAYERS):
         same = torch.equal(after[f"{i}.weight"], weights[f"{i}.weight"])
         assert same == (i <= BAD), i
