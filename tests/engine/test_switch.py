@@ -1,5 +1,7 @@
 """offload="auto": a model that fits switches to torch's fused AdamW, and stays when it must."""
 
+import copy
+
 import pytest
 import torch
 from helpers import machine, max_diff, train
@@ -208,3 +210,24 @@ def test_a_wrapped_optimizer_refuses_what_is_not_a_state_dict():
     model, opt, *_ = _auto_mlp(0)
     with pytest.raises(TypeError, match="state_dict must be a dict"):
         opt.load_state_dict(["trainstream_mode"])
+
+
+@pytest.mark.parametrize("wrong", ["groups", "sizes", "shapes"])
+def test_a_refused_state_saved_after_the_switch_leaves_the_run_in_the_engine(wrong):
+    """Another model's state, saved after its switch: refused before anything changes (the
+    switch to stock cannot be undone), and the run trains on as if it had never been offered."""
+    model, opt, batch, loss_fn = _auto_mlp(0)
+    _steps(model, opt, batch, loss_fn, range(3))
+    state = copy.deepcopy(opt.state_dict())
+    assert state["trainstream_mode"] == "stock"
+    if wrong == "groups":
+        state["param_groups"] = state["param_groups"] * 2
+    elif wrong == "sizes":
+        state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:-1]
+    else:
+        first = state["param_groups"][0]["params"][0]
+        state["state"][first]["exp_avg"] = state["state"][first]["exp_avg"][:1]
+    resumed, resumed_opt, *_ = _auto_mlp(1)
+    with pytest.raises(ValueError, match="another model"):
+        resumed_opt.load_state_dict(state)
+    assert trainstream.memory_report(resumed)["mode"] == "offload"

@@ -17,7 +17,7 @@ import torch
 
 from .. import ops
 from ..ops.adamw import adamw_step_mapped
-from ..optim.offload_adamw import OffloadAdamW
+from ..optim.offload_adamw import OffloadAdamW, _check_moments
 from .adapt import SwitchToStock
 from .switch import MODE_KEY, saved_mode, why_not_resume_in_stock
 
@@ -319,6 +319,10 @@ class StreamedAdamW(OffloadAdamW):
         engine.apply(SwitchToStock(need={}))
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # Everything that can refuse the state is checked before resume_in, whose switch to
+        # stock cannot be undone: a refused load leaves the run as it was.
+        _check_moments(state_dict, self.param_groups)
+        _check_groups(state_dict, self.param_groups)
         self.resume_in(saved_mode(state_dict), "the optimizer state_dict")
         groups = self.param_groups
         if self._stock is not None:
@@ -455,3 +459,20 @@ def _hyper(group: dict) -> dict:
         weight_decay=group["weight_decay"],
         decoupled=group["decoupled_weight_decay"],
     )
+
+
+def _check_groups(state_dict: dict, param_groups: list) -> None:
+    """The refusals of torch's Optimizer.load_state_dict (another model's state), made before
+    anything is changed."""
+    saved = state_dict["param_groups"]
+    if len(saved) != len(param_groups):
+        raise ValueError(
+            f"trainstream: the optimizer state_dict has {len(saved)} parameter groups, this optimizer "
+            f"{len(param_groups)} (is it another model's?)"
+        )
+    for i, (s, g) in enumerate(zip(saved, param_groups)):
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(
+                f"trainstream: parameter group {i} of the optimizer state_dict has {len(s['params'])} parameters, "
+                f"this optimizer's {len(g['params'])} (is it another model's?)"
+            )
