@@ -169,9 +169,8 @@ def main(argv=None) -> int:
         not ran_out and len(losses) == args.steps and all(math.isfinite(v) for v in losses),
         "out of memory" if ran_out else f"{len(losses)} of {args.steps} steps, losses {[round(v, 4) for v in losses]}",
     )
-    if on_gpu:
-        peak = torch.cuda.max_memory_reserved(args.device)
-        checks.add("peak VRAM stayed under the cap", peak < cap, f"peak reserved {ms.size(peak)} vs cap {ms.size(cap)}")
+    # No "peak under the cap" check: the allocator enforces the cap, so a run that finished
+    # stayed under it by construction; the steps finishing is the proof.
     checks.add(
         "every AdamW moment is in host memory, as computed",
         elsewhere == 0 and on_host == want_moments,
@@ -189,7 +188,7 @@ def main(argv=None) -> int:
         f"planned {ms.size(host['fp32 master weights'])}, computed 4 B x {trainable:,} = {ms.size(4 * trainable)}",
     )
 
-    scope = "" if on_gpu else " (CPU smoke: no VRAM to cap, so the cap and peak-VRAM checks were not run)"
+    scope = "" if on_gpu else " (CPU smoke: no VRAM to cap, so the cap check was not run)"
     print(f"verdict: {'PASS' if checks.passed else 'FAIL'}{scope}")
     return 0 if checks.passed else 1
 
