@@ -3,15 +3,26 @@ before the forward that reads it, and no earlier.
 
 The standalone optimizer gets parameters, not the model, so it learns the modules from a
 global module forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``).
-A parameter is read by the forward of a module that holds it directly, when that module's
-forward runs. A module whose forward never runs (nn.MultiheadAttention's ``out_proj``,
-read by its parent's forward) leaves its parameters to its nearest ancestor whose forward
-does: "runs" is learned from the calls seen so far, so before a module has been seen called
-its parameters are waited for at its parent's call (earlier than needed, never later).
+The rule it relies on: a parameter is read inside the forward of a module whose subtree
+holds it. A module's forward waits for the pending parameters of its whole subtree except
+those of descendants whose own forward will run (and wait for them itself). "Will run" is
+learned, per context, from the calls seen so far: a descendant seen called in the same
+context (grad mode, ``module.training``) is trusted to be called again; before that, its
+parameters are waited for at its ancestor's call (earlier than needed, never later). The
+context matters because a module may read its children's weights itself in one mode and call
+them in another (nn.TransformerEncoderLayer's inference fast path under ``no_grad`` in eval
+reads linear1, linear2 and the norms without calling them).
 
-Parameters no forward seen so far would wait for (held by no module that ran) are
-``unowned()``: their user reads them outside any module's forward, so the optimizer must
-finish their updates before step() returns.
+Reads outside any such forward are learned per window (from one step() to the next): a
+parameter that got a gradient although no forward with grad enabled waited for it in that
+window (a chunked loss reading ``lm_head.weight`` while only the model's body is called) is
+read by code the guard does not see. `end_window()` names those pending parameters: the
+optimizer brings them up to date before step() returns.
+
+What the guard cannot see: a read before the first forward of a window that would have
+covered it (a window's reads are learned at its end, so a change of how the model reads a
+parameter, a module no longer called in the same context, is caught one step late), and
+reads under ``no_grad`` outside any module holding the parameter (they leave no gradient).
 """
 
 from __future__ import annotations
@@ -28,10 +39,15 @@ class ForwardGuard:
         self._wait_for = wait_for
         self._records: dict = {}  # param -> its record (a dict keyed by id: tensors hash by identity)
         self._pending: set = set()  # records whose update the next reading forward must wait for
-        self._owned: set = set()  # records some seen forward reads
-        self._called: weakref.WeakSet = weakref.WeakSet()  # modules whose forward has run
-        self._readers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (generation, records)
+        # context (grad enabled, module.training) -> the modules whose forward ran in it
+        self._called: dict = {}
+        # module -> {context: (generation, the records its forward waits for in that context)}
+        self._readers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._generation = 0  # bumped when the readers may have changed: they are recomputed
+        # id(module) -> the records its forward waited for with grad enabled in this window
+        # (a module collected mid-window leaves a valid list behind: it only widens coverage
+        # for the window its forward did run in).
+        self._window: dict = {}
         me = weakref.ref(self)
         # The global hook holds the guard weakly: the optimizer (and through it the model's
         # parameters) stays collectable; a finalizer takes the hook off.
@@ -45,9 +61,12 @@ class ForwardGuard:
         self._generation += 1
 
     def remove(self) -> None:
-        """No more waits: the hook is taken off."""
+        """No more waits: the hook is taken off and the records let go."""
         self._finalizer()
         self._pending.clear()
+        self._records = {}
+        self._readers = weakref.WeakKeyDictionary()
+        self._window = {}
 
     def pending(self, record) -> None:
         """`record`'s update was queued: the next forward that reads it waits for it."""
@@ -57,34 +76,49 @@ class ForwardGuard:
         """`record`'s update is visible to compute (waited for, or synchronized)."""
         self._pending.discard(record)
 
-    def unowned(self) -> list:
-        """The records no forward seen so far reads."""
-        return [r for r in self._records.values() if r not in self._owned]
+    def end_window(self) -> list:
+        """At step(), once its updates are pending: the pending records no forward with grad
+        enabled waited for since the last step() (their reads are not seen by the guard), which
+        the caller makes current now. A new window starts."""
+        covered = {id(r) for readers in self._window.values() for r in readers}
+        self._window = {}
+        return [r for r in self._pending if id(r) not in covered]
 
     def before_forward(self, module: torch.nn.Module) -> None:
-        if module not in self._called:
-            # A first call moves the params this module reads out of its ancestors' readers;
-            # a module reading none of ours (a loss module built each step) changes nothing.
-            self._called.add(module)
-            readers = self._read_by(module)
+        grad = torch.is_grad_enabled()
+        context = (grad, module.training)
+        called = self._called.get(context)
+        if called is None:
+            called = self._called[context] = weakref.WeakSet()
+        per_context = self._readers.get(module)
+        if per_context is None:
+            per_context = self._readers[module] = {}
+        if module not in called:
+            # A first call in this context moves the params this module reads out of its
+            # ancestors' readers; a module reading none of ours (a loss module built each step)
+            # changes nothing.
+            called.add(module)
+            readers = self._read_by(module, called)
             if readers:
                 self._generation += 1
-            self._readers[module] = (self._generation, readers)
-        # Computed even with nothing pending: the records it reads become owned, which the
-        # next step() needs to know before any update is pending.
-        cached = self._readers.get(module)
-        if cached is None or cached[0] != self._generation:
-            cached = self._readers[module] = (self._generation, self._read_by(module))
-        if not self._pending:
+            cached = per_context[context] = (self._generation, readers)
+        else:
+            cached = per_context.get(context)
+            if cached is None or cached[0] != self._generation:
+                cached = per_context[context] = (self._generation, self._read_by(module, called))
+        readers = cached[1]
+        if grad and readers:
+            self._window[id(module)] = readers
+        if not self._pending or not readers:
             return
-        waiting = [r for r in cached[1] if r in self._pending]
+        waiting = [r for r in readers if r in self._pending]
         if waiting:
             self._wait_for(waiting)
             self._pending.difference_update(waiting)
 
-    def _read_by(self, module: torch.nn.Module) -> list:
+    def _read_by(self, module: torch.nn.Module, called) -> list:
         """The records of the parameters `module`'s forward reads: its own, and those of its
-        descendants reached through modules whose forward has not been seen to run."""
+        descendants reached through modules not seen called in this context."""
         out, seen = [], set()
         todo = [module]
         while todo:
@@ -94,8 +128,7 @@ class ForwardGuard:
                 if record is not None and id(record) not in seen:
                     seen.add(id(record))
                     out.append(record)
-            todo.extend(c for c in m._modules.values() if c is not None and c not in self._called)
-        self._owned.update(out)
+            todo.extend(c for c in m._modules.values() if c is not None and c not in called)
         return out
 
 

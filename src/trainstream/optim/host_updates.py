@@ -283,12 +283,12 @@ class HostUpdates:
         self.lander.expect(record)
 
     def after_step(self) -> None:
-        """Parameters no forward is known to read (see ForwardGuard.unowned) are made current
-        for compute now."""
-        unowned = self.guard.unowned()
-        if unowned:
-            self._before_reading(unowned)
-            for record in unowned:
+        """Parameters whose reads no forward waited for in the window just ended (see
+        ForwardGuard.end_window) are made current for compute now."""
+        unseen = self.guard.end_window()
+        if unseen:
+            self._before_reading(unseen)
+            for record in unseen:
                 self.guard.done(record)
 
     def push(self, record: ParamRecord) -> None:
