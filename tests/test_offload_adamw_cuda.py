@@ -625,3 +625,23 @@ def test_an_eval_fast_path_reading_child_weights_itself_waits_for_them(device):
     # The host AdamW and torch's round differently in the last bit, and the norms magnify it
     # (1e-5 here); a weight one step old moves the output by about 1.
     assert (evaluated[opt] - evaluated[torch_opt]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_optimizer_dropped_after_step_without_synchronize_lands_its_last_step(device):
+    import gc
+
+    ours, theirs = twins(device)
+    data = batches(2, device)
+    opt = _without_lander(optimizer_class(device)(ours.parameters(), lr=1e-2))
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    for model, o in ((ours, opt), (theirs, torch_opt)):
+        for x, y in data:
+            loss_of(model, x, y).backward()
+            o.step()
+            o.zero_grad()
+    del opt
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_close(ours, theirs, TOL[device])

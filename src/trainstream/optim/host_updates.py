@@ -103,6 +103,10 @@ class HostUpdates:
         self.records: dict = {}  # param -> ParamRecord, in the order added
         self.lock = threading.RLock()  # the lander pushes under it (its `pager.lock`)
         self.lander = Lander(self)
+        # Dropped without synchronize(), the queued updates still land: the finalizer holds the
+        # records (and through them the params), never self. The lander's own finalizer only
+        # stops its thread: whatever it has not pushed, this one pushes.
+        weakref.finalize(self, _land_all, self.records, self.backend, self.lock)
         me = weakref.ref(self)  # the guard's global hook must not keep the optimizer alive
         self.guard = ForwardGuard(lambda records: _before_reading(me, records))
         self._hooks: list = []
@@ -293,18 +297,7 @@ class HostUpdates:
 
     def push(self, record: ParamRecord) -> None:
         """Copy `record`'s updated weights to the device (the caller holds the lock)."""
-        for handle in record.updates:
-            handle.wait()
-        record.updates = []
-        record.stale = False
-        if record.param._version != record.version:
-            return  # edited in place since the update was queued: the edit wins (taken at the next step)
-        backend = self.backend
-        # Not before compute has finished every read of the old weights queued before step().
-        backend.wait(record.update_mark, backend.copy_in)
-        with backend.on(backend.copy_in):
-            record.param.data.copy_(record.source, non_blocking=True)
-        record.push_event = record.h2d_event = backend.record(backend.copy_in)
+        _push(record, self.backend)
 
     def _before_reading(self, records: list) -> None:
         """Compute is about to read these params: it waits (on the device) for their copies."""
@@ -320,16 +313,40 @@ class HostUpdates:
     def synchronize(self) -> None:
         """Every update written and on the device, as the host sees it."""
         self.lander.raise_error()
-        with self.lock:
-            for record in self.records.values():
-                if record.stale:
-                    self.push(record)
-                if record.push_event is not None:
-                    record.push_event.synchronize()
-                    record.push_event = None
-                record.h2d_event = None
-                self.guard.done(record)
+        _land_all(self.records, self.backend, self.lock)
+        for record in self.records.values():
+            self.guard.done(record)
         self.lander.raise_error()
+
+
+def _push(record: ParamRecord, backend: Backend) -> None:
+    """Copy `record`'s updated weights to the device, once its updates are done (the caller
+    holds the lock)."""
+    for handle in record.updates:
+        handle.wait()
+    record.updates = []
+    record.stale = False
+    if record.param._version != record.version:
+        return  # edited in place since the update was queued: the edit wins (taken at the next step)
+    # Not before compute has finished every read of the old weights queued before step().
+    backend.wait(record.update_mark, backend.copy_in)
+    with backend.on(backend.copy_in):
+        record.param.data.copy_(record.source, non_blocking=True)
+    record.push_event = record.h2d_event = backend.record(backend.copy_in)
+
+
+def _land_all(records: dict, backend: Backend, lock) -> None:
+    """Every queued update on the device, as the host sees it: run when the optimizer is
+    collected (a step() not followed by synchronize() still lands: the params outlive the
+    optimizer) and by synchronize(). Holds no reference to the HostUpdates."""
+    with lock:
+        for record in records.values():
+            if record.stale:
+                _push(record, backend)
+            if record.push_event is not None:
+                record.push_event.synchronize()
+                record.push_event = None
+            record.h2d_event = None
 
 
 def _before_reading(owner_ref, records: list) -> None:
