@@ -645,3 +645,43 @@ def test_an_optimizer_dropped_after_step_without_synchronize_lands_its_last_step
     if device == "cuda":
         torch.cuda.synchronize()
     assert_close(ours, theirs, TOL[device])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bf16_model_through_torch_adamw_and_back_keeps_torchs_steps(device):
+    """OffloadAdamW 2 steps, torch AdamW 4 steps (from its state dict), OffloadAdamW 1 step
+    (from torch's), against torch AdamW taking that last step from the same state. torch
+    keeps the "master" it loaded (cast to bf16, two steps old) and saves it again: the master
+    the last optimizer loads is stale, and the params, which torch moved, must win over it."""
+    model, _ = twins(device, torch.bfloat16)
+    data = batches(7, device)
+    cls = optimizer_class(device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16)
+
+    def run(model, opt, data):
+        for x, y in data:
+            with autocast:
+                loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        if isinstance(opt, OffloadAdamW):
+            opt.synchronize()
+
+    first = cls(model.parameters(), lr=1e-2)
+    run(model, first, data[:2])
+    middle = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    middle.load_state_dict(copy.deepcopy(first.state_dict()))
+    del first
+    run(model, middle, data[2:6])
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    reference_opt.load_state_dict(copy.deepcopy(middle.state_dict()))
+    last = cls(model.parameters(), lr=1e-2)
+    last.load_state_dict(copy.deepcopy(middle.state_dict()))
+    run(model, last, data[6:])
+    run(reference, reference_opt, data[6:])
+    # The host AdamW updates an fp32 master, torch AdamW the bf16 weights themselves: one step
+    # parts them by a bf16 rounding (2**-10 of a weight near 0.16); torch's 4 steps undone
+    # would put them about 4 * lr apart.
+    assert_close(model, reference, 2e-3)
+    assert last.state[model.a.weight]["step"].item() == 7

@@ -246,15 +246,18 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _load_master(self, p: torch.Tensor, value) -> None:
         """A saved fp32 master of a streamed bf16 param (a param updated in place, or an fp32
-        one, is its own master: the key is ignored). It is taken as agreeing with the param
-        as the param is now (see HostUpdates._take_edit)."""
+        one, is its own master: the key is ignored). Whether it agrees with the param is decided
+        at the next update (HostUpdates._take_edit): kept where the param holds what it rounds to
+        (the model's state dict of the same checkpoint, loaded before or after), replaced by the
+        param otherwise (a master another optimizer carried without updating it: torch AdamW
+        keeps and saves the key it loaded, stale, while it trains the param itself)."""
         records = self._host_updates.records if self._host_updates is not None else {}
         record = records.get(p)
         if record is None or record.copy is None:
             return
         record.master.copy_(value.detach().to(device="cpu", dtype=torch.float32))
         record.copy.copy_(record.master)
-        record.version = p._version
+        record.version = -1  # no version of the param: compared at the next update
 
     def _link_master(self, p: torch.Tensor, state: dict) -> None:
         """A streamed bf16 param's master is part of its state (state_dict() saves it)."""
