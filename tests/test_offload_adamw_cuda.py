@@ -685,3 +685,34 @@ def test_a_bf16_model_through_torch_adamw_and_back_keeps_torchs_steps(device):
     # would put them about 4 * lr apart.
     assert_close(model, reference, 2e-3)
     assert last.state[model.a.weight]["step"].item() == 7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_another_optimizer_stepped_after_an_offload_adamw_still_referenced_trains(device):
+    """An LR scheduler keeps the first optimizer alive; the user switches to torch's AdamW.
+    The optimizer stepped last over a param takes its gradients: the first one's hooks give
+    torch's AdamW the gradient of its first step back in p.grad, its own last update landed,
+    and leave the later ones in p.grad. Stepped again, OffloadAdamW takes them back."""
+    ours, theirs = twins(device)
+    data = batches(9, device)
+    first = _without_lander(optimizer_class(device)(ours.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(first, lambda step: 1.0)  # noqa: F841 (keeps it)
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    train(ours, first, data[:3])
+    train(theirs, reference, data[:3])
+    then = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False)
+    then.load_state_dict(copy.deepcopy(reference.state_dict()))  # continue as the reference does
+    train(ours, then, data[3:6])
+    train(theirs, reference, data[3:6])
+    assert_close(ours, theirs, TOL[device])
+    assert then.state[ours.a.weight]["step"].item() == 6
+    first.load_state_dict(copy.deepcopy(then.state_dict()))
+    for i, (x, y) in enumerate(data[6:]):
+        loss_of(ours, x, y).backward()  # the first one reaches p.grad: step() takes it
+        assert all((p.grad is None) == (i > 0) for p in ours.parameters())
+        first.step()
+        first.zero_grad()
+    first.synchronize()
+    train(theirs, reference, data[6:])
+    assert_close(ours, theirs, TOL[device])
+    assert first.state[ours.a.weight]["step"].item() == 9

@@ -27,6 +27,7 @@ import threading
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..engine.device import DONE, Backend
 from ..engine.landing import Lander
@@ -43,6 +44,31 @@ _owner_of: dict = {}
 def _set_owner(param: torch.Tensor, owner) -> None:
     key = id(param)
     _owner_of[key] = (weakref.ref(param, lambda _: _owner_of.pop(key, None)), weakref.ref(owner))
+
+
+def _owner(param: torch.Tensor):
+    entry = _owner_of.get(id(param))
+    return entry[1]() if entry is not None and entry[0]() is param else None
+
+
+def _before_any_step(optimizer, args, kwargs) -> None:
+    """torch's global step pre-hook, for every optimizer's step(): the optimizer stepped last
+    over a param takes its gradients. One stepping params an OffloadAdamW's hooks take (an old
+    OffloadAdamW kept alive by an LR scheduler, then torch's AdamW) gets them back in p.grad,
+    their updates landed first, and that OffloadAdamW stops taking them; an OffloadAdamW
+    stepped again takes them back."""
+    mine = getattr(optimizer, "_host_updates", None)
+    mine = mine if isinstance(mine, HostUpdates) else None
+    taken: dict = {}  # id(owner) -> (owner, its params this optimizer steps)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = _owner(p)
+            if owner is not None and owner is not mine:
+                taken.setdefault(id(owner), (owner, []))[1].append(p)
+    for owner, params in taken.values():
+        owner.hand_over(params)
+    if mine is not None:
+        mine.claim()
 
 
 class ParamRecord:
@@ -153,9 +179,36 @@ class HostUpdates:
         self.lander.stop()
 
     def owns(self, param: torch.Tensor) -> bool:
-        """Whether this optimizer takes `param`'s gradients (no newer one was built over it)."""
-        entry = _owner_of.get(id(param))
-        return entry is not None and entry[0]() is param and entry[1]() is self
+        """Whether this optimizer takes `param`'s gradients (no newer one was built over it,
+        no other one stepped it since this one did)."""
+        return _owner(param) is self
+
+    def claim(self) -> None:
+        """This optimizer is stepped: it takes its params' gradients again (step() takes the
+        ones already in p.grad)."""
+        for p in self.records:
+            if not self.owns(p):
+                _set_owner(p, self)
+
+    def hand_over(self, params: list) -> None:
+        """Another optimizer steps `params`: every update of ours lands first (it reads and
+        writes the weights), the gradients this window took go back to p.grad, and the hooks
+        leave `params`' next gradients in p.grad."""
+        self.synchronize()
+        for p in params:
+            _owner_of.pop(id(p), None)
+            record = self.records.get(p)
+            if record is None:
+                continue
+            record.stage_event.synchronize()
+            if record.staged and record.summed:
+                self._fold(record)
+            taken = record.sum if record.summed else record.stage if record.staged else None
+            record.staged = record.summed = False
+            if taken is None:
+                continue
+            g = taken.to(device=p.device, dtype=p.dtype, copy=True)
+            p.grad = g if p.grad is None else p.grad.add_(g)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -359,3 +412,7 @@ def _on_grad(owner_ref, record_ref) -> None:
     owner, record = owner_ref(), record_ref()
     if owner is not None and record is not None:
         owner.on_grad(record)
+
+
+# Once per process: it holds nothing (the owners are looked up in _owner_of, weakly).
+register_optimizer_step_pre_hook(_before_any_step)
