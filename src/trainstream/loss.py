@@ -38,6 +38,7 @@ walks the chunks again from the saved inputs, which gives the same values; a dou
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ def chunked_cross_entropy(
         return _CrossEntropyWithGradients.apply(
             flat_hidden, weight, bias, flat_targets, divisor, chunk_size, ignore_index
         )
-    token_loss, _ = _walk_chunks(flat_hidden, weight, bias, flat_targets, divisor, chunk_size, ignore_index)
+    token_loss, _, _ = _walk_chunks(flat_hidden, weight, bias, flat_targets, divisor, chunk_size, ignore_index)
     return _reduce(token_loss, flat_targets != ignore_index, divisor)
 
 
@@ -138,8 +139,10 @@ class _CrossEntropyWithGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, divisor, chunk_size, ignore_index):
         need = ctx.needs_input_grad[:3]
-        token_loss, grads = _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_index, need)
-        ctx.grads = grads  # handed over, and dropped, by the first backward
+        token_loss, grads, unscale = _walk_chunks(
+            hidden, weight, bias, targets, divisor, chunk_size, ignore_index, need
+        )
+        ctx.grads = grads, unscale  # handed over, and dropped, by the first backward
         # Only for a second backward through the same graph; references, no copies.
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.divisor = divisor
@@ -154,22 +157,24 @@ class _CrossEntropyWithGradients(torch.autograd.Function):
                 "chunked_cross_entropy has no double backward: its gradients are computed in its forward "
                 "and are not differentiable (backward was called with create_graph=True)"
             )
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:  # a second backward (retain_graph=True): the first took the gradients
+        held, ctx.grads = ctx.grads, None
+        if held is None:  # a second backward (retain_graph=True): the first took the gradients
             hidden, weight, bias, targets = ctx.saved_tensors
             need = ctx.needs_input_grad[:3]
-            _, grads = _walk_chunks(hidden, weight, bias, targets, ctx.divisor, ctx.chunk_size, ctx.ignore_index, need)
-        # One host read: the multiplication must run in fp32 on bf16 gradients (a device
-        # scalar would be rounded to bf16 first), and 1, what loss.backward() gives, needs none.
+            _, *held = _walk_chunks(hidden, weight, bias, targets, ctx.divisor, ctx.chunk_size, ctx.ignore_index, need)
+        (d_hidden, d_weight, d_bias), (hidden_unscale, weight_unscale) = held
+        # One host read: the multiplication must run in fp32 on bf16 and fp16 gradients (a
+        # device scalar would be rounded to their dtype first), and a factor of 1 needs none.
         g = float(grad_loss)
-        if g != 1.0:
-            for t in grads:
-                if t is not None:
-                    t.mul_(g)
-            d_hidden = grads[0]
-            if d_hidden is not None and not math.isfinite(g):
-                # torch's gradient of an ignored token is 0 whatever the loss's gradient is.
-                d_hidden[ctx.saved_tensors[3] == ctx.ignore_index] = 0
+        for t, factor in ((d_hidden, g * hidden_unscale), (d_weight, g * weight_unscale)):
+            if t is not None and factor != 1.0:
+                t.mul_(factor)
+        if d_hidden is not None and not math.isfinite(g):
+            # torch's gradient of an ignored token is 0 whatever the loss's gradient is.
+            d_hidden[ctx.saved_tensors[3] == ctx.ignore_index] = 0
+        if d_bias is not None:  # held in fp32 (fp64): rounded once, after g
+            d_bias = (d_bias if g == 1.0 else d_bias * g).to(ctx.saved_tensors[2].dtype)
+        grads = (d_hidden, d_weight, d_bias)
         return (*grads, None, None, None, None)
 
 
@@ -180,28 +185,34 @@ def _reduce(token_loss: torch.Tensor, valid: torch.Tensor, divisor) -> torch.Ten
 
 
 def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_index, need=(False, False, False)):
-    """Each token's loss (N,) in the compute dtype, and (d_hidden, d_weight, d_bias) of the
-    reduced loss for those of hidden, weight, bias that ``need`` names (None for the others):
-    see [Note: gradients in forward]."""
+    """Each token's loss (N,) in the compute dtype, the gradients (d_hidden, d_weight, d_bias)
+    of the reduced loss for those of hidden, weight, bias that ``need`` names (None for the
+    others), and the factors (of d_hidden, of d_weight) that take the held d_hidden and
+    d_weight to the gradients: see [Note: gradients in forward] and [Note: fp16 range].
+    d_bias is held in the compute dtype, at the gradient's own scale."""
     need_hidden, need_weight, need_bias = need
     compute = _compute_dtype(hidden.dtype)
     n, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     valid = targets != ignore_index
+    any_grad = need_hidden or need_weight or need_bias
     # Each token's d(reduced loss)/d(its loss), as autograd of the reduction forms it; ignored
     # tokens get 0 (also when the divisor is 0: the mean over no token).
     inv = torch.ones((), dtype=compute, device=device)
     if divisor is not None:
         inv = inv / torch.as_tensor(divisor, device=device).to(compute)
-    scale = torch.where(valid, inv, torch.zeros((), dtype=compute, device=device))
+    if hidden.dtype == torch.float16 and any_grad and n:
+        scales = _fp16_scales(hidden, weight, valid, inv, need_hidden, need_weight)
+    else:
+        scales = _GradientScales(inv, 1.0, 1.0, 1.0, 1.0, 1.0)
+    row_scale = torch.where(valid, scales.dlogits, torch.zeros((), dtype=compute, device=device))
     column = targets.clamp(0, vocab - 1).unsqueeze(1)  # ignored tokens' column is unused
     token_loss = torch.empty(n, dtype=compute, device=device)
-    any_grad = need_hidden or need_weight or need_bias
     # Each chunk writes its rows whole, contiguous whatever hidden's strides.
     d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
     # The first chunk writes d_weight whole; with no token there is no chunk.
-    d_weight = torch.zeros_like(weight) if need_weight and n == 0 else None
-    d_bias_sum = torch.zeros(vocab, dtype=compute, device=device) if need_bias else None
+    d_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if need_weight and n == 0 else None
+    d_bias = torch.zeros(vocab, dtype=compute, device=device) if need_bias else None
     with _no_autocast(device):
         for c0 in range(0, n, chunk_size):
             c1 = min(c0 + chunk_size, n)
@@ -209,21 +220,100 @@ def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_inde
             z = F.linear(h, weight, bias)  # (chunk, vocab) in the input dtype
             for r0, r1 in _row_blocks(c0, c1):
                 token_loss[r0:r1] = _loss_and_dlogits(
-                    z[r0 - c0 : r1 - c0], column[r0:r1], valid[r0:r1], scale[r0:r1], any_grad
+                    z[r0 - c0 : r1 - c0], column[r0:r1], valid[r0:r1], row_scale[r0:r1], any_grad
                 )
-            # z holds the chunk's d_logits now, when any gradient is needed
+            # z holds the chunk's d_logits now, when any gradient is needed. alpha multiplies
+            # the matmul's fp32 sums before they are rounded to the output's dtype.
             if need_hidden:
-                torch.mm(z, weight, out=d_hidden[c0:c1])
+                if scales.hidden_alpha == 1.0:
+                    torch.mm(z, weight, out=d_hidden[c0:c1])
+                else:  # beta=0: the uninitialized rows are not read
+                    d_hidden[c0:c1].addmm_(z, weight, beta=0, alpha=scales.hidden_alpha)
             if need_weight:
-                if d_weight is None:
+                if d_weight is None and scales.weight_alpha == 1.0:
                     d_weight = torch.mm(z.t(), h)
+                elif d_weight is None:
+                    d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device)
+                    d_weight.addmm_(z.t(), h, beta=0, alpha=scales.weight_alpha)
                 else:
-                    d_weight.addmm_(z.t(), h)
+                    d_weight.addmm_(z.t(), h, alpha=scales.weight_alpha)
             if need_bias:
-                d_bias_sum += z.sum(0, dtype=compute)
+                d_bias += z.sum(0, dtype=compute)
             del z  # before the next chunk's logits are made
-    d_bias = d_bias_sum.to(bias.dtype) if need_bias else None
-    return token_loss, (d_hidden, d_weight, d_bias)
+    if need_bias and scales.bias_factor != 1.0:
+        d_bias.mul_(scales.bias_factor)
+    return token_loss, (d_hidden, d_weight, d_bias), (scales.hidden_unscale, scales.weight_unscale)
+
+
+class _GradientScales(NamedTuple):
+    """How a walk scales what it writes. dlogits: each valid token's d_logits are
+    ``dlogits * (softmax - onehot)`` (a tensor or a float); hidden_alpha, weight_alpha: the
+    d_hidden and d_weight matmuls' alpha; hidden_unscale, weight_unscale: the factor from the
+    held d_hidden, d_weight to the gradients; bias_factor: from the column sums of d_logits
+    to d_bias."""
+
+    dlogits: torch.Tensor | float
+    hidden_alpha: float
+    weight_alpha: float
+    hidden_unscale: float
+    weight_unscale: float
+    bias_factor: float
+
+
+# [Note: fp16 range]
+# fp16 has bf16's precision near 1 but stops at 65504 and goes subnormal below 2**-14, and the
+# d_logits of a mean are softmax / N: 1e-9 at 8192 tokens over a 32000-word vocabulary, which
+# rounds to 0. The unchunked loss under a GradScaler rounds them after the loss scale g
+# (65536 at the start) has multiplied them in fp32; here the gradients are made in forward,
+# before g is known. So fp16 d_logits are written as 2**15 * (softmax - onehot): at most
+# 2**15, and a probability keeps full precision down to 2**-29, more than any g the unchunked
+# loss survives gives it (g * (softmax - onehot) must stay under 65504 there). The 1 / N (or
+# 1 / num_items) and the held gradients' own scale are applied through the matmuls' alpha, in
+# fp32, before their one rounding. The held d_hidden and d_weight are 2**k times the
+# gradients, with 2**k the largest power of two that keeps a bound on them under 2**15:
+# |d_hidden| <= 2 * max|W| / N (each row of softmax - onehot sums to at most 2 in absolute
+# value) and |d_weight| <= N_valid * max|h| / N, partial sums included. Backward multiplies
+# them by g * 2**-k: a power of two times 2**-k is exact (a GradScaler's scale, or 1), so the
+# gradients are rounded once, as the unchunked loss's are. These bounds take one reduction
+# over hidden and one over the weight (no temporary) and one host read per call.
+_FP16_DLOGITS = 2.0**15
+_FP16_BOUND = 2.0**15
+
+
+def _fp16_scales(hidden, weight, valid, inv, need_hidden, need_weight) -> _GradientScales:
+    """The scales of [Note: fp16 range] for a walk over fp16 inputs with n >= 1 tokens."""
+    zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    stats = torch.stack(
+        [
+            inv.float(),
+            valid.sum().float(),
+            torch.linalg.vector_norm(hidden, float("inf")).float() if need_weight else zero,
+            torch.linalg.vector_norm(weight, float("inf")).float() if need_hidden else zero,
+        ]
+    ).tolist()
+    s, n_valid, h_max, w_max = stats
+    if n_valid == 0:
+        s = 0.0  # no token adds anything; 1 / 0 would make the alphas nan
+    k_hidden = _power_below(_FP16_BOUND, 2 * w_max * s)
+    k_weight = _power_below(_FP16_BOUND, n_valid * h_max * s)
+    return _GradientScales(
+        dlogits=_FP16_DLOGITS,
+        hidden_alpha=math.ldexp(s, k_hidden) / _FP16_DLOGITS,
+        weight_alpha=math.ldexp(s, k_weight) / _FP16_DLOGITS,
+        hidden_unscale=math.ldexp(1.0, -k_hidden),
+        weight_unscale=math.ldexp(1.0, -k_weight),
+        bias_factor=s / _FP16_DLOGITS,
+    )
+
+
+def _power_below(limit: float, bound: float) -> int:
+    """The largest k with 2**k * bound <= limit, within [-60, 60] (where g * 2**-k stays a
+    normal fp32 number for any loss scale); 0 when bound is 0 or not finite (a nan or inf
+    input makes the gradients nan or inf whatever the scale)."""
+    if not (bound > 0 and math.isfinite(bound)):
+        return 0
+    mantissa, exponent = math.frexp(limit / bound)  # limit / bound = mantissa * 2**exponent, 0.5 <= mantissa < 1
+    return max(-60, min(60, exponent - 1))
 
 
 def _loss_and_dlogits(z, column, valid, scale, write_dlogits: bool) -> torch.Tensor:
