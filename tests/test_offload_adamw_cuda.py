@@ -716,3 +716,22 @@ def test_another_optimizer_stepped_after_an_offload_adamw_still_referenced_train
     train(theirs, reference, data[6:])
     assert_close(ours, theirs, TOL[device])
     assert first.state[ours.a.weight]["step"].item() == 9
+
+
+def test_an_optimizer_converted_for_wrap_lets_its_buffers_go_while_referenced():
+    import gc
+    import weakref
+
+    model, _ = twins("cpu")
+    opt = StreamedOnHost(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # keeps `opt` alive
+    train(model, opt, batches(2, "cpu"))
+    records = [weakref.ref(r) for r in opt._host_updates.records.values()]
+    convert_optimizer(opt, model.parameters())
+    gc.collect()
+    assert scheduler.optimizer is opt
+    assert all(r() is None for r in records), "the converted optimizer still holds its host buffers"
+    x, y = batches(1, "cpu")[0]
+    loss_of(model, x, y).backward()
+    with pytest.raises(RuntimeError, match=r"converted by wrap\(\).*step the optimizer it returned"):
+        opt.step()

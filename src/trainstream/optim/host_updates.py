@@ -137,6 +137,7 @@ class HostUpdates:
         self.guard = ForwardGuard(lambda records: _before_reading(me, records))
         self._hooks: list = []
         self._landing: list = []  # records with a copy into `stage` issued, in issue order
+        self.closed = False  # close() ran: another optimizer took the params over
 
     @property
     def device(self) -> torch.device:
@@ -177,6 +178,11 @@ class HostUpdates:
                 del _owner_of[id(p)]
         self.guard.remove()
         self.lander.stop()
+        # The old optimizer may be kept alive (an LR scheduler built on it): its pinned buffers
+        # go now. Cleared in place: the finalizer holds this dict.
+        self.records.clear()
+        self._landing = []
+        self.closed = True
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether this optimizer takes `param`'s gradients (no newer one was built over it,
@@ -268,6 +274,11 @@ class HostUpdates:
         """param -> the host tensor holding its gradient of this window, for every one of
         `params` (the optimizer's) that has one; waits for the copies still landing. The
         tensors stay valid until the next backward pass or zero_grad()."""
+        if self.closed:
+            raise RuntimeError(
+                "OffloadAdamW.step(): this optimizer was converted by wrap() (or convert_optimizer()), which "
+                "took its parameters over; step the optimizer it returned"
+            )
         self.take_stray_grads(params)
         for record in self._landing:
             record.stage_event.synchronize()
