@@ -735,3 +735,14 @@ def test_an_optimizer_converted_for_wrap_lets_its_buffers_go_while_referenced():
     loss_of(model, x, y).backward()
     with pytest.raises(RuntimeError, match=r"converted by wrap\(\).*step the optimizer it returned"):
         opt.step()
+
+
+def test_an_optimizer_collected_takes_its_gradient_hooks_off_the_params():
+    import gc
+
+    model, _ = twins("cpu")
+    data = batches(1, "cpu")
+    for _ in range(5):
+        train(model, StreamedOnHost(model.parameters(), lr=1e-2), data)
+        gc.collect()
+    assert all(len(p._post_accumulate_grad_hooks) == 0 for p in model.parameters())

@@ -129,13 +129,14 @@ class HostUpdates:
         self.records: dict = {}  # param -> ParamRecord, in the order added
         self.lock = threading.RLock()  # the lander pushes under it (its `pager.lock`)
         self.lander = Lander(self)
-        # Dropped without synchronize(), the queued updates still land: the finalizer holds the
-        # records (and through them the params), never self. The lander's own finalizer only
-        # stops its thread: whatever it has not pushed, this one pushes.
-        weakref.finalize(self, _land_all, self.records, self.backend, self.lock)
         me = weakref.ref(self)  # the guard's global hook must not keep the optimizer alive
         self.guard = ForwardGuard(lambda records: _before_reading(me, records))
-        self._hooks: list = []
+        self._hooks: list = []  # the params' gradient hook handles
+        # Dropped without synchronize(), the queued updates still land, and the params (which
+        # outlive the optimizer) lose its hooks: the finalizer holds the records (and through
+        # them the params) and the handles, never self. The lander's own finalizer only stops
+        # its thread: whatever it has not pushed, this one pushes.
+        weakref.finalize(self, _let_go, self.records, self._hooks, self.backend, self.lock)
         self._landing: list = []  # records with a copy into `stage` issued, in issue order
         self.closed = False  # close() ran: another optimizer took the params over
 
@@ -172,7 +173,7 @@ class HostUpdates:
         self.synchronize()
         for handle in self._hooks:
             handle.remove()
-        self._hooks = []
+        self._hooks.clear()  # in place: the finalizer holds the list
         for p in self.records:
             if self.owns(p):
                 del _owner_of[id(p)]
@@ -411,6 +412,16 @@ def _land_all(records: dict, backend: Backend, lock) -> None:
                 record.push_event.synchronize()
                 record.push_event = None
             record.h2d_event = None
+
+
+def _let_go(records: dict, hooks: list, backend: Backend, lock) -> None:
+    """The optimizer was collected: its updates land and its hooks leave the params."""
+    try:
+        _land_all(records, backend, lock)
+    finally:
+        for handle in hooks:
+            handle.remove()
+        hooks.clear()
 
 
 def _before_reading(owner_ref, records: list) -> None:
