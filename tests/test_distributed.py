@@ -46,12 +46,16 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
 
 
-def _train(model, opt, rank, world, steps, accumulation=1, clip=None, stock=False, poison=None, autocast=False):
+def _train(
+    model, opt, rank, world, steps, accumulation=1, clip=None, stock=False, poison=None, autocast=False, last=None
+):
     """`steps` optimizer steps on this rank's share of each global batch; `poison`: the step
-    at which this rank's loss is NaN; `autocast`: forward under bf16 autocast."""
+    at which this rank's loss is NaN; `autocast`: forward under bf16 autocast; `last`: the
+    passes of the last step, if fewer than `accumulation` (an epoch's last partial batch)."""
     norms = []
     for step in range(steps):
-        for micro in range(accumulation):
+        passes = last if last is not None and step == steps - 1 else accumulation
+        for micro in range(passes):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(*_batch(step * accumulation + micro, rank, world)) / accumulation
             if step == poison:
@@ -133,7 +137,12 @@ def _ok(results: list) -> list:
 # -- what the ranks run -----------------------------------------------------------------------
 
 
-def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint):
+def _step_counts(opt) -> list:
+    """Each parameter's AdamW step count (a collective with data parallel: every rank asks)."""
+    return [float(st["step"]) for _, st in sorted(opt.state_dict()["state"].items())]
+
+
+def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint, last=None):
     """The engine data parallel, then torch's DDP on the same batches (same processes)."""
     model = _model()
     opt = _optimizer(model)
@@ -147,12 +156,13 @@ def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint
         max_grad_norm=clip,
         **options,
     )
-    norms = _train(model, opt, rank, world, steps, accumulation, clip)
+    norms = _train(model, opt, rank, world, steps, accumulation, clip, last=last)
     out = {
         "state": _host_state(model),
         "norms": norms,
         "report": trainstream.memory_report(model),
         "skipped": opt.skipped_steps,
+        "step counts": _step_counts(opt),
     }
     if checkpoint is not None:
         osd = opt.state_dict()  # a collective: every rank asks
@@ -160,7 +170,7 @@ def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint
             torch.save({"model": model.state_dict(), "optim": osd}, checkpoint)
     ddp_model = torch.nn.parallel.DistributedDataParallel(_model())
     ddp_opt = _optimizer(ddp_model)
-    _train(ddp_model, ddp_opt, rank, world, steps, accumulation, clip, stock=True)
+    _train(ddp_model, ddp_opt, rank, world, steps, accumulation, clip, stock=True, last=last)
     out["ddp"] = {k.removeprefix("module."): v for k, v in _host_state(ddp_model).items()}
     return out
 
@@ -170,7 +180,9 @@ def _two_runs(rank, world, checkpoint):
     eager = _wrapped_and_ddp(rank, world, STEPS, {"offload": True}, 1, None, checkpoint)
     held = _wrapped_and_ddp(rank, world, HELD_STEPS, {"offload": True}, ACCUMULATION, CLIP, None)
     switched = _wrapped_and_ddp(rank, world, SWITCHED_STEPS, {}, 1, None, None)  # offload="auto"
-    return {"eager": eager, "held": held, "switched": switched}
+    # The last window ends at step() after 1 of its 2 passes, without clipping.
+    partial = _wrapped_and_ddp(rank, world, PARTIAL_STEPS, {"offload": True}, ACCUMULATION, None, None, last=1)
+    return {"eager": eager, "held": held, "switched": switched, "partial": partial}
 
 
 def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
@@ -265,7 +277,7 @@ def _failures(rank, world):
 # -- single-process references ----------------------------------------------------------------
 
 
-def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True):
+def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True, last=None):
     model = _model()
     opt = _optimizer(model)
     if wrapped:
@@ -280,13 +292,14 @@ def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True):
             max_grad_norm=clip,
             distributed=False,
         )
-    norms = _train(model, opt, 0, 1, steps, accumulation, clip, stock=not wrapped)
+    norms = _train(model, opt, 0, 1, steps, accumulation, clip, stock=not wrapped, last=last)
     return model, opt, norms
 
 
 STEPS = 3
 HELD_STEPS, ACCUMULATION, CLIP = 2, 2, 0.05
 SWITCHED_STEPS = 5  # offload="auto" switches to stock training after 2 measured steps
+PARTIAL_STEPS = 2  # of ACCUMULATION passes, the last one of 1
 
 
 @pytest.fixture(scope="module")
@@ -296,13 +309,19 @@ def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp2")
     checkpoint = str(root / "ckpt.pt")
     results = _ok(_spawn(2, root, _two_runs, checkpoint))
-    return [r["eager"] for r in results], checkpoint, [r["held"] for r in results], [r["switched"] for r in results]
+    return (
+        [r["eager"] for r in results],
+        checkpoint,
+        [r["held"] for r in results],
+        [r["switched"] for r in results],
+        [r["partial"] for r in results],
+    )
 
 
 @pytest.fixture(scope="module")
 def three_ranks(two_ranks, tmp_path_factory):
     """Three ranks resume the two ranks' checkpoint, then train paged with a NaN on rank 2."""
-    _, checkpoint, _, _ = two_ranks
+    _, checkpoint, *_ = two_ranks
     return _ok(_spawn(3, tmp_path_factory.mktemp("dp3"), _three_runs, checkpoint))
 
 
@@ -328,12 +347,12 @@ def _frozen_quantized_base(rank, world):
 
 
 def test_every_rank_holds_the_same_weights(two_ranks):
-    (a, b), _, _, _ = two_ranks
+    (a, b), *_ = two_ranks
     _same_bits(a["state"], b["state"])
 
 
 def test_matches_one_process_as_closely_as_ddp(two_ranks):
-    (a, _), _, _, _ = two_ranks
+    (a, _), *_ = two_ranks
     model, _, _ = _alone(STEPS)
     stock, _, _ = _alone(STEPS, wrapped=False)
     ours = _max_diff(a["state"], _host_state(model))
@@ -342,7 +361,7 @@ def test_matches_one_process_as_closely_as_ddp(two_ranks):
 
 
 def test_each_rank_holds_half_the_moments(two_ranks):
-    (a, b), _, _, _ = two_ranks
+    (a, b), *_ = two_ranks
     model, _, _ = _alone(1)
     alone = trainstream.memory_report(model)["host_moment_bytes"]
     for r in (a, b):
@@ -360,7 +379,7 @@ def test_each_rank_holds_half_the_moments(two_ranks):
 
 
 def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
-    _, checkpoint, _, _ = two_ranks
+    _, checkpoint, *_ = two_ranks
     saved = torch.load(checkpoint, weights_only=False)
     res = _resume(0, 1, checkpoint)  # no process group here: the engine trains alone
     _same_bits(res["loaded"]["model"], {k: v for k, v in saved["model"].items()})
@@ -370,7 +389,7 @@ def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
 
 
 def test_saved_with_two_ranks_resumes_with_three_exactly(two_ranks, three_ranks):
-    _, checkpoint, _, _ = two_ranks
+    _, checkpoint, *_ = two_ranks
     saved = torch.load(checkpoint, weights_only=False)
     results = [r["resume"] for r in three_ranks]
     for res in results:
@@ -394,6 +413,19 @@ def test_accumulation_and_clipping_match_one_process_as_closely_as_ddp(two_ranks
     # The global norm is the whole batch's, not a rank's: as close to it as DDP's is.
     ours = max(abs(x - y) for x, y in zip(a["norms"], norms))
     assert ours <= 3 * max(max(abs(x - y) for x, y in zip(stock_norms, norms)), 1e-6), ours
+    ours = _max_diff(a["state"], _host_state(model))
+    ddp = _max_diff(a["ddp"], _host_state(stock))
+    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
+
+
+def test_a_step_that_ends_a_window_early_updates_as_one_process(two_ranks):
+    """step() after 1 of 2 accumulated passes, without clipping (an epoch's last partial
+    batch): every rank updates from the partial window, as one process does."""
+    a, b = two_ranks[4]
+    _same_bits(a["state"], b["state"])
+    model, opt, _ = _alone(PARTIAL_STEPS, ACCUMULATION, last=1)
+    assert a["step counts"] == b["step counts"] == _step_counts(opt) == [float(PARTIAL_STEPS)] * len(a["step counts"])
+    stock, _, _ = _alone(PARTIAL_STEPS, ACCUMULATION, wrapped=False, last=1)
     ours = _max_diff(a["state"], _host_state(model))
     ddp = _max_diff(a["ddp"], _host_state(stock))
     assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)

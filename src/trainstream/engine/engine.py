@@ -697,9 +697,19 @@ class Engine:
 
     def _dp_step(self, pending: list) -> None:
         """step() with data parallel. With clipping the window's units are reduced now, and
-        the global norm is taken over every rank's reduced shards; otherwise the window was
-        reduced at the end of its last backward pass."""
+        the global norm is taken over every rank's reduced shards. Without it the window was
+        reduced at the end of its last backward pass, unless step() ends it early (fewer
+        passes than accumulation_steps: the last partial batch of an epoch), which one
+        process updates from: then it is reduced now. Whether the window is open is read
+        from the passes, which every rank counts alike, not from `pending`, which is empty
+        on a rank with no gradients (every rank must issue the same collectives)."""
         if self.opts.max_grad_norm is None:
+            if self.grads.passes == 0 or self._dp_window_ends_in_backward():
+                return  # no window, or reduced and applied at the end of its last pass
+            for unit in pending:
+                self.dp.offer(unit)
+            self._apply_reduced(self.dp.ready() + self.dp.drain())
+            self._dp_end_window()
             return
         for unit in pending:
             self.dp.offer(unit)
