@@ -746,3 +746,28 @@ def test_an_optimizer_collected_takes_its_gradient_hooks_off_the_params():
         train(model, StreamedOnHost(model.parameters(), lr=1e-2), data)
         gc.collect()
     assert all(len(p._post_accumulate_grad_hooks) == 0 for p in model.parameters())
+
+
+def test_the_updates_step_waits_for_are_queued_first(monkeypatch):
+    """head.weight is read outside every module's forward (as a chunked loss reads lm_head):
+    step() waits for its update, so the pool runs it before the body's, which the next
+    forward waits for."""
+    import trainstream.ops
+
+    torch.manual_seed(0)
+    model = BodyAndHead()
+    opt = StreamedOnHost(model.parameters(), lr=1e-2)
+    queued = []
+    adamw_step = trainstream.ops.adamw_step
+
+    def recording(params, *args, priority, **kwargs):
+        queued.append((params[0].shape, priority))
+        return adamw_step(params, *args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(trainstream.ops, "adamw_step", recording)
+    x = torch.randn(8, 37)
+    F.linear(model.body(x), model.head.weight).square().mean().backward()
+    opt.step()
+    priority = dict(queued)
+    head = priority[model.head.weight.shape]
+    assert head < priority[model.body.weight.shape] and head < priority[model.body.bias.shape]

@@ -48,6 +48,7 @@ class ForwardGuard:
         # (a module collected mid-window leaves a valid list behind: it only widens coverage
         # for the window its forward did run in).
         self._window: dict = {}
+        self._covered: set | None = None  # ids of the records in `_window`, once asked for
         me = weakref.ref(self)
         # The global hook holds the guard weakly: the optimizer (and through it the model's
         # parameters) stays collectable; a finalizer takes the hook off.
@@ -80,9 +81,16 @@ class ForwardGuard:
         """At step(), once its updates are pending: the pending records no forward with grad
         enabled waited for since the last step() (their reads are not seen by the guard), which
         the caller makes current now. A new window starts."""
-        covered = {id(r) for readers in self._window.values() for r in readers}
+        unseen = [r for r in self._pending if not self.seen(r)]
         self._window = {}
-        return [r for r in self._pending if id(r) not in covered]
+        self._covered = None
+        return unseen
+
+    def seen(self, record) -> bool:
+        """Whether a forward with grad enabled read `record` in this window (so far)."""
+        if self._covered is None:
+            self._covered = {id(r) for readers in self._window.values() for r in readers}
+        return id(record) in self._covered
 
     def before_forward(self, module: torch.nn.Module) -> None:
         grad = torch.is_grad_enabled()
@@ -109,6 +117,7 @@ class ForwardGuard:
         readers = cached[1]
         if grad and readers:
             self._window[id(module)] = readers
+            self._covered = None
         if not self._pending or not readers:
             return
         waiting = [r for r in readers if r in self._pending]

@@ -340,6 +340,12 @@ class HostUpdates:
             record.master.copy_(host)
             record.copy.copy_(host)
 
+    def priority_of(self, record: ParamRecord) -> int:
+        """The pool's priority for `record`'s update: its position, except that a param no
+        forward was seen reading in this window comes before all others, since step() waits
+        for it (after_step) while the rest are waited for by the forwards that read them."""
+        return record.priority if self.guard.seen(record) else record.priority - len(self.records)
+
     def update_queued(self, record: ParamRecord, handle, mark) -> None:
         """`handle` (a host job) reads `record`'s gradient and writes its master: the weights
         go to the device when it is done (the lander, or the guard of the next forward)."""

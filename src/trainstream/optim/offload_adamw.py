@@ -423,7 +423,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             seeds=[seed],
             param_copies=None if record.copy is None else [record.copy],
             threads=self.threads,
-            priority=record.priority,
+            priority=streamed.priority_of(record),
         )
         streamed.update_queued(record, handle, mark)
 
