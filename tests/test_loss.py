@@ -212,18 +212,28 @@ def _relative_errors(tensors, truth):
 def test_fp16_under_a_loss_scale_is_as_accurate_as_torch(reduction, num_items, ignore_index, grad_output):
     """fp16 with a large loss gradient (a GradScaler's scale): the gradients no farther from the
     fp64 truth than torch's unchunked fp16 loss, within a factor of 1.5 (d_weight is summed over
-    the chunks in fp16), also on the rows of words no token targets (their gradient is the sum
-    of small probabilities, which round to subnormals or 0 when rounded at the unscaled 1 / N;
-    the loss gradient then cannot bring back what was lost)."""
+    the chunks in fp16, here 4), also on the rows of words no token targets (their gradient is
+    the sum of small probabilities, which round to subnormals or 0 when rounded at the unscaled
+    1 / N; the loss gradient then cannot bring back what was lost)."""
+    _check_fp16_loss_scale("cpu", 1024, 4000, 32, 256, reduction, num_items, ignore_index, grad_output)
+
+
+def _check_fp16_loss_scale(device, tokens, vocab, dim, chunk_size, reduction, num_items, ignore_index, g):
     default_index = ignore_index == -100
     hidden, weight, b, targets = _inputs(
-        shape=(1024,), dtype=torch.float16, bias=True, vocab=4000, dim=32, ignored=5 if default_index else 0
+        shape=(tokens,),
+        dtype=torch.float16,
+        bias=True,
+        device=device,
+        vocab=vocab,
+        dim=dim,
+        ignored=5 if default_index else 0,
     )
     if not default_index:
         targets[targets == ignore_index] = 0
         targets[::2] = ignore_index
     kwargs = dict(ignore_index=ignore_index, reduction=reduction, num_items=num_items)
-    g = torch.tensor(grad_output)
+    g = torch.tensor(g, device=device)
     tensors = [hidden, weight, b]
 
     def torchs(h, w, bias):
@@ -232,17 +242,26 @@ def test_fp16_under_a_loss_scale_is_as_accurate_as_torch(reduction, num_items, i
         loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum" if num_items else reduction)
         return loss / num_items if num_items else loss
 
-    ours = _loss_and_grads(chunked_cross_entropy(hidden, weight, targets, b, chunk_size=256, **kwargs), tensors, g)
+    loss = chunked_cross_entropy(hidden, weight, targets, b, chunk_size=chunk_size, **kwargs)
+    ours = _loss_and_grads(loss, tensors, g)
     ref = _loss_and_grads(torchs(hidden, weight, b), tensors, g)
     exact = [t.detach().double().requires_grad_() for t in tensors]
     truth = _loss_and_grads(torchs(*exact), exact, g.double())
     assert abs(ours[0].item() - ref[0].item()) <= 1e-5 * abs(ref[0].item())  # both from fp16 logits
     ours_err, ref_err = _relative_errors(ours[1:], truth[1:]), _relative_errors(ref[1:], truth[1:])
-    untargeted = torch.ones(4000, dtype=torch.bool)
+    untargeted = torch.ones(vocab, dtype=torch.bool, device=device)
     untargeted[targets[targets != ignore_index]] = False
     [ours_rows], [ref_rows] = (_relative_errors([r[2][untargeted]], [truth[2][untargeted]]) for r in (ours, ref))
     for a, r in zip(ours_err + [ours_rows], ref_err + [ref_rows]):
         assert r < 2e-3 and a <= 1.5 * r, (ours_err, ours_rows, ref_err, ref_rows)
+
+
+@pytest.mark.gpu
+def test_gpu_fp16_under_a_loss_scale_is_as_accurate_as_torch():
+    """The same on CUDA (cuBLAS), 4 chunks: a hidden value above 2 times a d_logit near
+    -2**15 passes 65504 before the matmul's alpha, so an fp16 partial sum would make d_weight
+    inf (see _fp32_partial_sums)."""
+    _check_fp16_loss_scale("cuda", 4096, 32000, 64, 1024, "mean", None, -100, 2.0**16)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -413,6 +432,52 @@ def test_bf16_weight_gradient_accumulates_in_bf16():
         chunked_cross_entropy(hidden, weight, targets, chunk_size=8).backward()
     assert seen.by_dtype[torch.float32] <= 8 * 50 < weight.numel()
     assert weight.grad.dtype == torch.bfloat16
+
+
+class _WeightSized(TorchDispatchMode):
+    """The distinct storages of the tensors of `numel` elements that ops return (held, so that
+    no later tensor is given their memory; an in-place op returns its input's)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.storages = numel, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel:
+                self.storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        return out
+
+
+def test_fp16_range_bounds_make_no_weight_sized_temporary():
+    """fp16 reads max|W| and max|h| for its scales ([Note: fp16 range]) by a reduction: the one
+    weight-sized tensor made in forward and backward is d_weight (an abs() would be a second,
+    1 GiB at 152064 x 3584)."""
+    hidden, weight, b, targets = _inputs(shape=(64,), dtype=torch.float16, vocab=50, dim=64)
+    with _WeightSized(weight.numel()) as seen:
+        chunked_cross_entropy(hidden, weight, targets, chunk_size=8).backward()
+    seen.storages.pop(weight.untyped_storage().data_ptr())  # F.linear's view of the weight
+    assert len(seen.storages) == 1 and weight.grad is not None
+
+
+def test_fp16_matmul_settings_are_restored():
+    """_fp32_partial_sums turns torch's fp16 reduced-precision reductions and fp16 accumulation
+    off on CUDA for the walk and gives back the caller's settings, also when the walk raises."""
+    from trainstream.loss import _fp32_partial_sums
+
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation)
+    try:
+        m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation = True, True
+        with pytest.raises(KeyError), _fp32_partial_sums(torch.device("cuda"), True):
+            assert not m.allow_fp16_reduced_precision_reduction and not m.allow_fp16_accumulation
+            raise KeyError
+        assert m.allow_fp16_reduced_precision_reduction and m.allow_fp16_accumulation
+        with _fp32_partial_sums(torch.device("cpu"), True):  # the settings are CUDA's
+            assert m.allow_fp16_reduced_precision_reduction
+    finally:
+        m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation = saved
 
 
 def test_exported():

@@ -15,7 +15,9 @@ a block of its rows at a time in fp32 (fp64 for fp64 inputs; see [Note: row bloc
 order), then ``d_logits = scale * (e / s - onehot)`` rounded once to the input dtype, written
 over the chunk's logits (what the upcast's backward does in the unchunked loss). ``scale`` is
 each token's d(loss)/d(its loss): 1 / (the mean's count, or num_items), 1 for the sum, 0 for
-an ignored token. When autograd will need gradients, the chunk then costs two more matmuls:
+an ignored token; fp16, whose range cannot hold 1 / N times a probability, writes
+``2**15 * (e / s - onehot)`` and applies 1 / N after the matmuls instead (see
+[Note: fp16 range]). When autograd will need gradients, the chunk then costs two more matmuls:
 - d_hidden of its tokens is one matmul over the vocabulary, written in place: the unchunked
   loss's computation of those rows;
 - d_weight accumulates over the chunks in the weight's dtype (``addmm_``: the matmul adds in
@@ -24,12 +26,18 @@ an ignored token. When autograd will need gradients, the chunk then costs two mo
   but at 152064 x 3584 it is 2 GiB, and with the bf16 gradient made from it 3 GiB, past the
   memory bound this module exists for (an eighth of the unchunked loss's 14 GiB, gradients
   included). A frozen weight (LoRA) gets no d_weight at all;
-- d_bias accumulates over the chunks in fp32 (fp64 for fp64) and is rounded once.
+- d_bias accumulates over the chunks in fp32 (fp64 for fp64) and is held so until backward.
 So the loss with its gradients costs three matmuls, as the unchunked one does; without grad
 (evaluation) each chunk is the logits' matmul and the log-sum-exp only. Backward multiplies
-the gradients made in forward by the loss's gradient (read once to the host: skipped when it
-is 1, as ``loss.backward()`` gives it, else one multiplication in fp32 and one rounding) and
-hands them over: they become ``.grad`` without a copy, so the peak holds one d_weight. A
+the gradients made in forward by the loss's gradient g (read once to the host: skipped when
+the factor is 1, as ``loss.backward()`` gives it for bf16, fp32 and fp64, else one
+multiplication in fp32 and one rounding) and hands them over: they become ``.grad`` without a
+copy, so the peak holds one d_weight. d_bias is rounded once, after g. d_hidden and d_weight
+were rounded in forward, so a g other than a power of two (a loss divided by 3 accumulation
+steps) rounds them a second time, where the unchunked loss rounds its d_logits after g and
+its gradients once: at most half a unit in the last place more (holding them in fp32 until g
+is known would double d_weight, past the memory bound). A power of two (1, a GradScaler's
+scale) multiplies exactly. A
 second backward through the same graph (``retain_graph=True``) finds them handed over and
 walks the chunks again from the saved inputs, which gives the same values; a double backward
 (``create_graph=True``) is refused.
@@ -213,7 +221,7 @@ def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_inde
     # The first chunk writes d_weight whole; with no token there is no chunk.
     d_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if need_weight and n == 0 else None
     d_bias = torch.zeros(vocab, dtype=compute, device=device) if need_bias else None
-    with _no_autocast(device):
+    with _no_autocast(device), _fp32_partial_sums(device, scales.hidden_alpha != 1.0 or scales.weight_alpha != 1.0):
         for c0 in range(0, n, chunk_size):
             c1 = min(c0 + chunk_size, n)
             h = hidden[c0:c1]
@@ -275,7 +283,9 @@ class _GradientScales(NamedTuple):
 # value) and |d_weight| <= N_valid * max|h| / N, partial sums included. Backward multiplies
 # them by g * 2**-k: a power of two times 2**-k is exact (a GradScaler's scale, or 1), so the
 # gradients are rounded once, as the unchunked loss's are. These bounds take one reduction
-# over hidden and one over the weight (no temporary) and one host read per call.
+# over hidden and one over the weight (no temporary) and one host read per call, and the
+# factor makes backward one pass over d_weight; the memory is unchanged (scalars only). The
+# sums before alpha can pass 65504: _fp32_partial_sums keeps cuBLAS's partial sums in fp32.
 _FP16_DLOGITS = 2.0**15
 _FP16_BOUND = 2.0**15
 
@@ -370,6 +380,34 @@ class _no_autocast:
     def __exit__(self, *exc):
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
+
+
+class _fp32_partial_sums:
+    """While active on CUDA, fp16 matmuls keep their partial sums in fp32: with the scales of
+    [Note: fp16 range] a sum before alpha may exceed 65504 (2**15 * a d_logit times h), and
+    cuBLAS may otherwise reduce split-K partial sums in fp16 or accumulate in fp16 (torch's
+    allow_fp16_reduced_precision_reduction, on by default, and allow_fp16_accumulation). The
+    settings are torch's process-wide ones: they are restored on exit."""
+
+    def __init__(self, device: torch.device, active: bool):
+        self._active = active and device.type == "cuda"
+        self._saved = None
+
+    def __enter__(self):
+        if self._active:
+            m = torch.backends.cuda.matmul
+            self._saved = (
+                (m.allow_fp16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction_split_k),
+                m.allow_fp16_accumulation,
+            )
+            m.allow_fp16_reduced_precision_reduction = False
+            m.allow_fp16_accumulation = False
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            m = torch.backends.cuda.matmul
+            m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation = self._saved
+            self._saved = None
 
 
 def _autocast_inputs(hidden, weight, bias):
