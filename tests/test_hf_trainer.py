@@ -403,6 +403,17 @@ def test_fp16_is_refused(tmp_path):
         TrainStreamTrainer(model=tiny_causal_lm(), args=training_args(tmp_path, fp16=True))
 
 
+def test_more_than_one_process_is_refused_before_anything_is_wrapped(tmp_path, monkeypatch):
+    """Under torchrun the Trainer would save the optimizer on rank 0 only, and a data-parallel
+    optimizer.state_dict() is a collective: refused, with what works instead."""
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
+    model = tiny_causal_lm()
+    with pytest.raises(NotImplementedError, match=r"2 processes\) is not built yet.*trainstream.wrap\(model"):
+        TrainStreamTrainer(model=model, args=training_args(tmp_path))
+    with pytest.raises(ValueError, match="not wrapped"):
+        trainstream.memory_report(model)
+
+
 @pytest.mark.parametrize(
     "options, match",
     [

@@ -95,6 +95,15 @@ def _trainer_option(name: str, value):
 
 def _check_args(args, check_optim: bool) -> None:
     """TrainingArguments the engine cannot honour: a clear error before anything is wrapped."""
+    if args.world_size > 1:
+        # The Trainer saves the optimizer on the main process only (should_save), but a
+        # data-parallel optimizer.state_dict() is a collective: the first checkpoint would hang.
+        raise NotImplementedError(
+            f"TrainStreamTrainer: data parallel through the Trainer ({args.world_size} processes) is not built yet "
+            "(it saves the optimizer on the main process only, and a data-parallel optimizer.state_dict() is a "
+            "collective every rank must call). Under torchrun, call trainstream.wrap(model, optimizer) in your own "
+            "training loop instead: it trains data parallel over the process group (docs/distributed.md)"
+        )
     if args.fp16:
         raise ValueError(
             "TrainStreamTrainer: fp16=True is not supported (an update queued during backward cannot be "
