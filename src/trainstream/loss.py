@@ -35,7 +35,7 @@ multiplication in fp32 and one rounding) and hands them over: they become ``.gra
 copy, so the peak holds one d_weight. d_bias is rounded once, after g. d_hidden and d_weight
 were rounded in forward, so a g other than a power of two (a loss divided by 3 accumulation
 steps) rounds them a second time, where the unchunked loss rounds its d_logits after g and
-its gradients once: at most half a unit in the last place more (holding them in fp32 until g
+its gradients once: about half a unit in the last place more (holding them in fp32 until g
 is known would double d_weight, past the memory bound). A power of two (1, a GradScaler's
 scale) multiplies exactly. A
 second backward through the same graph (``retain_graph=True``) finds them handed over and
