@@ -433,7 +433,10 @@ def test_gpu_mode_without_a_usable_gpu_says_what_is_missing():
 def test_mode_and_parameter_device_must_agree():
     # mode="cpu" takes GPU parameters too (tests/test_offload_adamw_cuda.py); mode="gpu" only those.
     assert OffloadAdamW(torch.nn.Linear(2, 2).cuda().parameters())._host_updates is not None
-    with pytest.raises(ValueError, match=r"mode='gpu'\) updates parameters on a GPU; this one is on cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"mode='gpu'\) updates parameters on a GPU; parameter 0 of param group 0 \(shape \(2, 2\)\) is on cpu",
+    ):
         OffloadAdamW(torch.nn.Linear(2, 2).parameters(), mode="gpu")
 
 

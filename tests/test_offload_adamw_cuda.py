@@ -425,7 +425,10 @@ def test_parameter_dtypes_on_the_streamed_path():
 
 @pytest.mark.gpu
 def test_gpu_mode_still_refuses_host_parameters():
-    with pytest.raises(ValueError, match=r"mode='gpu'\) updates parameters on a GPU; this one is on cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"mode='gpu'\) updates parameters on a GPU; parameter 0 of param group 0 \(shape \(2, 2\)\) is on cpu",
+    ):
         OffloadAdamW(torch.nn.Linear(2, 2).parameters(), mode="gpu")
 
 
@@ -771,3 +774,42 @@ def test_the_updates_step_waits_for_are_queued_first(monkeypatch):
     priority = dict(queued)
     head = priority[model.head.weight.shape]
     assert head < priority[model.body.weight.shape] and head < priority[model.body.bias.shape]
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_frozen_fp16_or_int8_param_is_skipped_as_torch_skips_it(streamed):
+    """model.parameters() of a model with a frozen fp16 or int8 base (a peft model): torch's
+    AdamW skips a param without a gradient, so does OffloadAdamW; one unfrozen later is
+    refused at the step() that would read its gradient, naming it."""
+    torch.manual_seed(0)
+    ours = MLP()
+    ours.base = torch.nn.Linear(4, 4).half().requires_grad_(False)
+    ours.codes = torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
+    theirs = copy.deepcopy(ours)
+    data = batches(4, "cpu")
+    opt = (StreamedOnHost if streamed else OffloadAdamW)(ours.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    for model, o in ((ours, opt), (theirs, torch_opt)):
+        for x, y in data:
+            loss_of(model, x, y).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert_close(ours, theirs, 1e-6)
+    ours.base.weight.requires_grad_(True)
+    ours.base(torch.randn(2, 4).half()).float().sum().backward()
+    dtypes = "float32 or bfloat16" if streamed else "float32"
+    with pytest.raises(
+        ValueError,
+        match=rf"needs {dtypes} parameters.*got torch.float16 for parameter 6 of param "
+        r"group 0 \(shape \(4, 4\)\)",
+    ):
+        opt.step()
+
+
+def test_a_refused_parameter_is_named_by_group_index_and_shape():
+    ok = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"got torch.float16 for parameter 1 of param group 1 \(shape \(2, 5\)\)"):
+        StreamedOnHost([{"params": [ok]}, {"params": [ok.new_zeros(1), torch.nn.Parameter(torch.zeros(2, 5).half())]}])
+    with pytest.raises(ValueError, match=r"contiguous.*parameter 0 of param group 0 \(shape \(5, 4\)\) is not"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(4, 5).t())])

@@ -187,8 +187,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _check_param(self, p: torch.Tensor) -> None:
         # Overridden by the engine's optimizer (which streams nothing itself): a parameter
         # is streamed only when this optimizer checked it as its own.
-        streamed = self.mode == "cpu" and (p.device.type == "cuda" or self._stream_host_params)
-        _check_param(p, self.mode, streamed)
+        streamed = self._streams(p)
+        _check_param(p, self.mode, streamed, self.param_groups)
         if self.mode != "cpu":
             return
         if streamed and self._in_place_params or not streamed and self._host_updates is not None:
@@ -202,6 +202,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._host_updates is None:
             self._host_updates = HostUpdates(p.device)
         self._host_updates.adopt(p)
+
+    def _streams(self, p: torch.Tensor) -> bool:
+        return self.mode == "cpu" and (p.device.type == "cuda" or self._stream_host_params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._host_updates is not None:
@@ -436,6 +439,12 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _gradients_for_update(self) -> dict | None:
         """The gradient each parameter's update reads, or None on a micro-step that only
         accumulates. With accumulation the update reads the host fp32 sums."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                # A param frozen when it was added was not checked (torch skips it): one that
+                # has a gradient now is checked before anything reads it.
+                if p.grad is not None:
+                    _check_trainable(p, self._streams(p), self.param_groups)
         current = {}
         if self._host_updates is not None:  # landed in host memory (the hooks took p.grad)
             current = self._host_updates.gradients([p for g in self.param_groups for p in g["params"]])
@@ -540,21 +549,44 @@ def _reject_unsupported(options: dict) -> None:
             raise ValueError(f"OffloadAdamW does not support {name}={value!r} (accepted: {UNSUPPORTED[name]})")
 
 
-def _check_param(p: torch.Tensor, mode: str, streamed: bool) -> None:
-    """`streamed`: mode="cpu" on a GPU param, whose master lives in host memory."""
+def _check_param(p: torch.Tensor, mode: str, streamed: bool, groups: list) -> None:
+    """`streamed`: mode="cpu" on a GPU param, whose master lives in host memory. A frozen
+    param's dtype and layout are not checked: torch skips a param without a gradient (a peft
+    model's AdamW(model.parameters()) holds its fp16 or int8 base too)."""
     if mode == "cpu" and not streamed and p.device.type != "cpu":
         raise ValueError(
-            f"OffloadAdamW(mode='cpu') updates parameters in host memory or on a CUDA GPU; this one is on {p.device}"
+            f"OffloadAdamW(mode='cpu') updates parameters in host memory or on a CUDA GPU; {_name(p, groups)} is "
+            f"on {p.device}"
         )
     if mode == "gpu" and p.device.type != "cuda":
-        raise ValueError(f"OffloadAdamW(mode='gpu') updates parameters on a GPU; this one is on {p.device}")
+        raise ValueError(f"OffloadAdamW(mode='gpu') updates parameters on a GPU; {_name(p, groups)} is on {p.device}")
+    if p.requires_grad:
+        _check_trainable(p, streamed, groups)
+
+
+def _check_trainable(p: torch.Tensor, streamed: bool, groups: list) -> None:
     if streamed:
         if p.dtype not in STREAMED_DTYPES:
             raise ValueError(
-                f"OffloadAdamW(mode='cpu') on a GPU needs float32 or bfloat16 parameters, got {p.dtype} "
-                "(for float16 weights keep fp32 parameters and train under torch.autocast)"
+                f"OffloadAdamW(mode='cpu') on a GPU needs float32 or bfloat16 parameters, got {p.dtype} for "
+                f"{_name(p, groups)} (for float16 weights keep fp32 parameters and train under torch.autocast; "
+                "a frozen parameter, requires_grad=False, is skipped)"
             )
     elif p.dtype != torch.float32:
-        raise ValueError(f"OffloadAdamW needs float32 parameters (the master weights), got {p.dtype}")
+        raise ValueError(
+            f"OffloadAdamW needs float32 parameters (the master weights), got {p.dtype} for {_name(p, groups)} "
+            "(a frozen parameter, requires_grad=False, is skipped)"
+        )
     if not p.is_contiguous():
-        raise ValueError("OffloadAdamW needs contiguous parameters (it updates them in place)")
+        raise ValueError(
+            f"OffloadAdamW needs contiguous parameters (it updates them in place); {_name(p, groups)} is not"
+        )
+
+
+def _name(p: torch.Tensor, groups: list) -> str:
+    """The parameter as the error names it: its group, index and shape."""
+    for g, group in enumerate(groups):
+        for i, q in enumerate(group["params"]):
+            if q is p:
+                return f"parameter {i} of param group {g} (shape {tuple(p.shape)})"
+    return f"a parameter of shape {tuple(p.shape)}"
