@@ -219,6 +219,8 @@ def test_fp16_under_a_loss_scale_is_as_accurate_as_torch(reduction, num_items, i
 
 
 def _check_fp16_loss_scale(device, tokens, vocab, dim, chunk_size, reduction, num_items, ignore_index, g):
+    """Ours and torch's fp16 loss (transformers' upcast, sum / num_items as its
+    fixed_cross_entropy) given the loss gradient g, each gradient's error from the fp64 truth."""
     default_index = ignore_index == -100
     hidden, weight, b, targets = _inputs(
         shape=(tokens,),
@@ -247,7 +249,7 @@ def _check_fp16_loss_scale(device, tokens, vocab, dim, chunk_size, reduction, nu
     ref = _loss_and_grads(torchs(hidden, weight, b), tensors, g)
     exact = [t.detach().double().requires_grad_() for t in tensors]
     truth = _loss_and_grads(torchs(*exact), exact, g.double())
-    assert abs(ours[0].item() - ref[0].item()) <= 1e-5 * abs(ref[0].item())  # both from fp16 logits
+    assert abs(ours[0].item() - ref[0].item()) <= 1e-4 * abs(ref[0].item())  # both from fp16 logits
     ours_err, ref_err = _relative_errors(ours[1:], truth[1:]), _relative_errors(ref[1:], truth[1:])
     untargeted = torch.ones(vocab, dtype=torch.bool, device=device)
     untargeted[targets[targets != ignore_index]] = False
