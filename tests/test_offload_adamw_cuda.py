@@ -813,3 +813,35 @@ def test_a_refused_parameter_is_named_by_group_index_and_shape():
         StreamedOnHost([{"params": [ok]}, {"params": [ok.new_zeros(1), torch.nn.Parameter(torch.zeros(2, 5).half())]}])
     with pytest.raises(ValueError, match=r"contiguous.*parameter 0 of param group 0 \(shape \(5, 4\)\) is not"):
         OffloadAdamW([torch.nn.Parameter(torch.zeros(4, 5).t())])
+
+
+def test_wrap_of_a_streamed_bf16_optimizer_carries_its_fp32_masters():
+    """The engine's masters start from the OffloadAdamW's fp32 masters, not from the bf16
+    weights (which would lose up to half a bf16 ulp of every weight): it continues as the
+    OffloadAdamW would have."""
+    import trainstream
+
+    model, twin = twins("cpu", torch.bfloat16)
+    data = batches(6, "cpu")
+    opt = StreamedOnHost(model.parameters(), lr=1e-2)
+    uninterrupted = StreamedOnHost(twin.parameters(), lr=1e-2)
+
+    def run(model, opt, data):
+        for x, y in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+
+    run(model, opt, data[:3])
+    run(twin, uninterrupted, data[:3])
+    masters = {p: opt.state[p]["master"].clone() for p in model.parameters()}
+    assert any(not torch.equal(m, p.float()) for p, m in masters.items())  # the bits the weights lack
+    model, wrapped = trainstream.wrap(model, opt, offload=True, profile=False)
+    for unit in wrapped._engine.units:
+        for s in unit.slots:
+            assert torch.equal(s.master, masters[s.param])
+    run(model, wrapped, data[3:])
+    run(twin, uninterrupted, data[3:])
+    assert_close(model, twin, 0.0)

@@ -180,6 +180,30 @@ class StreamedAdamW(OffloadAdamW):
     def attach(self, engine) -> None:
         """The engine that queues this optimizer's updates (wrap())."""
         self._engine = engine
+        self._carry_masters()
+
+    # bf16 param -> the fp32 master a converted OffloadAdamW kept of it (its state's "master",
+    # loaded before the engine existed), for the engine's master at attach().
+    _carried: dict = {}
+
+    def _load_master(self, p: torch.Tensor, value) -> None:
+        if self._engine is None:  # after wrap() the engine's masters stand, as before
+            if "_carried" not in vars(self):
+                self._carried = {}
+            self._carried[p] = value.detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+    def _carry_masters(self) -> None:
+        """A carried master replaces the engine's (the param's bf16 weights, widened) where the
+        weights are what it rounds to; otherwise the weights win, as OffloadAdamW decides."""
+        carried, self._carried = self._carried, {}
+        for unit in self._engine.units if carried else ():
+            for s in unit.slots:
+                master = carried.get(s.param)
+                held = s.host.get(s.dtype) if s.dtype != torch.float32 else None
+                if master is None or held is None or s.host.get(torch.float32) is None:
+                    continue
+                if master.shape == s.master.shape and torch.equal(held, master.to(s.dtype)):
+                    s.master.copy_(master)
 
     def detach(self) -> None:
         """The model was unwrapped: state_dict() still works, step() no longer does. The
