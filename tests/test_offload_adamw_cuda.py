@@ -599,7 +599,8 @@ def test_a_weight_read_outside_its_module_after_a_whole_model_eval_is_current(de
             o.step()
             o.zero_grad()
             losses[o].append(loss.item())
-    assert losses[opt] == pytest.approx(losses[torch_opt], abs=TOL[device], rel=0)
+    # A head one step old moves the loss by 20% (0.19 against 0.16 at the second step).
+    assert losses[opt] == pytest.approx(losses[torch_opt], abs=TOL[device], rel=TOL[device])
     opt.synchronize()
     assert_close(ours, theirs, TOL[device])
 

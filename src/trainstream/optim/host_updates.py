@@ -136,7 +136,8 @@ class HostUpdates:
         # outlive the optimizer) lose its hooks: the finalizer holds the records (and through
         # them the params) and the handles, never self. The lander's own finalizer only stops
         # its thread: whatever it has not pushed, this one pushes.
-        weakref.finalize(self, _let_go, self.records, self._hooks, self.backend, self.lock)
+        # Not at interpreter exit: no one reads the weights then, and CUDA may be torn down.
+        weakref.finalize(self, _let_go, self.records, self._hooks, self.backend, self.lock).atexit = False
         self._landing: list = []  # records with a copy into `stage` issued, in issue order
         self.closed = False  # close() ran: another optimizer took the params over
 
