@@ -182,7 +182,8 @@ def _two_runs(rank, world, checkpoint):
     switched = _wrapped_and_ddp(rank, world, SWITCHED_STEPS, {}, 1, None, None)  # offload="auto"
     # The last window ends at step() after 1 of its 2 passes, without clipping.
     partial = _wrapped_and_ddp(rank, world, PARTIAL_STEPS, {"offload": True}, ACCUMULATION, None, None, last=1)
-    return {"eager": eager, "held": held, "switched": switched, "partial": partial}
+    placements = _placements_differ(rank, world, 2)
+    return {"eager": eager, "held": held, "switched": switched, "partial": partial, "placements": placements}
 
 
 def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
@@ -201,6 +202,17 @@ def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
     # writes beside the master: both are gathered.
     _train(model, opt, rank, world, steps, poison=poison_step if rank == poison_rank else None, autocast=True)
     return {"state": _host_state(model), "skipped": opt.skipped_steps, "report": trainstream.memory_report(model)}
+
+
+def _placements_differ(rank, world, steps):
+    """Rank 0 pages every block's weights, rank 1 none, under bf16 autocast: rank 0's paged
+    blocks keep a bf16 copy beside the master, rank 1's do not."""
+    model = _model()
+    model, opt = trainstream.wrap(
+        model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, param_offload=rank == 0
+    )
+    _train(model, opt, rank, world, steps, autocast=True)
+    return {"state": _host_state(model), "report": trainstream.memory_report(model)}
 
 
 def _resume(rank, world, checkpoint):
@@ -233,6 +245,15 @@ def _failures(rank, world):
         out["options differ"] = None
     except ValueError as e:
         out["options differ"] = str(e)
+    # offload='auto' agrees on the switch with a collective; the moments' dtype is what
+    # state_dict() gathers.
+    for key, value in (("offload", "auto" if rank == 0 else True), ("moment_dtype", ("float32", "bfloat16")[rank])):
+        model = _model()
+        try:
+            trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, **{key: value})
+            out[f"{key} differs"] = None
+        except ValueError as e:
+            out[f"{key} differs"] = str(e)
     model = _model()
     model, opt = trainstream.wrap(
         model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, nonfinite="raise"
@@ -315,6 +336,7 @@ def two_ranks(tmp_path_factory):
         [r["held"] for r in results],
         [r["switched"] for r in results],
         [r["partial"] for r in results],
+        [r["placements"] for r in results],
     )
 
 
@@ -431,6 +453,17 @@ def test_a_step_that_ends_a_window_early_updates_as_one_process(two_ranks):
     assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
 
 
+def test_ranks_whose_paging_differs_train_alike(two_ranks):
+    """Paging is each rank's own: a rank whose paged blocks keep bf16 copies and one whose
+    blocks are resident issue the same gathers (the fp32 masters; each rank rounds its own
+    copies from them, as the update does) and hold the same weights."""
+    a, b = two_ranks[5]
+    assert a["report"]["params"]["paged_blocks"] == [0, 1, 2, 3]
+    assert b["report"]["params"]["paged_blocks"] == []
+    _same_bits(a["state"], b["state"])
+    assert _max_diff(a["state"], _host_state(_model())) > 0  # it trained
+
+
 def test_offload_auto_switches_every_rank_to_stock_training_as_ddp(two_ranks):
     """offload='auto' switches to the fused AdamW on every rank alike, and the gradients are
     averaged over the ranks from then on, as DDP averages them."""
@@ -479,7 +512,8 @@ def test_models_that_differ_are_refused_on_every_rank(failures):
 
 def test_options_that_differ_are_refused_on_every_rank(failures):
     for res in failures:
-        assert res["options differ"] is not None and "same options on every rank" in res["options differ"]
+        for key in ("options differ", "offload differs", "moment_dtype differs"):
+            assert res[key] is not None and "same options on every rank" in res[key], key
 
 
 def test_nonfinite_raise_raises_on_every_rank_and_the_run_goes_on(failures):

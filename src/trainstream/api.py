@@ -153,8 +153,12 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     layout = lay_out_model(model, stack, trainable, device)
     ranks = None
     if group is not None:
-        # The options that decide which collectives each window issues: ranks that differ would deadlock.
-        settings = tuple((k, getattr(opts, k)) for k in ("accumulation_steps", "max_grad_norm", "nonfinite"))
+        # The options that decide which collectives a window issues (accumulation, clipping,
+        # the non-finite flags, offload='auto''s agreement at the switch step) and the dtype of
+        # the moment shards state_dict() gathers: ranks that differ would deadlock or mix dtypes.
+        # Paging (param_offload, activation_offload) stays local: nothing in it communicates.
+        compared = ("accumulation_steps", "max_grad_norm", "nonfinite", "offload", "moment_dtype")
+        settings = tuple((k, getattr(opts, k)) for k in compared)
         ranks = RankGroups(group, layout.block_units + layout.outside_units, settings)
     profile = _profile_for(opts, device)
     if ranks is not None:  # one plan on every rank: made from rank 0's measurements

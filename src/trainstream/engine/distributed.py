@@ -334,8 +334,8 @@ class DataParallel:
 
     def gather(self, unit, jobs: list, dtypes: dict) -> GatherHandle:
         """After `jobs` (this rank's update of its shards of `unit`) every rank's new shards
-        into the full host weights, in each dtype `dtypes` (slot -> dtypes the update wrote).
-        Returns at once."""
+        into the full host weights: the fp32 masters, and from them this rank's copies in
+        the other dtypes `dtypes` names (slot -> host dtypes the update wrote). Returns at once."""
         handle = GatherHandle()
         self.shards[unit].readers = list(jobs)
         self._gatherer.queue.put((self.shards[unit], list(jobs), dtypes, handle))
@@ -458,25 +458,34 @@ class _Gatherer:
             try:
                 for job in jobs:
                     job.wait()
-                for dtype in sorted({d for ds in dtypes.values() for d in ds}, key=str):
-                    self._gather(shards, dtype, dtypes)
+                self._gather(shards, dtypes)
                 handle.finish()
             except BaseException as e:  # surfaced where the weights are waited for
                 self.error = e
                 handle.finish(e)
             shards = jobs = dtypes = handle = None  # nothing of the model held while idle
 
-    def _gather(self, shards: UnitShards, dtype, dtypes: dict) -> None:
-        send = torch.zeros(shards.segment, dtype=dtype)
+    def _gather(self, shards: UnitShards, dtypes: dict) -> None:
+        """The fp32 masters of the updated slots (`dtypes`: slot -> the host dtypes the update
+        wrote) from every rank, then this rank's lower-precision copies rounded from them to
+        nearest even, as the update writes its copy. Only the masters travel: which copies a
+        slot keeps depends on this rank's paging, so gathering them would make the collectives
+        differ between ranks whose placements differ ([Note: collective order])."""
+        fp32 = torch.float32
+        send = torch.zeros(shards.segment, dtype=fp32)
         for sh in shards.slots:
-            if dtype in dtypes.get(sh.slot, ()):
-                send[sh.offset : sh.offset + (sh.hi - sh.lo)].copy_(sh.slot.host[dtype].view(-1)[sh.lo : sh.hi])
-        recv = torch.empty(self.world * shards.segment, dtype=dtype)
+            if sh.slot in dtypes:
+                send[sh.offset : sh.offset + (sh.hi - sh.lo)].copy_(sh.slot.host[fp32].view(-1)[sh.lo : sh.hi])
+        recv = torch.empty(self.world * shards.segment, dtype=fp32)
         _all_gather(recv, send, group=self.group)
         self.bytes_sent += send.numel() * send.element_size()
         for sh in shards.slots:
-            if dtype in dtypes.get(sh.slot, ()):
-                shards.unpack(recv, sh, sh.slot.host[dtype])
+            if sh.slot in dtypes:
+                master = sh.slot.host[fp32]
+                shards.unpack(recv, sh, master)
+                for dtype in dtypes[sh.slot]:
+                    if dtype != fp32:
+                        sh.slot.host[dtype].copy_(master)
 
 
 def check_same_model(group, units, rank: int, world: int, settings: tuple = ()) -> None:
