@@ -227,6 +227,22 @@ def _resume(rank, world, checkpoint):
     return {"loaded": loaded, "after": _host_state(model)}
 
 
+def _dropped_windows(rank, world, poison_rank):
+    """A held window (2 accumulated passes, or clipping) dropped by zero_grad() after one pass
+    whose loss is NaN on `poison_rank`: optimizer.skipped_steps for each."""
+    out = {}
+    for name, options in (("accumulated", {"accumulation_steps": 2}), ("clipped", {"max_grad_norm": 1.0})):
+        model = _model()
+        model, opt = trainstream.wrap(
+            model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, **options
+        )
+        loss = model(*_batch(0, rank, world))
+        (loss * float("nan") if rank == poison_rank else loss).backward()
+        opt.zero_grad()
+        out[name] = opt.skipped_steps
+    return out
+
+
 def _failures(rank, world):
     """Models and options that differ (refused on every rank), nonfinite="raise", options
     not built with data parallel, then a rank that raises after wrap()."""
@@ -266,6 +282,7 @@ def _failures(rank, world):
     before = _host_state(model)
     _train(model, opt, rank, world, 1)  # the next window goes on, every rank in step
     out["after the raise"] = (before, _host_state(model))
+    out["dropped"] = _dropped_windows(rank, world, poison_rank=1)
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
     try:
         trainstream.wrap(ddp, _optimizer(ddp), device="cpu", threads=1, profile=False)
@@ -524,6 +541,15 @@ def test_nonfinite_raise_raises_on_every_rank_and_the_run_goes_on(failures):
     _same_bits(before0, _host_state(_model()))  # the raised window changed nothing
     _same_bits(after0, after1)
     assert _max_diff(after0, before0) > 0
+
+
+def test_a_dropped_window_with_a_nan_on_one_rank_counts_alike_on_every_rank(failures):
+    """zero_grad() dropping a held window: skipped or not is decided alike on every rank, as
+    one process decides it from the whole batch's gradient."""
+    alone = _dropped_windows(0, 1, poison_rank=0)  # no process group here: one process
+    assert alone == {"accumulated": 1, "clipped": 1}
+    for res in failures:
+        assert res["dropped"] == alone
 
 
 def test_options_not_built_with_distributed_say_so(failures):

@@ -860,6 +860,9 @@ class Engine:
         norm is taken here, once, over the window's gradients still pending."""
         if self.opts.nonfinite != "skip":
             return  # "raise" raised at the check already; under clipping it raises from step() only
+        if self.dp is not None:
+            self._dp_check_dropped_window()
+            return
         if self.grads.nonfinite is not None:
             self.grads.skip_window()  # every unit not queued yet: SKIPPED, for _report_skipped
         elif self.opts.max_grad_norm is not None and self.grads.take_pending():
@@ -868,6 +871,26 @@ class Engine:
                 first = self.grads.first_nonfinite_in_window(slots)
                 if first is not None:  # None: only the norm overflowed, the gradients are finite
                     self.grads.skip_window(first)
+
+    def _dp_check_dropped_window(self) -> None:
+        """_check_dropped_window with data parallel: a held window (clipping, or fewer passes
+        than accumulation_steps) is dropped before any of it was reduced, so every rank
+        checks its own window gradients and an all-reduce of the flags decides, alike on
+        every rank: the window counts as skipped if some rank's gradient is not finite, as
+        one process's gradient of the whole batch would not be. Whether a window is held is
+        read from the passes, which every rank counts alike."""
+        if self.grads.passes == 0 or self._dp_window_ends_in_backward():
+            return  # no window, or it was reduced and applied at the end of its last pass
+        slots = [s for u in self.units for s in u.trainable]
+        grads = (self._window_grad(s) for s in slots)
+        finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+        if agree(self.dp.reduce_group, finite):
+            return
+        self.optimizer.count_skipped_step()
+        self.events.add(
+            f"step {self.steps + 1}: a gradient is not finite on some rank in the window zero_grad() dropped: counted "
+            "as a skipped step on every rank (nonfinite='skip'; nothing of it was applied)"
+        )
 
     def leave_stock(self) -> None:
         """unwrap() of a model trained stock since the switch: data parallel's gradient
