@@ -243,6 +243,38 @@ def _dropped_windows(rank, world, poison_rank):
     return out
 
 
+def _group_count() -> int:
+    return len(dist.distributed_c10d._world.pg_map)  # torch's registry of live process groups
+
+
+def _groups_given_back(rank, world):
+    """Live process groups around wrap()s and unwrap()s: after 5 wrap/train/unwrap rounds, a
+    wrap() refused after its groups were made, and a run switched to stock (which keeps
+    only the reduction group for the gradients' averaging) and then unwrapped."""
+    before = _group_count()
+    for _ in range(5):
+        model = _model()
+        model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
+        _train(model, opt, rank, world, 1)
+        trainstream.unwrap(model)
+    out = {"before": before, "after 5 unwraps": _group_count()}
+    model = _model()
+    try:
+        trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, param_offload=[99])
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    out["after a refused wrap"] = _group_count()
+    model = _model()
+    model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False)
+    _train(model, opt, rank, world, SWITCHED_STEPS - 2)  # offload="auto" switches after 2 steps
+    out["mode"] = trainstream.memory_report(model)["mode"]
+    out["in stock mode"] = _group_count()
+    trainstream.unwrap(model)
+    out["after unwrapping the stock run"] = _group_count()
+    return out
+
+
 def _failures(rank, world):
     """Models and options that differ (refused on every rank), nonfinite="raise", options
     not built with data parallel, then a rank that raises after wrap()."""
@@ -283,6 +315,7 @@ def _failures(rank, world):
     _train(model, opt, rank, world, 1)  # the next window goes on, every rank in step
     out["after the raise"] = (before, _host_state(model))
     out["dropped"] = _dropped_windows(rank, world, poison_rank=1)
+    out["groups"] = _groups_given_back(rank, world)
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
     try:
         trainstream.wrap(ddp, _optimizer(ddp), device="cpu", threads=1, profile=False)
@@ -550,6 +583,17 @@ def test_a_dropped_window_with_a_nan_on_one_rank_counts_alike_on_every_rank(fail
     assert alone == {"accumulated": 1, "clipped": 1}
     for res in failures:
         assert res["dropped"] == alone
+
+
+def test_wrap_gives_its_groups_back_at_unwrap_and_when_refused(failures):
+    for res in failures:
+        g = res["groups"]
+        assert g["after 5 unwraps"] == g["before"]
+        assert "lists block 99" in g["refused"]
+        assert g["after a refused wrap"] == g["before"]
+        assert g["mode"] == "stock"
+        assert g["in stock mode"] == g["before"] + 1  # the averaging's group only
+        assert g["after unwrapping the stock run"] == g["before"]
 
 
 def test_options_not_built_with_distributed_say_so(failures):

@@ -160,30 +160,35 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         compared = ("accumulation_steps", "max_grad_norm", "nonfinite", "offload", "moment_dtype")
         settings = tuple((k, getattr(opts, k)) for k in compared)
         ranks = RankGroups(group, layout.block_units + layout.outside_units, settings)
-    profile = _profile_for(opts, device)
-    if ranks is not None:  # one plan on every rank: made from rank 0's measurements
-        profile = ranks.from_rank_zero(profile)
-
-    # 2. Every decision, before a byte moves (DoesNotFit here leaves the model as it was).
-    plan = plan_run(opts, layout, profile, backend)
-    if plan.warning:
-        warnings.warn(plan.warning, stacklevel=2)
-    optimizer.set_moment_dtype(plan.moment_dtype)
-
-    # 3. The engine, built whole from the plan; 4. installed on the model. Up to here nothing
-    # of the model has changed; install() undoes itself if it raises, and so does what follows.
-    engine = Engine(model, optimizer, plan, backend, layout, ranks=ranks)
-    for note in dp_notes:
-        engine.events.add(note)
-    engine.install()
     try:
-        if source is not None:  # a scheduler built on it before wrap() drives the updates (SPEC.md)
-            optimizer.share_param_groups(source)
-        object.__setattr__(model, _ATTR, engine)
+        profile = _profile_for(opts, device)
+        if ranks is not None:  # one plan on every rank: made from rank 0's measurements
+            profile = ranks.from_rank_zero(profile)
+
+        # 2. Every decision, before a byte moves (DoesNotFit here leaves the model as it was).
+        plan = plan_run(opts, layout, profile, backend)
+        if plan.warning:
+            warnings.warn(plan.warning, stacklevel=2)
+        optimizer.set_moment_dtype(plan.moment_dtype)
+
+        # 3. The engine, built whole from the plan; 4. installed on the model. Up to here nothing
+        # of the model has changed; install() undoes itself if it raises, and so does what follows.
+        engine = Engine(model, optimizer, plan, backend, layout, ranks=ranks)
+        for note in dp_notes:
+            engine.events.add(note)
+        engine.install()
+        try:
+            if source is not None:  # a scheduler built on it before wrap() drives the updates (SPEC.md)
+                optimizer.share_param_groups(source)
+            object.__setattr__(model, _ATTR, engine)
+        except BaseException:
+            engine.uninstall()
+            raise
+        engine.installed()
     except BaseException:
-        engine.uninstall()
+        if ranks is not None:  # a refused wrap() gives its groups back (DoesNotFit, a bad option)
+            ranks.destroy()
         raise
-    engine.installed()
     return model, optimizer
 
 
@@ -196,6 +201,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         engine.unwrap()
     else:
         engine.leave_stock()
+    engine.release_groups()
     object.__delattr__(model, _ATTR)
     return model
 

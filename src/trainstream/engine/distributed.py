@@ -177,6 +177,13 @@ class GatherHandle:
             )
 
 
+def _give_back(group) -> None:
+    """Destroy one of the engine's groups, unless the user's process group went first (its
+    destruction takes every group with it)."""
+    if dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
 class RankGroups:
     """The ranks one wrapped model trains over: two gloo groups over the process group's
     ranks, made at wrap() (reductions on the training thread, all-gathers on the gather
@@ -199,10 +206,20 @@ class RankGroups:
             self.destroy()
             raise
 
+    def release_gather(self) -> None:
+        """Give the gather group back (the switch to stock: only the reduction group is used
+        from then on, by StockGradients). Once only; a local call, not a collective."""
+        if self.gather is not None:
+            _give_back(self.gather)
+            self.gather = None
+
     def destroy(self) -> None:
-        """Give the groups back (a refused wrap())."""
-        for group in (self.reduce, self.gather):
-            dist.destroy_process_group(group)
+        """Give both groups back: a refused wrap(), and unwrap(). Once only (the user's process
+        group may be destroyed first at exit: then there is nothing left to give back)."""
+        self.release_gather()
+        if self.reduce is not None:
+            _give_back(self.reduce)
+            self.reduce = None
 
     def from_rank_zero(self, obj):
         """Rank 0's `obj` on every rank (pickled): what each rank decides from must agree."""

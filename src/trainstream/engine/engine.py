@@ -163,6 +163,7 @@ class Engine:
         self._applies: dict = {}  # module -> its own _apply attribute, if it had one (install)
         self._warned_groups: set = set()  # param groups warned about hyper-parameters changed after queuing
         self.dp = None  # data parallel: the DataParallel every unit's gradients and weights go through
+        self.ranks = ranks  # data parallel: the engine's groups, given back at unwrap (release_groups)
         self._stock_grads = None  # data parallel after the switch to stock: the gradients' averaging
         self._dp_bad = None  # data parallel: the first unit of this window found not finite
         self._dp_skipped: list = []  # data parallel: the units of this window skipped for it
@@ -822,6 +823,7 @@ class Engine:
             self.optimizer.switch_to_stock(self.opts.max_grad_norm)
             self.mode = "stock"
             if self.dp is not None:  # DDP's part from here on: gradients averaged over the ranks
+                self.ranks.release_gather()  # no weights are gathered from here on
                 params = [s.param for u in self.units for s in u.trainable]
                 self._stock_grads = StockGradients(self.dp.reduce_group, params)
                 self.events.add(
@@ -898,6 +900,12 @@ class Engine:
         if self._stock_grads is not None:
             self._stock_grads.remove()
             self._stock_grads = None
+
+    def release_groups(self) -> None:
+        """The user's unwrap() is done (its collectives too): data parallel's groups go back.
+        The optimizer holds whole moments from here on and communicates no more."""
+        if self.ranks is not None:
+            self.ranks.destroy()
 
     def synchronize(self) -> None:
         """Every queued update written on the host and, for resident units, on the device
