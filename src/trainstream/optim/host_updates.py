@@ -57,6 +57,8 @@ def _before_any_step(optimizer, args, kwargs) -> None:
     OffloadAdamW kept alive by an LR scheduler, then torch's AdamW) gets them back in p.grad,
     their updates landed first, and that OffloadAdamW stops taking them; an OffloadAdamW
     stepped again takes them back."""
+    if not _owner_of:  # no OffloadAdamW takes gradients: nothing to look up
+        return
     mine = getattr(optimizer, "_host_updates", None)
     mine = mine if isinstance(mine, HostUpdates) else None
     taken: dict = {}  # id(owner) -> (owner, its params this optimizer steps)
