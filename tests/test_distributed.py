@@ -243,6 +243,25 @@ def _dropped_windows(rank, world, poison_rank):
     return out
 
 
+def _nan_in_the_embedding(rank, world, poison_rank):
+    """One window of 2 accumulated passes in which only the embedding's gradient is NaN, on
+    `poison_rank`'s second pass (the embedding is reduced last): the whole window is skipped."""
+    model = _model()
+    model, opt = trainstream.wrap(
+        model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, accumulation_steps=2
+    )
+    for micro in range(2):
+        hook = None
+        if rank == poison_rank and micro == 1:
+            hook = model.emb.weight.register_hook(lambda g: g * float("nan"))
+        model(*_batch(micro, rank, world)).backward()
+        if hook is not None:
+            hook.remove()
+    opt.step()
+    opt.zero_grad()
+    return {"state": _host_state(model), "skipped": opt.skipped_steps}
+
+
 def _group_count() -> int:
     return len(dist.distributed_c10d._world.pg_map)  # torch's registry of live process groups
 
@@ -316,6 +335,7 @@ def _failures(rank, world):
     out["after the raise"] = (before, _host_state(model))
     out["dropped"] = _dropped_windows(rank, world, poison_rank=1)
     out["groups"] = _groups_given_back(rank, world)
+    out["nan in the embedding"] = _nan_in_the_embedding(rank, world, poison_rank=1)
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
     try:
         trainstream.wrap(ddp, _optimizer(ddp), device="cpu", threads=1, profile=False)
@@ -594,6 +614,18 @@ def test_wrap_gives_its_groups_back_at_unwrap_and_when_refused(failures):
         assert g["mode"] == "stock"
         assert g["in stock mode"] == g["before"] + 1  # the averaging's group only
         assert g["after unwrapping the stock run"] == g["before"]
+
+
+def test_a_held_window_with_a_nan_in_one_unit_is_skipped_whole(failures):
+    """Accumulation holds a window: a NaN in the unit reduced last skips all of it, as one
+    process skips it, not only that unit."""
+    alone = _nan_in_the_embedding(0, 1, poison_rank=0)
+    initial = _host_state(_model())
+    assert alone["skipped"] == 1
+    _same_bits(alone["state"], initial)
+    for res in failures:
+        assert res["nan in the embedding"]["skipped"] == 1
+        _same_bits(res["nan in the embedding"]["state"], initial)
 
 
 def test_options_not_built_with_distributed_say_so(failures):

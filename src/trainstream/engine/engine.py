@@ -630,6 +630,8 @@ class Engine:
         if self.dp is not None:
             for unit in units:
                 self.dp.offer(unit)
+            if self.grads.hold:  # a held window is applied whole, at its end (_apply_reduced)
+                return False
             return self._apply_reduced(self.dp.ready(), grad_scale)
         queued = False
         for unit in units:
@@ -654,7 +656,15 @@ class Engine:
     def _apply_reduced(self, reduced: list, grad_scale: float = 1.0) -> bool:
         """Queue this rank's update of each reduced unit's shard and the gather of the new
         weights after it. A unit some rank found not finite, and every one after it in the
-        window, is not updated (every rank decides it from the same reduced flags)."""
+        window, is not updated (every rank decides it from the same reduced flags); in a held
+        window (clipping, accumulation), which comes here whole, none of it is, as one
+        process skips a held window whole."""
+        if self.grads.hold and self._dp_bad is None:
+            bad = next((r.shards.unit for r in reduced if not r.finite), None)
+            if bad is not None:
+                self._dp_bad = bad
+                self._dp_skipped = [r.shards.unit for r in reduced]
+                return False
         queued = False
         for r in reduced:
             unit = r.shards.unit
