@@ -57,10 +57,10 @@ def _before_any_step(optimizer, args, kwargs) -> None:
     OffloadAdamW kept alive by an LR scheduler, then torch's AdamW) gets them back in p.grad,
     their updates landed first, and that OffloadAdamW stops taking them; an OffloadAdamW
     stepped again takes them back."""
-    if not _owner_of:  # no OffloadAdamW takes gradients: nothing to look up
-        return
     mine = getattr(optimizer, "_host_updates", None)
     mine = mine if isinstance(mine, HostUpdates) else None
+    if mine is None and not _owner_of:  # no OffloadAdamW takes gradients: nothing to look up
+        return
     taken: dict = {}  # id(owner) -> (owner, its params this optimizer steps)
     for group in optimizer.param_groups:
         for p in group["params"]:
