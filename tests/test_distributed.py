@@ -262,6 +262,27 @@ def _nan_in_the_embedding(rank, world, poison_rank):
     return {"state": _host_state(model), "skipped": opt.skipped_steps}
 
 
+def _nan_in_the_last_block(rank, world, poison_rank):
+    """Eager updates: at step 1 only the last block's gradient is NaN, on `poison_rank`. The
+    parameters that step 1 changed: those of the units backward handed on before that block
+    (the head and the final norm), as one process leaves them updated."""
+    model = _model()
+    model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
+    _train(model, opt, rank, world, 1)
+    before = _host_state(model)
+    hook = None
+    if rank == poison_rank:
+        hook = model.layers[3].fc.weight.register_hook(lambda g: g * float("nan"))
+    model(*_batch(1, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+    if hook is not None:
+        hook.remove()
+    after = _host_state(model)
+    changed = sorted(k for k in after if not torch.equal(after[k], before[k]))
+    return {"changed": changed, "skipped": opt.skipped_steps}
+
+
 def _group_count() -> int:
     return len(dist.distributed_c10d._world.pg_map)  # torch's registry of live process groups
 
@@ -336,6 +357,7 @@ def _failures(rank, world):
     out["dropped"] = _dropped_windows(rank, world, poison_rank=1)
     out["groups"] = _groups_given_back(rank, world)
     out["nan in the embedding"] = _nan_in_the_embedding(rank, world, poison_rank=1)
+    out["nan in the last block"] = _nan_in_the_last_block(rank, world, poison_rank=1)
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
     try:
         trainstream.wrap(ddp, _optimizer(ddp), device="cpu", threads=1, profile=False)
@@ -626,6 +648,15 @@ def test_a_held_window_with_a_nan_in_one_unit_is_skipped_whole(failures):
     for res in failures:
         assert res["nan in the embedding"]["skipped"] == 1
         _same_bits(res["nan in the embedding"]["state"], initial)
+
+
+def test_a_nan_in_a_block_skips_what_one_process_skips(failures):
+    """The reduction order is backward's own from the second window on (rank 0's, adopted by
+    every rank): the head and the final norm, whose gradients land before the block's, stand."""
+    alone = _nan_in_the_last_block(0, 1, poison_rank=0)
+    assert alone["changed"] == ["head.weight", "norm.bias", "norm.weight"], alone
+    for res in failures:
+        assert res["nan in the last block"] == alone
 
 
 def test_options_not_built_with_distributed_say_so(failures):

@@ -11,8 +11,13 @@ all-gather of the segments rebuilds every slot. The host AdamW then runs on 1-D 
 each parameter are only its hi-lo elements: each rank keeps 1/world of the moments.
 
 [Note: collective order] Collectives are matched by their order in a group, so every rank
-must issue the same collectives in the same order. Reductions go in one fixed order (the
-reverse of forward order, the order backward makes the units), each unit once per window,
+must issue the same collectives in the same order. Reductions go in one fixed order, each
+unit once per window: the reverse of forward order at first (blocks last to first, then the
+modules outside the stack), and, where units are reduced as backward hands them on (no held
+window), from the second window on the order rank 0's backward handed them on in the first
+(the head before the last block, as backward makes them), which every rank adopts at the
+first window's end: the order each rank's own backward hands units on is not the same on
+every rank in general (an unused block), so no rank goes by its own. Each unit goes once,
 whether this rank has gradients for it or not (zeros, marked absent in the unit's small
 all-reduce of flags). Every decision taken from a reduction (skip a non-finite window,
 which slots have a gradient, the clipping norm) reads only reduced values, so it is the
@@ -232,15 +237,19 @@ class DataParallel:
     """The communication of one wrapped model across its ranks: every unit's shard layout,
     the reductions in flight and their buckets, and the gather thread."""
 
-    def __init__(self, ranks: RankGroups, units: list, order: list, grad_of, check_finite: bool):
+    def __init__(self, ranks: RankGroups, units: list, order: list, grad_of, check_finite: bool, learn: bool):
         """`order`: the units in forward order; `grad_of(slot)`: this rank's window gradient
         of a slot on the host, or None if it has none; `check_finite`: flag non-finite
-        gradients (wrap(nonfinite=) is not "ignore")."""
+        gradients (wrap(nonfinite=) is not "ignore"); `learn`: units are offered as backward
+        hands them on (no held window), so the first window's order is adopted
+        ([Note: collective order])."""
         self.rank, self.world = ranks.rank, ranks.world
         self.reduce_group, self.gather_group = ranks.reduce, ranks.gather
         self.shards = {u: UnitShards(u, self.rank, self.world) for u in units if u.trainable}
         # [Note: collective order] the reverse of forward order: the order backward makes them.
         self.order = [u for u in reversed(order) if u in self.shards]
+        self._learn = learn
+        self._handed: list = []  # units in the order this rank offered them this window
         self.check_finite = check_finite
         self._grad_of = grad_of
         largest = max((sh.segment for sh in self.shards.values()), default=0) * self.world
@@ -274,6 +283,8 @@ class DataParallel:
         soon as every unit before it in the reduction order has been."""
         if unit not in self.shards:
             return
+        if unit not in self._offered:
+            self._handed.append(unit)
         self._offered.add(unit)
         while self._next < len(self.order) and self.order[self._next] in self._offered:
             self._issue(self.order[self._next])
@@ -294,10 +305,25 @@ class DataParallel:
         while self._inflight:
             self._done.append(self._finish(self._inflight.popleft()))
         out, self._done = self._done, []
+        if self._learn:
+            self._adopt_rank_zero_order()
+            self._learn = False
         self._offered.clear()
+        self._handed = []
         self._next = 0
         self.windows += 1
         return out
+
+    def _adopt_rank_zero_order(self) -> None:
+        """The first window's end (a collective): every rank takes, as the reduction order,
+        the order rank 0's backward handed the units on in that window (then the units it
+        had no gradient for, in the order so far): the real backward order, the same on
+        every rank ([Note: collective order])."""
+        handed = set(self._handed)
+        mine = [self.order.index(u) for u in self._handed] + [i for i, u in enumerate(self.order) if u not in handed]
+        box = [mine]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.reduce_group, 0), group=self.reduce_group)
+        self.order = [self.order[i] for i in box[0]]
 
     def discard(self) -> None:
         """A pass that raised: forget the window; nothing of it is applied. What was in
@@ -307,6 +333,7 @@ class DataParallel:
             self._free.append(torch.zeros_like(self._inflight.popleft().buffer))
         self._done = []
         self._offered.clear()
+        self._handed = []
         self._next = 0
 
     def _issue(self, unit) -> None:

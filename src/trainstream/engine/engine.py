@@ -169,7 +169,12 @@ class Engine:
         self._dp_skipped: list = []  # data parallel: the units of this window skipped for it
         if ranks is not None:
             self.dp = DataParallel(
-                ranks, self.units, self.update_order(), self._window_grad, opts.nonfinite != "ignore"
+                ranks,
+                self.units,
+                self.update_order(),
+                self._window_grad,
+                opts.nonfinite != "ignore",
+                learn=not self.grads.hold,
             )
             optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor)
         self._log_plan()
