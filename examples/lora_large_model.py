@@ -31,73 +31,12 @@ import time
 import memory_stats as ms
 import torch
 
-# The published config.json sizes on the hub (Qwen/Qwen2.5-*, meta-llama/Meta-Llama-3-70B).
+from trainstream.bench.models import PUBLISHED, hub_config
+
 _QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", rope_theta=1000000.0)
-CONFIGS = {
-    "1.5b": dict(
-        _QWEN2,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
-    "7b": dict(
-        _QWEN2,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    ),
-    "14b": dict(
-        _QWEN2,
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    "32b": dict(
-        _QWEN2,
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    "70b": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_act="silu",
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    ),
-}
+# The published config.json sizes on the hub (Qwen/Qwen2.5-*, meta-llama/Meta-Llama-3-70B), shared
+# with the hf bench: "1.5b", "7b", "14b", "32b", "70b".
+CONFIGS = {name.split("-")[-1]: hub_config(name) for name in PUBLISHED}
 # --smoke: a Qwen2 of the same layout at toy size.
 SMOKE_CONFIG = dict(
     _QWEN2,

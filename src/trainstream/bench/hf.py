@@ -36,33 +36,11 @@ import torch
 from ..sizes import GiB
 from .common import cap_vram, case_in_subprocess, markdown_table
 from .lora import LINEARS
+from .models import PUBLISHED
 
 CAP_GIB = 24
-# The published sizes (the models' config.json on the hub).
-QWEN2_5_1_5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
-QWEN2_5_14B = dict(
-    hidden_size=5120,
-    intermediate_size=13824,
-    num_hidden_layers=48,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    vocab_size=152064,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+QWEN2_5_1_5B = PUBLISHED["qwen2.5-1.5b"][1]
+QWEN2_5_14B = PUBLISHED["qwen2.5-14b"][1]
 QUICK = dict(
     hidden_size=256,
     intermediate_size=688,

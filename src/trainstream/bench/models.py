@@ -1,5 +1,6 @@
 """The models the engine bench and tests train: the anchors' GPT and MLP, so our figures
-and the peers' are measured on the same shapes."""
+and the peers' are measured on the same shapes; and the published sizes of the hub models the
+hf suite and examples/ stand in for (PUBLISHED, hub_config)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,36 @@ def mlp(layers: int = 24, dim: int = 4096) -> nn.Sequential:
 
 def mlp_loss(model, x):
     return model(x).float().pow(2).mean()
+
+
+def _shape(hidden, intermediate, layers, heads, kv_heads, vocab, eps, tied, rope=1000000.0, positions=131072) -> dict:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        rope_theta=rope,
+        rms_norm_eps=eps,
+        tie_word_embeddings=tied,
+    )
+
+
+# name -> (transformers model_type, the config.json fields that set the shapes), as published
+# on the hub (random weights stand in for the real ones).
+PUBLISHED = {
+    "qwen2.5-1.5b": ("qwen2", _shape(1536, 8960, 28, 12, 2, 151936, 1e-6, True)),
+    "qwen2.5-7b": ("qwen2", _shape(3584, 18944, 28, 28, 4, 152064, 1e-6, False)),
+    "qwen2.5-14b": ("qwen2", _shape(5120, 13824, 48, 40, 8, 152064, 1e-5, False)),
+    "qwen2.5-32b": ("qwen2", _shape(5120, 27648, 64, 40, 8, 152064, 1e-5, False)),
+    "llama-3-70b": ("llama", _shape(8192, 28672, 80, 64, 8, 128256, 1e-5, False, rope=500000.0, positions=8192)),
+}
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def hub_config(name: str) -> dict:
+    """The config.json of PUBLISHED[name], as load_model(random_weights=True) reads it."""
+    model_type, shape = PUBLISHED[name]
+    return dict(architectures=[_ARCHITECTURES[model_type]], model_type=model_type, hidden_act="silu", **shape)
