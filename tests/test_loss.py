@@ -482,6 +482,49 @@ def test_fp16_matmul_settings_are_restored():
         m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation = saved
 
 
+class _OlderMatmulSettings:
+    """torch.backends.cuda.matmul as torch 2.8 has it: no split-K half, no fp16 accumulation;
+    an unknown name raises AttributeError, as the real object does."""
+
+    def __init__(self):
+        self.allow_fp16_reduced_precision_reduction = True
+
+    def __setattr__(self, name, value):
+        if name != "allow_fp16_reduced_precision_reduction" or not isinstance(value, bool):
+            raise AttributeError(f"Unknown attribute or value {name}={value!r}")
+        object.__setattr__(self, name, value)
+
+
+def test_fp16_matmul_settings_on_a_torch_without_the_newer_ones(monkeypatch):
+    from trainstream.loss import _fp32_partial_sums
+
+    older = _OlderMatmulSettings()
+    monkeypatch.setattr(torch.backends.cuda, "matmul", older)
+    with _fp32_partial_sums(torch.device("cuda"), True):
+        assert older.allow_fp16_reduced_precision_reduction is False
+    assert older.allow_fp16_reduced_precision_reduction is True
+
+
+def test_fp16_matmul_settings_stay_off_until_the_last_overlapping_walk_ends():
+    """Two walks that overlap (two threads): the first to end must not turn the settings back
+    on under the second, and the last gives back what the first found."""
+    from trainstream.loss import _fp32_partial_sums
+
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation)
+    try:
+        m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation = True, True
+        first, second = _fp32_partial_sums(torch.device("cuda"), True), _fp32_partial_sums(torch.device("cuda"), True)
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert not m.allow_fp16_reduced_precision_reduction and not m.allow_fp16_accumulation
+        second.__exit__(None, None, None)
+        assert m.allow_fp16_reduced_precision_reduction and m.allow_fp16_accumulation
+    finally:
+        m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation = saved
+
+
 def test_exported():
     assert trainstream.chunked_cross_entropy is chunked_cross_entropy
     assert trainstream.causal_lm_loss is causal_lm_loss

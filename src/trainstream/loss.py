@@ -46,6 +46,7 @@ walks the chunks again from the saved inputs, which gives the same values; a dou
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -382,32 +383,60 @@ class _no_autocast:
             self._ctx.__exit__(*exc)
 
 
+# The settings _fp32_partial_sums turns off: (name, its split-K half where a torch has one).
+_FP16_REDUCTIONS = (
+    ("allow_fp16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction_split_k"),
+    ("allow_fp16_accumulation", None),  # newer torch only
+)
+_fp16_lock = threading.Lock()
+_fp16_walks = 0  # walks inside _fp32_partial_sums now, on any thread
+_fp16_saved: dict = {}  # the settings as the first of them found them
+
+
 class _fp32_partial_sums:
     """While active on CUDA, fp16 matmuls keep their partial sums in fp32: with the scales of
     [Note: fp16 range] a sum before alpha may exceed 65504 (2**15 * a d_logit times h), and
     cuBLAS may otherwise reduce split-K partial sums in fp16 or accumulate in fp16 (torch's
     allow_fp16_reduced_precision_reduction, on by default, and allow_fp16_accumulation). The
-    settings are torch's process-wide ones: they are restored on exit."""
+    settings are torch's process-wide ones: they stay off while any walk runs, on any thread,
+    and the last walk to end gives back what the first found. A setting this torch lacks
+    (older releases have no split-K half, no fp16 accumulation) is left alone."""
 
     def __init__(self, device: torch.device, active: bool):
         self._active = active and device.type == "cuda"
-        self._saved = None
+        self._entered = False
 
     def __enter__(self):
-        if self._active:
-            m = torch.backends.cuda.matmul
-            self._saved = (
-                (m.allow_fp16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction_split_k),
-                m.allow_fp16_accumulation,
-            )
-            m.allow_fp16_reduced_precision_reduction = False
-            m.allow_fp16_accumulation = False
+        global _fp16_walks
+        if not self._active:
+            return
+        m = torch.backends.cuda.matmul
+        with _fp16_lock:
+            if _fp16_walks == 0:
+                _fp16_saved.clear()
+                for name, split_k in _FP16_REDUCTIONS:
+                    value = getattr(m, name, None)
+                    if value is None:
+                        continue
+                    half = getattr(m, split_k, None) if split_k else None
+                    _fp16_saved[name] = value if half is None else (value, half)
+                for name in _fp16_saved:
+                    setattr(m, name, False)
+            _fp16_walks += 1
+            self._entered = True
 
     def __exit__(self, *exc):
-        if self._saved is not None:
-            m = torch.backends.cuda.matmul
-            m.allow_fp16_reduced_precision_reduction, m.allow_fp16_accumulation = self._saved
-            self._saved = None
+        global _fp16_walks
+        if not self._entered:
+            return
+        self._entered = False
+        m = torch.backends.cuda.matmul
+        with _fp16_lock:
+            _fp16_walks -= 1
+            if _fp16_walks == 0:
+                for name, value in _fp16_saved.items():
+                    setattr(m, name, value)
+                _fp16_saved.clear()
 
 
 def _autocast_inputs(hidden, weight, bias):
