@@ -21,7 +21,7 @@ from helpers import assert_same_bits
 from models import tiny_gpt
 
 import trainstream
-from trainstream.engine.distributed import UnitShards
+from trainstream.engine.distributed import UnitShards, order_with_unseen
 
 GLOBAL_ROWS = 6  # sequences per step, split evenly over 1, 2 or 3 ranks
 LR = 1e-2
@@ -750,3 +750,18 @@ def test_the_ranks_of_a_machine_share_its_pinnable_memory(monkeypatch):
         profile, pinned_bound_by="RLIMIT_MEMLOCK (ulimit -l): a pinned allocation above it failed"
     )
     assert pinned_share(limited) == profile.pinned_limit_bytes
+
+
+@pytest.mark.parametrize(
+    "handed, want",
+    [
+        (["head", "norm", "b3", "b1", "b0", "emb"], ["head", "norm", "b3", "b2", "b1", "b0", "emb"]),  # b2 unused
+        (["b2", "b1", "b0"], ["b3", "b2", "b1", "b0", "head", "norm", "emb"]),  # the leader and the tail unused
+        ([], ["b3", "b2", "b1", "b0", "head", "norm", "emb"]),
+    ],
+    ids=["a-block-unused", "leader-and-tail-unused", "none-handed"],
+)
+def test_a_unit_unused_in_the_learned_window_keeps_its_place(handed, want):
+    """The reduction order learned from rank 0's first window: a unit it did not hand on then
+    goes where the fixed order had it (after the unit it followed), not after the embedding."""
+    assert order_with_unseen(handed, ["b3", "b2", "b1", "b0", "head", "norm", "emb"]) == want

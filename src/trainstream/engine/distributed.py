@@ -316,12 +316,11 @@ class DataParallel:
 
     def _adopt_rank_zero_order(self) -> None:
         """The first window's end (a collective): every rank takes, as the reduction order,
-        the order rank 0's backward handed the units on in that window (then the units it
-        had no gradient for, in the order so far): the real backward order, the same on
-        every rank ([Note: collective order])."""
-        handed = set(self._handed)
-        mine = [self.order.index(u) for u in self._handed] + [i for i, u in enumerate(self.order) if u not in handed]
-        box = [mine]
+        the order rank 0's backward handed the units on in that window, the units it had no
+        gradient for placed where the order so far had them (order_with_unseen): the real
+        backward order, the same on every rank ([Note: collective order])."""
+        merged = order_with_unseen(self._handed, self.order)
+        box = [[self.order.index(u) for u in merged]]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.reduce_group, 0), group=self.reduce_group)
         self.order = [self.order[i] for i in box[0]]
 
@@ -561,3 +560,20 @@ def check_same_model(group, units, rank: int, world: int, settings: tuple = ()) 
             f"wrap(): data parallel needs the same options on every rank, but they differ; this is rank {rank} "
             f"with {dict(settings)}"
         )
+
+
+def order_with_unseen(handed: list, order: list) -> list:
+    """`handed` (the units one window handed on, in backward order) with every other unit of
+    `order` placed right after the unit it followed in `order` (first if it led): a unit
+    unused in the window that was learned from keeps its place, rather than going after the
+    embedding, where it would wait for the end of every later backward and a non-finite
+    gradient in it would skip units one process updates."""
+    result = list(handed)
+    placed = set(handed)
+    for i, unit in enumerate(order):
+        if unit in placed:
+            continue
+        at = result.index(order[i - 1]) + 1 if i > 0 else 0
+        result.insert(at, unit)
+        placed.add(unit)
+    return result
