@@ -752,6 +752,19 @@ def test_an_optimizer_collected_takes_its_gradient_hooks_off_the_params():
     assert all(len(p._post_accumulate_grad_hooks) == 0 for p in model.parameters())
 
 
+def test_an_optimizer_collected_leaves_no_owner_for_its_params():
+    """Every torch optimizer's step() looks its params up while any param has an owner: a
+    collected OffloadAdamW's params must not keep one."""
+    import gc
+
+    from trainstream.optim import host_updates
+
+    model, _ = twins("cpu")
+    train(model, StreamedOnHost(model.parameters(), lr=1e-2), batches(1, "cpu"))
+    gc.collect()
+    assert not any(id(p) in host_updates._owner_of for p in model.parameters())
+
+
 def test_the_updates_step_waits_for_are_queued_first(monkeypatch):
     """head.weight is read outside every module's forward (as a chunked loss reads lm_head):
     step() waits for its update, so the pool runs it before the body's, which the next

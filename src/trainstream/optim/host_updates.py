@@ -424,13 +424,19 @@ def _land_all(records: dict, backend: Backend, lock) -> None:
 
 
 def _let_go(records: dict, hooks: list, backend: Backend, lock) -> None:
-    """The optimizer was collected: its updates land and its hooks leave the params."""
+    """The optimizer was collected: its updates land, its hooks leave the params, and the
+    params it took lose their dead owner's entry (while any entry is left, every torch
+    optimizer's step() looks its params up in _owner_of)."""
     try:
         _land_all(records, backend, lock)
     finally:
         for handle in hooks:
             handle.remove()
         hooks.clear()
+        for p in records:
+            entry = _owner_of.get(id(p))
+            if entry is not None and entry[0]() is p and entry[1]() is None:
+                del _owner_of[id(p)]
 
 
 def _before_reading(owner_ref, records: list) -> None:
