@@ -7,6 +7,7 @@ it returns): the bookkeeping of hooks, landing, queuing, pushing and waiting is 
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -859,3 +860,36 @@ def test_wrap_of_a_streamed_bf16_optimizer_carries_its_fp32_masters():
     run(model, wrapped, data[3:])
     run(twin, uninterrupted, data[3:])
     assert_close(model, twin, 0.0)
+
+
+class _SteppingThrough(torch.optim.Optimizer):
+    """A Lookahead-style wrapper: it shares the inner optimizer's param_groups and steps it,
+    but its zero_grad() is torch's own, which only clears p.grad."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        super().__init__(inner.param_groups, {})
+        self.param_groups = inner.param_groups
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_backward_after_step_without_zero_grad_warns_once(device):
+    """torch sums a backward after step() without zero_grad() into p.grad, and so does the host
+    gradient; a wrapper whose zero_grad() does not reach this optimizer does that every step,
+    so it is said (once) rather than left silent."""
+    model, _ = twins(device)
+    opt = optimizer_class(device)(model.parameters(), lr=1e-2)
+    data = batches(3, device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, opt, data)  # zero_grad() after every step: nothing to say
+    wrapper = _SteppingThrough(opt)
+    with pytest.warns(UserWarning, match="its zero_grad\\(\\) must call this one's") as seen:
+        for x, y in data:
+            loss_of(model, x, y).backward()
+            wrapper.step()
+            wrapper.zero_grad()
+    assert len([w for w in seen if "zero_grad" in str(w.message)]) == 1

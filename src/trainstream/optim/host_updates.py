@@ -24,6 +24,7 @@ done: the same bookkeeping runs on CPU parameters, which is how the tests exerci
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
@@ -141,6 +142,11 @@ class HostUpdates:
         # Not at interpreter exit: no one reads the weights then, and CUDA may be torn down.
         weakref.finalize(self, _let_go, self.records, self._hooks, self.backend, self.lock).atexit = False
         self._landing: list = []  # records with a copy into `stage` issued, in issue order
+        # step() took this window's gradients and no zero_grad() has come since: a gradient now
+        # is summed into them, as torch sums p.grad (warned once: an optimizer wrapping this
+        # one whose own zero_grad() only clears p.grad, which holds nothing here, does this).
+        self._stepped_since_zero = False
+        self._warned_summed_over_steps = False
         self.closed = False  # close() ran: another optimizer took the params over
 
     @property
@@ -232,6 +238,15 @@ class HostUpdates:
             raise ValueError("OffloadAdamW does not support sparse gradients")
         backend = self.backend
         if record.staged:  # a second backward pass before zero_grad(): the first one joins the sum
+            if self._stepped_since_zero and not self._warned_summed_over_steps:
+                self._warned_summed_over_steps = True
+                warnings.warn(
+                    "trainstream: OffloadAdamW: a backward pass after step() without zero_grad(): its gradients "
+                    "are added to the ones step() already used, as torch adds them to p.grad. If an optimizer "
+                    "wraps this one, its zero_grad() must call this one's (torch's own only clears p.grad, which "
+                    "holds nothing here)",
+                    stacklevel=2,
+                )
             self._fold(record)
         self._release(record)
         backend.follow_compute(backend.copy_out)  # behind the kernels that produced `g`
@@ -284,6 +299,7 @@ class HostUpdates:
                 "took its parameters over; step the optimizer it returned"
             )
         self.take_stray_grads(params)
+        self._stepped_since_zero = True
         for record in self._landing:
             record.stage_event.synchronize()
         self._landing = []
@@ -300,6 +316,7 @@ class HostUpdates:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad(): no gradient, or (set_to_none=False) a zero one, which updates
         the param as torch's step() updates a param whose ``p.grad`` is zeros."""
+        self._stepped_since_zero = False
         for record in self.records.values():
             had_grad = record.staged or record.summed
             record.staged = False
