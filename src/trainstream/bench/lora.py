@@ -26,16 +26,23 @@ import torch
 
 from ..sizes import GiB
 from .common import cap_vram, case_in_subprocess, markdown_table, timed_window, warm_up
+from .models import PUBLISHED
 
 BATCH, SEQ = 4, 512
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CAP_GIB = 8
 
 
-def _config(quick: bool):
+# The models: "quick" (a smoke run), "3b" (the suite's Llama: weights resident and under a
+# cap) and "qwen2.5-7b" (the published Qwen2.5-7B sizes, random weights: the row where neither
+# stock nor bitsandbytes fits under the cap).
+SIZES = ("quick", "3b", "qwen2.5-7b")
+
+
+def _config(size: str):
     import transformers
 
-    if quick:
+    if size == "quick":
         return transformers.LlamaConfig(
             hidden_size=512,
             intermediate_size=1408,
@@ -44,14 +51,19 @@ def _config(quick: bool):
             num_key_value_heads=2,
             vocab_size=32000,
         )
-    return transformers.LlamaConfig(
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        vocab_size=32000,
-    )
+    if size == "3b":
+        return transformers.LlamaConfig(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            vocab_size=32000,
+        )
+    if size == "qwen2.5-7b":
+        model_type, shape = PUBLISHED[size]
+        return transformers.Qwen2Config(**shape)
+    raise ValueError(f"lora suite: size must be one of {SIZES}, got {size!r}")
 
 
 def _fill(model) -> None:
@@ -70,17 +82,20 @@ def _fill(model) -> None:
                 i, start = i + n, 0
 
 
-def _base(quick: bool):
+def _base(size: str):
     """The bf16 base model in host memory: built on the meta device, then given storage and
     filled (_fill); the rotary embedding's frequencies are computed again for real."""
     import transformers
 
-    config = _config(quick)
+    config = _config(size)
+    cls = (
+        transformers.Qwen2ForCausalLM if isinstance(config, transformers.Qwen2Config) else transformers.LlamaForCausalLM
+    )
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(config)
+            model = cls(config)
         model.to_empty(device="cpu")
         model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     finally:
@@ -111,6 +126,8 @@ def _to_bnb_nf4(model) -> None:
                 q.weight = bnb.nn.Params4bit(
                     linear.weight.data, requires_grad=False, compress_statistics=False, quant_type="nf4", blocksize=64
                 )
+                if linear.bias is not None:  # Qwen2's q, k and v projections
+                    q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
                 setattr(parent, name, q)
 
 
@@ -121,15 +138,63 @@ def _lora(model):
     return peft.get_peft_model(model, config)
 
 
+def _busy_s_per_step(step, steps: int) -> float:
+    """GPU time a step keeps the GPU busy: the union of every CUDA kernel's and copy's
+    interval (torch.profiler, CUPTI's timestamps) over `steps` profiled steps, per step. Divided
+    by the unprofiled s/step it is the share of the step the GPU was busy: the profiler slows
+    the host side, not the GPU's own intervals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return _union_us(spans) / 1e6 / steps
+
+
+def _union_us(spans: list) -> float:
+    """Total length of the union of sorted (start, end) intervals."""
+    total, cur = 0.0, None
+    for start, end in spans:
+        if cur is None or start > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = [start, end]
+        else:
+            cur[1] = max(cur[1], end)
+    return total + (cur[1] - cur[0] if cur is not None else 0.0)
+
+
+def _pcie_bytes_per_step(model, paged_activation_bytes: int) -> int:
+    """Bytes a TrainStream step moves over PCIe: each paged unit's stored weights in (forward)
+    and in again (backward), and each paged activation out and back in. The adapters'
+    gradients and new weights are left out (a few MB a step here)."""
+    from ..api import _engine_of
+
+    engine = _engine_of(model)
+    weights = sum(u.nbytes for u in (*engine.block_units, *engine.outside_units) if u.paged)
+    return 2 * weights + 2 * paged_activation_bytes
+
+
 def run_case(case: dict) -> dict:
     cap_vram(case.get("cap_gib"))
     t0 = time.perf_counter()
     try:
-        model = _base(case["quick"])
+        model = _base(case["size"])
+        vocab = model.config.vocab_size
         if case["runner"] == "bnb":
             _to_bnb_nf4(model)
         model = _lora(model)
+        if case.get("checkpointing"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
         trainable = [p for p in model.parameters() if p.requires_grad]
+        build_s = time.perf_counter() - t0
+        t_wrap = time.perf_counter()
         if case["runner"] == "trainstream":
             import trainstream
 
@@ -137,24 +202,36 @@ def run_case(case: dict) -> dict:
         else:
             model = model.cuda()
             opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
-        setup_s = time.perf_counter() - t0
+        wrap_s = time.perf_counter() - t_wrap
         g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 32000, (BATCH, SEQ), generator=g).cuda()
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g).cuda()
 
         def step():
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            if case.get("compute_only"):  # the compute bound: forward and backward, no update
+                for p in trainable:
+                    p.grad = None
+            else:
+                opt.step()
+                opt.zero_grad()
             return loss
 
-        first = warm_up(step, opt, case["warmup"]).item()
+        t_first = time.perf_counter()
+        first = step()
+        torch.cuda.synchronize()
+        first_step_s = time.perf_counter() - t_first
+        first = first.item()
+        warm_up(step, opt, case["warmup"])
+        acts_before = _paged_activation_bytes(model, case)
         s_per_step, _ = timed_window(step, opt, case["steps"])
         out = {
             "s_per_step": s_per_step,
             "peak_GiB": torch.cuda.max_memory_allocated() / GiB,
             "first_loss": first,
-            "setup_s": setup_s,
+            "setup_s": build_s + wrap_s,
+            "wrap_s": wrap_s,
+            "first_step_s": first_step_s,
             "oom": False,
             "trainable": sum(p.numel() for p in trainable),
         }
@@ -165,21 +242,37 @@ def run_case(case: dict) -> dict:
             out["quantize"] = report["params"]["quantize"]
             out["paged_blocks"] = len(report["params"]["paged_blocks"])
             out["activation_paged_blocks"] = len(report["params"]["activation_paged_blocks"])
+            acts = (_paged_activation_bytes(model, case) - acts_before) // case["steps"]
+            out["pcie_bytes_per_step"] = _pcie_bytes_per_step(model, acts)
+        if case.get("busy"):
+            out["gpu_busy_s_per_step"] = _busy_s_per_step(step, 3)
+            out["gpu_busy"] = min(out["gpu_busy_s_per_step"] / s_per_step, 1.0)
         return out
     except torch.OutOfMemoryError as e:
         return {"oom": True, "error": str(e).split("\n")[0][:200]}
 
 
-def run(*, quick: bool = False) -> dict:
-    steps = dict(warmup=2, steps=3 if quick else 8, quick=quick)
+def _paged_activation_bytes(model, case: dict) -> int:
+    if case["runner"] != "trainstream":
+        return 0
+    import trainstream
+
+    return trainstream.memory_report(model)["paged_activation_bytes"]
+
+
+def cases(quick: bool) -> list:
+    """The suite's cases, in the order they run: the 3B rows, then the 7B rows under the cap."""
+    size = "quick" if quick else "3b"
+    steps = dict(warmup=2, steps=3 if quick else 8, size=size)
     resident = dict(offload=True, param_offload=False, activation_offload=False)
-    cases = [
-        dict(runner="stock", label="stock: bf16 base, fused AdamW", **steps),
+    out = [
+        dict(runner="stock", label="stock: bf16 base, fused AdamW", busy=True, **steps),
         dict(runner="bnb", label="bitsandbytes QLoRA: NF4 base (Linear4bit), fused AdamW", **steps),
         dict(
             runner="trainstream",
             label="TrainStream, NF4 base, weights resident",
             wrap=dict(resident, quantize="nf4"),
+            busy=True,
             **steps,
         ),
         dict(
@@ -196,23 +289,115 @@ def run(*, quick: bool = False) -> dict:
             **steps,
         ),
     ]
+    if quick:
+        return out
+    big = dict(warmup=2, steps=4, size="qwen2.5-7b", big=True)
+    return out + [
+        dict(
+            runner="stock", label="7B: forward + backward only, uncapped (the compute bound)", compute_only=True, **big
+        ),
+        dict(runner="stock", label=f"7B: stock under a {CAP_GIB} GiB cap", cap_gib=CAP_GIB, **big),
+        dict(
+            runner="bnb",
+            label=f"7B: bitsandbytes QLoRA, gradient checkpointing, under a {CAP_GIB} GiB cap",
+            checkpointing=True,
+            cap_gib=CAP_GIB,
+            **big,
+        ),
+        dict(
+            runner="trainstream",
+            label=f"7B: TrainStream, NF4 base, defaults under a {CAP_GIB} GiB cap",
+            wrap=dict(quantize="nf4", offload=True),
+            cap_gib=CAP_GIB,
+            **big,
+        ),
+    ]
+
+
+def run(*, quick: bool = False) -> dict:
+    from .optimizer_gpu import pcie_GBps
+
+    bw = pcie_GBps(1 << 30)
     rows = []
-    for case in cases:
+    for case in cases(quick):
         result, error = case_in_subprocess("trainstream.bench.lora", case)
-        row = {"run": case["label"], "cap_GiB": case.get("cap_gib")}
+        row = {"run": case["label"], "cap_GiB": case.get("cap_gib"), "model": case["size"], "runner": case["runner"]}
+        row["compute_only"] = bool(case.get("compute_only"))
         row.update(result if error is None else {"error": error[-300:]})
         rows.append(row)
         print(json.dumps(row), flush=True)
-    stock, bnb = rows[0], rows[1]
-    for r in rows:
-        if "s_per_step" in r and "s_per_step" in stock:
-            r["vs_stock"] = r["s_per_step"] / stock["s_per_step"]
-        if "first_loss" in r and "first_loss" in bnb:
-            r["loss_vs_qlora"] = abs(r["first_loss"] - bnb["first_loss"])
-    return {"rows": rows, "markdown": markdown(rows, quick)}
+    for model in {r["model"] for r in rows}:
+        mine = [r for r in rows if r["model"] == model]
+        stock = next((r for r in mine if r["runner"] == "stock" and "s_per_step" in r and not r["compute_only"]), None)
+        bnb = next((r for r in mine if r["runner"] == "bnb" and "first_loss" in r), None)
+        for r in mine:
+            if stock is not None and "s_per_step" in r:
+                r["vs_stock"] = r["s_per_step"] / stock["s_per_step"]
+            if bnb is not None and "first_loss" in r:
+                r["loss_vs_qlora"] = abs(r["first_loss"] - bnb["first_loss"])
+            if "pcie_bytes_per_step" in r:
+                r["pcie_s"] = r["pcie_bytes_per_step"] / (bw["h2d"] * 1e9)
+    checks = _checks(rows)
+    return {"pcie_GBps": bw, "rows": rows, "checks": checks, "markdown": markdown(rows, checks, quick)}
 
 
-def markdown(rows: list, quick: bool) -> str:
+def _checks(rows: list) -> list:
+    """Issue 23's targets, read from the rows (a row that did not run gives no check)."""
+
+    def find(model, runner, label_part=""):
+        return next((r for r in rows if r["model"] == model and r["runner"] == runner and label_part in r["run"]), None)
+
+    model = next((r["model"] for r in rows if r["model"] != "qwen2.5-7b"), "3b")
+    stock, bnb = find(model, "stock"), find(model, "bnb")
+    nf4, int8 = find(model, "trainstream", "NF4 base, weights resident"), find(model, "trainstream", "int8")
+    out = []
+
+    def check(name, value, target):
+        out.append(dict(model=model, check=name, value=value, target=target))
+
+    if nf4 and "s_per_step" in nf4:
+        if stock and "s_per_step" in stock:
+            check("NF4 resident: step / stock bf16 LoRA", nf4["s_per_step"] / stock["s_per_step"], "<= 1.1")
+        if bnb and "s_per_step" in bnb:
+            check("NF4 resident: bitsandbytes QLoRA step / ours", bnb["s_per_step"] / nf4["s_per_step"], ">= 1.2")
+            check("NF4 resident: peak GiB (bitsandbytes' peak)", nf4["peak_GiB"], f"<= {bnb['peak_GiB']:.3g}")
+        if int8 and "s_per_step" in int8:
+            check("int8 resident: step / NF4 resident", int8["s_per_step"] / nf4["s_per_step"], "<= 1.05")
+        if "gpu_busy" in nf4:
+            check("NF4 resident: GPU busy share of the step (profiler)", nf4["gpu_busy"], ">= 0.9")
+    big = "qwen2.5-7b"
+    compute, ours = find(big, "stock", "compute bound"), find(big, "trainstream")
+    if ours and "s_per_step" in ours:
+        if compute and "s_per_step" in compute:
+            bound = max(compute["s_per_step"], ours["pcie_s"])
+            out.append(
+                dict(
+                    model=big,
+                    check=f"under the cap: step / max(compute {compute['s_per_step']:.3f} s, "
+                    f"PCIe {ours['pcie_s']:.3f} s)",
+                    value=ours["s_per_step"] / bound,
+                    target="<= 1.2",
+                )
+            )
+        out.append(
+            dict(
+                model=big,
+                check="time to first step (wrap() + the first step), s",
+                value=ours["wrap_s"] + ours["first_step_s"],
+                target="<= 5",
+            )
+        )
+    return out
+
+
+_TITLES = {
+    "quick": "Llama-shaped model, quick sizes",
+    "3b": "Llama-shaped model, about 3B parameters",
+    "qwen2.5-7b": "Qwen2.5-7B shapes",
+}
+
+
+def markdown(rows: list, checks: list, quick: bool) -> str:
     table = markdown_table(
         [
             ("run", "run"),
@@ -223,16 +408,28 @@ def markdown(rows: list, quick: bool) -> str:
             ("loss_vs_qlora", "first loss minus QLoRA's (abs)"),
             ("paged_blocks", "blocks paged"),
             ("activation_paged_blocks", "activations paged"),
-            ("setup_s", "setup s"),
+            ("pcie_s", "PCIe s/step"),
+            ("gpu_busy", "GPU busy"),
+            ("wrap_s", "wrap s"),
+            ("first_step_s", "first step s"),
             ("oom", "out of memory"),
             ("error", "error"),
         ],
         rows,
     )
-    trainable = next((r["trainable"] for r in rows if "trainable" in r), 0)
+    check_table = markdown_table(
+        [("model", "model"), ("check", "check"), ("value", "measured"), ("target", "target")], checks
+    )
+    trainable = {r["model"]: r["trainable"] for r in rows if "trainable" in r}
+    models = "; ".join(f"{_TITLES[m]}: {n / 1e6:.1f}M trainable" for m, n in trainable.items())
     return (
-        f"Llama-shaped model, {'quick sizes' if quick else 'about 3B parameters'}, bf16; LoRA r=16 on every "
-        f"Linear of the blocks ({trainable / 1e6:.1f}M trainable); batch {BATCH}x{SEQ}.\n\n" + table
+        f"bf16 base; LoRA r=16 on every Linear of the blocks; batch {BATCH}x{SEQ} ({models}). x stock: against "
+        "the stock row of the same model. GPU busy: the union of the GPU's kernel and copy intervals over 3 "
+        "profiled steps, per step, over the unprofiled s/step. PCIe s/step: the paged weights in twice and the "
+        "paged activations out and in once a step, at the pinned host->device rate measured in this run.\n\n"
+        + table
+        + "\n\n"
+        + check_table
     )
 
 

@@ -28,10 +28,17 @@ _MARKED = re.compile(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", flags=re.
 
 # The summary's rows: the engine suite's peers and TrainStream's runs (not the compute bound,
 # which is no way to train; of torchao's two settings the one that, as TrainStream does, keeps
-# the gradients out of VRAM), and every run of the lora suite.
+# the gradients out of VRAM), and every run of the lora suite's 3B model (its 7B rows are in
+# docs/benchmarks.md).
 _SUMMARY_RUNNERS = {"engine": ("stock", "torchao_grads", "trainstream")}
+_SUMMARY_MODELS = {"lora": (None, "3b")}
 # What the suites' models are (their definitions: bench/models.py and bench/lora.py).
-_MODELS = {("engine", "mlp"): "402M MLP", ("engine", "gpt"): "1.9B GPT", ("lora", None): "3B Llama, LoRA r=16"}
+_MODELS = {
+    ("engine", "mlp"): "402M MLP",
+    ("engine", "gpt"): "1.9B GPT",
+    ("lora", None): "3B Llama, LoRA r=16",
+    ("lora", "3b"): "3B Llama, LoRA r=16",
+}
 
 
 def load(results_dir: Path) -> dict[str, list[dict]]:
@@ -57,6 +64,8 @@ def summary(results: dict[str, list[dict]]) -> str:
                 continue
             for row in result["rows"]:
                 if suite in _SUMMARY_RUNNERS and row.get("runner") not in _SUMMARY_RUNNERS[suite]:
+                    continue
+                if suite in _SUMMARY_MODELS and row.get("model") not in _SUMMARY_MODELS[suite]:
                     continue
                 model = row.get("model")
                 rows.append(

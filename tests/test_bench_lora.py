@@ -1,0 +1,50 @@
+"""The lora suite's arithmetic and case list (its cases themselves need a GPU)."""
+
+import pytest
+
+from trainstream.bench import lora
+
+
+def test_the_union_of_intervals_counts_overlaps_once():
+    assert lora._union_us([]) == 0
+    assert lora._union_us([(0, 10), (5, 12), (20, 25)]) == 17
+    assert lora._union_us([(0, 10), (2, 3), (10, 11)]) == 11
+
+
+def test_the_7b_rows_run_only_in_the_full_suite():
+    assert all(c["size"] == "quick" for c in lora.cases(quick=True))
+    full = lora.cases(quick=False)
+    big = [c for c in full if c["size"] == "qwen2.5-7b"]
+    assert {c["runner"] for c in big} == {"stock", "bnb", "trainstream"}
+    assert [c.get("compute_only", False) for c in big].count(True) == 1
+    assert all(c.get("cap_gib") == lora.CAP_GIB for c in big if not c.get("compute_only"))
+    with pytest.raises(ValueError, match="size must be one of"):
+        lora._config("13b")
+
+
+def _row(model, runner, run, **values):
+    return dict(model=model, runner=runner, run=run, compute_only="compute bound" in run, **values)
+
+
+def test_the_checks_read_the_targets_from_the_rows():
+    rows = [
+        _row("3b", "stock", "stock", s_per_step=0.2, peak_GiB=17.0),
+        _row("3b", "bnb", "bnb", s_per_step=0.3, peak_GiB=13.0),
+        _row(
+            "3b", "trainstream", "TrainStream, NF4 base, weights resident", s_per_step=0.21, peak_GiB=12.0, gpu_busy=0.8
+        ),
+        _row("3b", "trainstream", "TrainStream, int8 base, weights resident", s_per_step=0.22, peak_GiB=12.5),
+        _row("qwen2.5-7b", "stock", "7B: forward + backward only, uncapped (the compute bound)", s_per_step=0.5),
+        _row("qwen2.5-7b", "trainstream", "7B: TrainStream", s_per_step=0.9, pcie_s=0.6, wrap_s=3.0, first_step_s=1.5),
+    ]
+    values = {c["check"]: c["value"] for c in lora._checks(rows)}
+    assert values["NF4 resident: step / stock bf16 LoRA"] == pytest.approx(0.21 / 0.2)
+    assert values["NF4 resident: bitsandbytes QLoRA step / ours"] == pytest.approx(0.3 / 0.21)
+    assert values["int8 resident: step / NF4 resident"] == pytest.approx(0.22 / 0.21)
+    assert values["NF4 resident: GPU busy share of the step (profiler)"] == 0.8
+    bound = next(c for c in lora._checks(rows) if c["check"].startswith("under the cap"))
+    assert bound["value"] == pytest.approx(0.9 / 0.6)  # PCIe is the larger bound here
+    assert values["time to first step (wrap() + the first step), s"] == pytest.approx(4.5)
+    assert {c["model"] for c in lora._checks(rows)} == {"3b", "qwen2.5-7b"}
+    # A row that did not run (out of memory) gives no check, and nothing fails.
+    assert lora._checks([_row("3b", "stock", "stock", oom=True)]) == []
