@@ -5,6 +5,7 @@
 
 #include "bindings.h"
 #include "trainstream/adamw_gpu.h"
+#include "trainstream/common.h"
 #include "trainstream/cuda_info.h"
 #include "trainstream/grad_gpu.h"
 #include "trainstream/quant.h"
@@ -85,6 +86,25 @@ void bind_cuda(py::module_& m) {
       },
       py::arg("dequantize"), py::arg("format"), py::arg("numel"), py::arg("block_size"), py::arg("dtype"),
       py::arg("values"), py::arg("codes"), py::arg("absmax"), py::arg("device"), py::arg("stream"));
+
+  m.def(
+      "dequantize_batch_cuda",
+      [](int format, int dtype, const std::vector<int64_t>& codes, const std::vector<int64_t>& absmax,
+         const std::vector<int64_t>& values, const std::vector<int64_t>& numels,
+         const std::vector<int64_t>& block_sizes, int device, int64_t stream) {
+        const size_t n = codes.size();
+        TS_CHECK_ARG(absmax.size() == n && values.size() == n && numels.size() == n && block_sizes.size() == n,
+                     "dequantize_batch_cuda: codes, absmax, values, numels and block_sizes must have one entry "
+                     "per tensor");
+        std::vector<DequantTensor> tensors(n);
+        for (size_t i = 0; i < n; ++i)
+          tensors[i] = DequantTensor{as_ptr<const void>(codes[i]), as_ptr<const float>(absmax[i]),
+                                     as_ptr<void>(values[i]), numels[i], block_sizes[i]};
+        dequantize_batch_cuda(static_cast<QuantFormat>(format), static_cast<DType>(dtype), tensors.data(),
+                              static_cast<int>(n), device, stream);
+      },
+      py::arg("format"), py::arg("dtype"), py::arg("codes"), py::arg("absmax"), py::arg("values"),
+      py::arg("numels"), py::arg("block_sizes"), py::arg("device"), py::arg("stream"));
 }
 
 }  // namespace trainstream

@@ -312,5 +312,99 @@ __global__ void __launch_bounds__(256) int8_dequantize_any(QuantArgs a, int64_t 
     store1(out, i, __fmul_rn(float(q[i]), __fdiv_rn(a.absmax[i / a.block_size], 127.0f)));
 }
 
+
+// ---- batched dequantize ----------------------------------------------------------------
+//
+// A unit's quantized weights in one launch. Each tensor is cut into warp steps of kWarpStep
+// values, as the per-tensor launch cuts it; a warp takes one step of one tensor (the batch
+// is a kernel argument, looked up by the step's index). A whole step of a tensor the
+// per-tensor launch would give its fast path (log2_block >= 0: power-of-two block >= 8,
+// aligned buffers) runs that path's arithmetic; every other step (a tensor's tail, or any
+// step of an ineligible tensor) runs the general path's. So each value is computed by the
+// same operations as in dequantize_cuda, and its bits are the same.
+
+constexpr int kDequantBatchMax = 64;  // tensors per launch: the argument (3 KiB) stays within 4 KiB
+
+struct BatchTensor {
+  const void* codes;
+  const float* absmax;
+  void* values;
+  int64_t numel;
+  int64_t first_step;  // the batch's steps before this tensor's
+  int32_t block_size;
+  int32_t log2_block;  // -1: the general path for every step
+};
+
+struct DequantBatch {
+  int32_t count;
+  int64_t steps;  // all tensors' steps
+  BatchTensor t[kDequantBatchMax];
+};
+
+template <typename T, bool kNF4>
+__global__ void __launch_bounds__(256) dequantize_batch_kernel(const DequantBatch batch) {
+  __shared__ float lut[16];
+  if (kNF4 && threadIdx.x < 16) {
+    const float levels[16] = TS_NF4_LEVELS;
+    lut[threadIdx.x] = levels[threadIdx.x];
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t g = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; g < batch.steps; g += warps) {
+    int lo = 0, hi = batch.count - 1;  // the last tensor whose first step is <= g
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (batch.t[mid].first_step <= g) lo = mid;
+      else hi = mid - 1;
+    }
+    const BatchTensor& d = batch.t[lo];
+    const int64_t base = (g - d.first_step) * kWarpStep;
+    T* out = static_cast<T*>(d.values);
+    if (d.log2_block >= 0 && base + kWarpStep <= d.numel) {
+      float v[kSlices][8];
+#pragma unroll
+      for (int k = 0; k < kSlices; ++k) {
+        const int64_t first = base + k * 256 + lane * 8;
+        const float s = __ldg(d.absmax + (first >> d.log2_block));
+        if (kNF4) {
+          const uint32_t p = __ldg(static_cast<const uint32_t*>(d.codes) + (first >> 3));
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            const uint32_t byte = (p >> (8 * b)) & 0xffu;
+            v[k][2 * b] = mul_ftz(lut[byte >> 4], s);
+            v[k][2 * b + 1] = mul_ftz(lut[byte & 15u], s);
+          }
+        } else {
+          const uint2 c = __ldg(static_cast<const uint2*>(d.codes) + (first >> 3));
+          const float scale = __fdiv_rn(s, 127.0f);
+#pragma unroll
+          for (int b = 0; b < 8; ++b) {
+            const uint32_t word = b < 4 ? c.x : c.y;
+            v[k][b] = __fmul_rn(float(int8_t((word >> (8 * (b & 3))) & 0xffu)), scale);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kSlices; ++k) store8(out, base + k * 256 + lane * 8, v[k]);
+      continue;
+    }
+    const int64_t end = min(d.numel, base + kWarpStep);
+    if (kNF4) {
+      const uint8_t* packed = static_cast<const uint8_t*>(d.codes);
+      for (int64_t j = base / 2 + lane; 2 * j < end; j += 32) {
+        const uint32_t byte = packed[j];
+        const float s = d.absmax[(2 * j) / d.block_size];  // the pair never straddles a block
+        store1(out, 2 * j, mul_ftz(lut[byte >> 4], s));
+        if (2 * j + 1 < end) store1(out, 2 * j + 1, mul_ftz(lut[byte & 15u], s));
+      }
+    } else {
+      const int8_t* q = static_cast<const int8_t*>(d.codes);
+      for (int64_t i = base + lane; i < end; i += 32)
+        store1(out, i, __fmul_rn(float(q[i]), __fdiv_rn(d.absmax[i / d.block_size], 127.0f)));
+    }
+  }
+}
+
 }  // namespace quant_gpu
 }  // namespace trainstream

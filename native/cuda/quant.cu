@@ -119,4 +119,67 @@ void dequantize_cuda(const QuantArgs& a, int device, int64_t stream_int) {
   }
 }
 
+template <typename T, bool kNF4>
+static void dequantize_batch_typed(const DequantTensor* tensors, int num_tensors, cudaStream_t stream) {
+  static_assert(sizeof(quant_gpu::DequantBatch) <= 4096, "kernel arguments are limited to 4 KiB");
+  quant_gpu::DequantBatch batch{};
+  auto launch = [&] {
+    if (batch.count == 0) return;
+    const unsigned grid = grid_full(batch.steps * 32);  // one warp step per warp, as dequantize_typed
+    quant_gpu::dequantize_batch_kernel<T, kNF4><<<grid, 256, 0, stream>>>(batch);
+    TS_CUDA_CHECK(cudaGetLastError());
+    batch.count = 0;
+    batch.steps = 0;
+  };
+  for (int i = 0; i < num_tensors; ++i) {
+    const DequantTensor& d = tensors[i];
+    TS_CHECK_ARG(d.block_size >= 2 && d.block_size % 2 == 0 && d.block_size <= INT32_MAX,
+                 "block_size must be an even integer >= 2");
+    if (d.numel == 0) continue;
+    const int64_t bs = d.block_size;
+    // The per-tensor launch's choice of its fast path (dequantize_typed).
+    const bool pow2 = bs >= 8 && (bs & (bs - 1)) == 0;
+    const bool aligned = reinterpret_cast<uintptr_t>(d.values) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(d.codes) % (kNF4 ? 4 : 8) == 0;
+    int log2 = -1;
+    if (pow2 && aligned) {
+      log2 = 0;
+      while ((int64_t(1) << log2) < bs) ++log2;
+    }
+    quant_gpu::BatchTensor& t = batch.t[batch.count++];
+    t.codes = d.codes;
+    t.absmax = d.absmax;
+    t.values = d.values;
+    t.numel = d.numel;
+    t.first_step = batch.steps;
+    t.block_size = static_cast<int32_t>(bs);
+    t.log2_block = log2;
+    batch.steps += (d.numel + quant_gpu::kWarpStep - 1) / quant_gpu::kWarpStep;
+    if (batch.count == quant_gpu::kDequantBatchMax) launch();
+  }
+  launch();
+}
+
+template <typename T>
+static void dequantize_batch_format(QuantFormat format, const DequantTensor* tensors, int n, cudaStream_t stream) {
+  if (format == QuantFormat::kNF4) dequantize_batch_typed<T, true>(tensors, n, stream);
+  else dequantize_batch_typed<T, false>(tensors, n, stream);
+}
+
+void dequantize_batch_cuda(QuantFormat format, DType dtype, const DequantTensor* tensors, int num_tensors,
+                           int device, int64_t stream_int) {
+  TS_CHECK_ARG(format == QuantFormat::kNF4 || format == QuantFormat::kInt8, "format must be nf4 or int8");
+  TS_CHECK_ARG(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16,
+               "dtype must be float32, bfloat16 or float16");
+  TS_CHECK_ARG(num_tensors >= 0, "num_tensors must be >= 0");
+  if (num_tensors == 0) return;
+  TS_CUDA_CHECK(cudaSetDevice(device));
+  auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
+  switch (dtype) {
+    case DType::kBFloat16: return dequantize_batch_format<BF16>(format, tensors, num_tensors, stream);
+    case DType::kFloat16: return dequantize_batch_format<Half>(format, tensors, num_tensors, stream);
+    default: return dequantize_batch_format<float>(format, tensors, num_tensors, stream);
+  }
+}
+
 }  // namespace trainstream

@@ -102,3 +102,14 @@ def quant_cuda(
     device: int,
     stream: int,
 ) -> None: ...
+def dequantize_batch_cuda(
+    format: int,
+    dtype: int,
+    codes: list[int],
+    absmax: list[int],
+    values: list[int],
+    numels: list[int],
+    block_sizes: list[int],
+    device: int,
+    stream: int,
+) -> None: ...

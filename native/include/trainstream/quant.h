@@ -28,6 +28,16 @@ struct QuantArgs {
   float* absmax;
 };
 
+// One tensor of a batched dequantize: `numel` values of a common dtype written at `values`
+// from its codes and absmax, as dequantize_cuda would write them for it alone.
+struct DequantTensor {
+  const void* codes;
+  const float* absmax;
+  void* values;
+  int64_t numel;
+  int64_t block_size;  // any even number >= 2
+};
+
 // Host: split into chunks of whole blocks on the pool; returns the job at once.
 std::shared_ptr<Job> quantize_queue(ThreadPool& pool, const QuantArgs& args);
 std::shared_ptr<Job> dequantize_queue(ThreadPool& pool, const QuantArgs& args);
@@ -35,6 +45,10 @@ std::shared_ptr<Job> dequantize_queue(ThreadPool& pool, const QuantArgs& args);
 // CUDA: asynchronous on `stream` (a cudaStream_t as an integer).
 void quantize_cuda(const QuantArgs& args, int device, int64_t stream);
 void dequantize_cuda(const QuantArgs& args, int device, int64_t stream);
+// Every tensor of `tensors` (one format, one value dtype) dequantized in one kernel launch
+// (one per kDequantBatchMax tensors), each value bit-identical to dequantize_cuda's.
+void dequantize_batch_cuda(QuantFormat format, DType dtype, const DequantTensor* tensors, int num_tensors,
+                           int device, int64_t stream);
 
 // Range kernels of one SIMD build (quant_simd.cpp): blocks [b0, b1) / elements [e0, e1),
 // e0 a multiple of the block size.

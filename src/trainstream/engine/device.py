@@ -15,6 +15,12 @@ from collections import deque
 
 import torch
 
+# The current CUDA stream's raw handle, without building a torch.cuda.Stream (torch's own
+# generated code reads it this way); builds without it fall back to the Stream's handle.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream
+)
+
 
 class _DoneEvent:
     """The CPU backend's event: the work it marks finished when it was recorded."""
@@ -60,7 +66,9 @@ class Backend:
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self._current = None  # (raw handle, torch.cuda.Stream) of the last current stream seen (compute_stream)
         if self.is_cuda:
+            self._index = device.index if device.index is not None else torch.cuda.current_device()
             self.copy_in = torch.cuda.Stream(device)  # host -> device: weights, activations
             self.copy_out = torch.cuda.Stream(device)  # device -> host: gradients, activations
             # optimizer_mode="gpu": the AdamW kernel, beside backward rather than behind it, and
@@ -73,7 +81,21 @@ class Backend:
             self.copy_in = self.copy_out = self.update = self.moments_in = self.moments_out = None
 
     def compute_stream(self):
-        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+        """The current stream of the engine's device (the user may run the model under
+        torch.cuda.stream(s)); None on the CPU. torch.cuda.current_stream() builds a new
+        Stream object on every call, and the engine asks several times per tensor it moves,
+        so the object is kept and reused while the raw handle of the current stream, read
+        from torch without building one, is the one it was made for. The handle names the
+        stream (each thread has its own current stream: the check covers every thread)."""
+        if not self.is_cuda:
+            return None
+        raw = _raw_stream(self._index)
+        cached = self._current  # one tuple, read once: another thread may replace it
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        stream = torch.cuda.current_stream(self.device)
+        self._current = (stream.cuda_stream, stream)
+        return stream
 
     def on(self, stream):
         """Context: queue work on `stream` (a no-op on the CPU)."""

@@ -499,7 +499,7 @@ class Engine:
         if t.device != self.backend.device or t.numel() == 0:
             return t.detach()
         ptr = t.untyped_storage().data_ptr()
-        slot = self.weights.fetched_storages.get(ptr)
+        slot = self.weights.fetched_slot(t, ptr)
         if slot is not None:
             return SavedWeight(slot, t)
         self.meter.count(t, unit)

@@ -43,6 +43,7 @@ import threading
 
 import torch
 
+from ..ops import quant as qops
 from ..quant.stored import codes_of
 from ..quant.stored import take as take_codes
 from ..quant.stored import taken_back as codes_taken_back
@@ -74,7 +75,8 @@ class WeightPager:
         self.ledger = ledger
         self._slot_of = {s.param: s for u in units for s in u.slots}
         self.update_on_device = update_on_device  # a resident param's device data is newer than its host master
-        self.fetched_storages: dict = {}  # device storage pointer -> slot, for paged weights on the device
+        # device storage pointer -> [(first byte, end byte, slot)] of the attached fetched weights in it
+        self.fetched_storages: dict = {}
         self.resident_storages: set = set()  # device storage pointers of resident weights
         self.fetched_bytes = 0  # device bytes fetched since wrap (growth that is not activations)
         self.arena = None  # the host transfer memory, once place() has carved it
@@ -422,26 +424,52 @@ class WeightPager:
             autocast = _autocast_dtype(self.backend.device.type)
             dtypes = {s: self._dtype_for(s, autocast) for s in slots}
         backend = self.backend
-        fetched = {}
         with backend.on(backend.copy_in):
+            quantized = [s for s in slots if s.quant is not None]
+            dequantized = self._dequantize(quantized, dtypes) if quantized else {}
+            fetched = {}
             for s in slots:
-                if s.quant is not None:
-                    # Codes and scales cross (a paged unit's; a resident unit's are on the
-                    # device already) and are dequantized here, on the copy-in stream.
-                    dev = torch.empty(s.param.shape, dtype=dtypes[s], device=backend.device)
-                    q = s.quant if s.quant.device == backend.device else s.quant.to(backend.device, non_blocking=True)
-                    q.dequantize_into(dev)
-                else:
+                dev = dequantized.get(s)
+                if dev is None:
                     src = self._host_source(s, dtypes[s])
                     dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)
                     dev.copy_(src, non_blocking=True)
                 fetched[s] = dev
         unit.fetched, unit.fetch_dtypes = fetched, dtypes
-        self.fetched_bytes += _nbytes(fetched.values())
+        self.fetched_bytes += _held_bytes(fetched.values())
         unit.fetch_event = backend.record(backend.copy_in)
         unit.fetch = Fetch.AHEAD if ahead else Fetch.FETCHED
         if ahead:
             self.ledger.fetched_ahead(nbytes)
+
+    # Byte alignment of each weight in a unit's dequantized buffer: where a fresh allocation
+    # would start (the kernels' vector path needs 16, the matmuls reading it prefer more).
+    DEQUANT_ALIGN = 256
+
+    def _dequantize(self, slots: list, dtypes: dict) -> dict:
+        """Views of one new device buffer, slot -> its weight in `dtypes[slot]`, dequantized
+        on the current stream (the copy-in stream) from each slot's codes: one allocation
+        and one native call per (format, block size) for the unit, rather than one of each
+        per weight. A paged unit's codes and scales cross PCIe first."""
+        device = self.backend.device
+        align = self.DEQUANT_ALIGN
+        spans, total = [], 0
+        for s in slots:
+            nbytes = s.param.numel() * dtypes[s].itemsize
+            spans.append((total, nbytes))
+            total += -(-nbytes // align) * align
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        views, groups = {}, {}
+        for s, (start, nbytes) in zip(slots, spans):
+            views[s] = flat[start : start + nbytes].view(dtypes[s]).view(s.param.shape)
+            q = s.quant if s.quant.device == device else s.quant.to(device, non_blocking=True)
+            group = groups.setdefault((q.format, q.block_size), ([], [], []))
+            group[0].append(q.codes)
+            group[1].append(q.absmax)
+            group[2].append(views[s])
+        for (fmt, block_size), (codes, absmax, outs) in groups.items():
+            qops.dequantize_many_trusted(fmt, codes, absmax, outs, block_size)
+        return views
 
     def attach(self, unit, *, dtypes: dict | None = None) -> None:
         """Point the unit's params at their fetched device tensors (fetching now if no
@@ -453,10 +481,16 @@ class WeightPager:
         self.fetch(unit, dtypes=dtypes)
         backend = self.backend
         backend.wait(unit.fetch_event)
+        compute = backend.compute_stream()
         for s, dev in unit.fetched.items():
-            backend.keep_until(dev, backend.compute_stream())
             s.param.data = dev
-            self.fetched_storages[dev.untyped_storage().data_ptr()] = s
+            ptr = dev.untyped_storage().data_ptr()
+            spans = self.fetched_storages.get(ptr)
+            if spans is None:  # the first weight seen in this storage: it is kept for compute once
+                backend.keep_until(dev, compute)
+                spans = self.fetched_storages[ptr] = []
+            start = dev.storage_offset() * dev.element_size()
+            spans.append((start, start + dev.numel() * dev.element_size(), s))
         if unit.fetch is Fetch.AHEAD:
             self.ledger.used(unit.fetch_nbytes)
         unit.fetch = Fetch.ATTACHED
@@ -470,10 +504,22 @@ class WeightPager:
             self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
             s.param.data = s.placeholder
         # The memory returns to the allocator once compute passes this point.
-        self.ledger.add(self.backend.record(), _nbytes(unit.fetched.values()))
+        self.ledger.add(self.backend.record(), _held_bytes(unit.fetched.values()))
         if unit.fetch is Fetch.AHEAD:
             self.ledger.used(unit.fetch_nbytes)
         unit.fetched, unit.fetch, unit.fetch_event = None, Fetch.RELEASED, None
+
+    def fetched_slot(self, t: torch.Tensor, ptr: int):
+        """The slot whose attached weight `t` views (`ptr`: its storage's address), or None
+        when `t` is not a fetched weight. A unit's dequantized weights share one storage
+        (_dequantize): the view's byte offset says whose it is."""
+        spans = self.fetched_storages.get(ptr)
+        if spans is None:
+            return None
+        if len(spans) == 1:
+            return spans[0][2]
+        at = t.storage_offset() * t.element_size()
+        return next((s for start, end, s in spans if start <= at < end), None)
 
     def device_view(self, slot, dtypes: dict, dtype, size, stride, offset) -> torch.Tensor:
         """A saved weight for backward: the same view of the weights as fetched for the
@@ -565,5 +611,8 @@ def _placeholder(s, device) -> torch.Tensor:
     return torch.full((1,), float("nan"), dtype=s.dtype, device=device).expand(s.param.shape)
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _held_bytes(tensors) -> int:
+    """Device bytes the storages under `tensors` hold, each storage once (a unit's
+    dequantized weights are views of one buffer, alignment gaps included)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

@@ -92,6 +92,22 @@ def check_codes(op: str, fmt: int, codes, absmax, n: int, block_size: int) -> No
         )
 
 
+# The current CUDA stream's handle without building a torch.cuda.Stream (the kernels take
+# the handle): torch's own generated code reads it this way; older builds fall back.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream
+)
+
+
+def _require_cuda() -> None:
+    global _cuda_ready
+    if not _cuda_ready:  # checked once: a LoRA step dequantizes every frozen weight twice
+        from .._native import require_cuda
+
+        require_cuda("GPU quantization")
+        _cuda_ready = True
+
+
 def _run(
     dequantize: bool, fmt: int, values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block_size: int
 ) -> None:
@@ -107,15 +123,56 @@ def _run(
         absmax.data_ptr(),
     )
     if values.device.type == "cuda":
-        global _cuda_ready
-        if not _cuda_ready:  # checked once: a LoRA step dequantizes every frozen weight twice
-            from .._native import require_cuda
-
-            require_cuda("GPU quantization")
-            _cuda_ready = True
-        native.quant_cuda(*args, values.device.index, torch.cuda.current_stream(values.device).cuda_stream)
+        _require_cuda()
+        native.quant_cuda(*args, values.device.index, _raw_stream(values.device.index))
     else:
         native.quant_queue(get_pool(), *args).wait()
+
+
+def _run_many(fmt: int, codes: Sequence, absmax: Sequence, outs: Sequence, block_size: int) -> None:
+    """Dequantize each (codes[i], absmax[i]) into outs[i], all on one device. CUDA: one
+    launch per value dtype among `outs` (the kernel takes one), on the current stream; the
+    CPU: the host kernel of each tensor, queued together on the pool."""
+    if not outs:
+        return
+    native = lib()
+    device = outs[0].device
+    if device.type != "cuda":
+        pool = get_pool()
+        jobs = [
+            native.quant_queue(
+                pool,
+                True,
+                fmt,
+                out.numel(),
+                block_size,
+                _dtypes.code(out.dtype),
+                out.data_ptr(),
+                c.data_ptr(),
+                a.data_ptr(),
+            )
+            for c, a, out in zip(codes, absmax, outs)
+        ]
+        for job in jobs:
+            job.wait()
+        return
+    _require_cuda()
+    by_dtype: dict = {}
+    for c, a, out in zip(codes, absmax, outs):
+        by_dtype.setdefault(out.dtype, []).append((c, a, out))
+    stream = _raw_stream(device.index)
+    for dtype, group in by_dtype.items():
+        native.dequantize_batch_cuda(
+            fmt,
+            _dtypes.code(dtype),
+            [c.data_ptr() for c, _, _ in group],
+            [a.data_ptr() for _, a, _ in group],
+            [out.data_ptr() for _, _, out in group],
+            [out.numel() for _, _, out in group],
+            [block_size] * len(group),
+            device.index,
+            stream,
+        )
 
 
 def _code_dtype(fmt: int) -> torch.dtype:
@@ -240,6 +297,60 @@ def dequantize_trusted(
         _run(True, fmt, out, codes, absmax, block_size)
     else:
         _dequantize(fmt, codes, absmax, out.shape, out.dtype, block_size, out)
+
+
+def _format_code(op: str, format) -> int:
+    for code, name in _FORMAT_NAMES.items():
+        if format == name:
+            return code
+    raise ValueError(f"{op}: format must be one of {list(_FORMAT_NAMES.values())}, got {format!r}")
+
+
+def dequantize_many(
+    format: str,
+    codes: Sequence[torch.Tensor],
+    absmax: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    block_size: int = 64,
+) -> None:
+    """Dequantize each ``(codes[i], absmax[i])`` of `format` ("nf4" or "int8") into
+    ``outs[i]``: the same bits as ``dequantize_nf4`` / ``dequantize_int8`` with ``out=``, one
+    tensor at a time. Every tensor on one CPU or CUDA device; each out contiguous, float32,
+    bfloat16 or float16 (they may differ), of the numel its codes hold. On CUDA one kernel
+    launch per out dtype (64 tensors a launch) on the current stream."""
+    op = "dequantize_many"
+    fmt = _format_code(op, format)
+    codes = _args.tensors(op, "codes", codes)
+    absmax = _args.tensors(op, "absmax", absmax)
+    outs = _args.tensors(op, "outs", outs)
+    if not len(codes) == len(absmax) == len(outs):
+        raise ValueError(
+            f"{op}: codes, absmax and outs must have one entry per tensor, got {len(codes)}, {len(absmax)} "
+            f"and {len(outs)}"
+        )
+    block_size = check_block_size(block_size, op)
+    device = outs[0].device if outs else None
+    for i, (c, a, out) in enumerate(zip(codes, absmax, outs)):
+        check_out(f"{op} (tensor {i})", out, out.shape, c.device)
+        if out.device != device:
+            raise ValueError(f"{op}: every tensor must be on one device, outs[{i}] is on {out.device}, not {device}")
+        check_codes(f"{op} (tensor {i})", fmt, c, a, out.numel(), block_size)
+    dequantize_many_trusted(format, codes, absmax, outs, block_size)
+
+
+def dequantize_many_trusted(
+    format: str, codes: Sequence[torch.Tensor], absmax: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], block_size
+) -> None:
+    """:func:`dequantize_many` without checking the arguments, for a caller that made them
+    consistent (the engine's fetch of a unit's QuantizedWeights into views of one buffer):
+    one native call for the unit instead of one checked call per weight. Traced or
+    subclassed tensors take the checked per-tensor op."""
+    fmt = NF4 if format == "nf4" else INT8
+    if _direct(*codes, *absmax, *outs):
+        _run_many(fmt, codes, absmax, outs, block_size)
+        return
+    for c, a, out in zip(codes, absmax, outs):
+        _dequantize(fmt, c, a, out.shape, out.dtype, block_size, out)
 
 
 def quantize_nf4(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

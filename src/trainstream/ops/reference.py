@@ -266,3 +266,17 @@ def dequantize_int8(
     n = math.prod(shape)
     scale = (absmax.float() / torch.tensor(127.0)).repeat_interleave(block_size)[:n]
     return (codes.reshape(-1)[:n].float() * scale).to(dtype).view(shape)
+
+
+def dequantize_many(
+    format: str,
+    codes: Sequence[torch.Tensor],
+    absmax: Sequence[torch.Tensor],
+    shapes: Sequence,
+    dtypes: Sequence[torch.dtype],
+    block_size: int = 64,
+) -> list:
+    """Twin of :func:`trainstream.ops.quant.dequantize_many`: each tensor dequantized on
+    its own, as its format's twin does (returned rather than written into outs)."""
+    one = dequantize_nf4 if format == "nf4" else dequantize_int8
+    return [one(c, a, shape, dtype, block_size) for c, a, shape, dtype in zip(codes, absmax, shapes, dtypes)]
