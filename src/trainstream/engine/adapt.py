@@ -36,7 +36,8 @@
   state and the measured activations fit, the run switches to torch's fused AdamW on the
   device (switch.py).
 
-Every decision goes to the events log and, with its numbers, to plan["history"].
+Every decision goes to the events log and, with its numbers, to plan["history"]; each step's
+measured peak to a bounded timeline (memory_report's peaks["per_step"], plot_memory's line).
 """
 
 from __future__ import annotations
@@ -68,6 +69,36 @@ class SwitchToStock:
     need: dict  # device bytes of stock training, by class
 
 
+class PeakTimeline:
+    """The measured device peak of every step, in at most CAPACITY points. When full, each
+    pair of neighbouring points merges into the larger of the two and from then on a point
+    stands for twice as many steps: a long run keeps its whole span, and no spike is lost."""
+
+    CAPACITY = 4096  # even: a merge leaves whole pairs and the newest point
+
+    def __init__(self):
+        self.points: list = []  # [step, peak bytes]: the largest peak of its `span` steps, at its step
+        self.span = 1  # steps per point
+        self._open = 0  # steps the newest point stands for so far
+
+    def add(self, step: int, peak) -> None:
+        """Step `step` (1-based) peaked at `peak` bytes; None: not measured (the CPU backend)."""
+        if peak is None:
+            return
+        if self.points and self._open < self.span:
+            self._open += 1
+            if peak > self.points[-1][1]:
+                self.points[-1] = [step, peak]
+            return
+        self.points.append([step, peak])
+        self._open = 1
+        if len(self.points) > self.CAPACITY:
+            last = self.points.pop()  # the newest point, one step: it opens the first wider point
+            pairs = zip(self.points[0::2], self.points[1::2])
+            self.points = [max(a, b, key=lambda p: p[1]) for a, b in pairs] + [last]
+            self.span *= 2
+
+
 class Adapter:
     SETTLE_STEPS = 3
     SWITCH_AFTER = 2
@@ -82,6 +113,7 @@ class Adapter:
         self.meter = meter  # the saved-activation counts (measure.py)
         self.events = events
         self.history: list = []  # every decision with its numbers (memory_report's plan["history"])
+        self.peak_timeline = PeakTimeline()  # each step's measured peak (memory_report's peaks["per_step"])
         self.steps = 0  # optimizer steps seen
         self.profile = profile
         self.unpageable = unpageable
@@ -349,6 +381,7 @@ class Adapter:
                 observed = self.step_peak
                 if self.stack_end is not None and not self.after_stack_provisional:
                     observed = max(observed, self.stack_end + self.after_stack)
+        self.peak_timeline.add(self.steps, observed)
         if self.steps == self.SWITCH_AFTER and self.opts.offload == "auto":
             switch = self._stock_decision(stock_allowed, observed)
             if switch is not None:

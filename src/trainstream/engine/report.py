@@ -55,7 +55,11 @@ def build_report(engine) -> dict:
     engine.report_skipped()  # a skip the device decided is in the events once its update has run: wait for it
     blocks = engine.block_units
     quant = quantization(engine)
+    timeline = engine.adapter.peak_timeline
+    # per_step: [step, bytes], each the largest measured peak of per_step_span steps (adapt.py's
+    # PeakTimeline; the engine's steps only: none on the CPU backend, none after a switch to stock).
     peaks = {"steps": engine.steps_taken, "max_allocated_bytes": None}
+    peaks.update(per_step=[list(p) for p in timeline.points], per_step_span=timeline.span)
     if engine.backend.is_cuda:
         peaks["max_allocated_bytes"] = torch.cuda.max_memory_allocated(engine.backend.device)
     return {
@@ -81,6 +85,8 @@ def build_report(engine) -> dict:
             "budget": engine.budget,
             "profile": dataclasses.asdict(engine.profile),
             "history": list(engine.history),
+            # The placement wrap() applied, before any move in history.
+            "placement_at_wrap": {"paged": list(engine.plan.paged), "act_paged": list(engine.plan.act_paged)},
             # Saved activations per block (bytes, largest of the first passes), measured.
             "activation_bytes_per_block": dict(engine.activation_bytes),
         },
