@@ -71,7 +71,7 @@ def planner_moves(report: dict) -> list:
             label = "moved: " + _placement_change(paged, acts, set(entry["paged"]), set(entry["act_paged"]))
             paged, acts = set(entry["paged"]), set(entry["act_paged"])
         elif kind == "switch":
-            label = "switched to torch.optim.AdamW(fused=True) on the device: stock training from here"
+            label = "switched to torch.optim.AdamW(fused=True): stock training from here"
         elif kind == "offload":
             label = "offload='auto': stays in offload mode"
         else:  # "warning", and any kind added later: its own words
@@ -196,9 +196,9 @@ def _draw(report, target, title, figure_cls, canvas_cls) -> None:
     switch = next((step for step, kind, _ in moves if kind == "switch"), None)
     last = max([peaks["steps"], 1] + [p[0] for p in points] + [step + 1 for step, _, _ in moves])
     if switch is not None and report["mode"] == "stock":
-        ax.axvspan(switch + 0.5, last + 0.5, color="tab:red", alpha=0.08, label="stock training (no engine peaks)")
+        ax.axvspan(switch + 0.5, last + 0.5, color="tab:red", alpha=0.08, label="stock training (no per-step peaks)")
     ax.set_xlim(0, last + 0.5)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max(1.08 * largest / unit, 1.0))  # room above the highest line
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"device memory ({unit_name})")
     ax.xaxis.get_major_locator().set_params(integer=True)
