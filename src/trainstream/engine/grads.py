@@ -465,6 +465,12 @@ class GradStreamer:
         units, self._skipped = self._skipped, []
         return self.nonfinite, units, self._count(self.window_serial), step
 
+    def count_skip(self) -> bool:
+        """True the first time the current window is reported skipped: a skip found outside
+        the streamer (the device-state update, engine.py) counts in optimizer.skipped_steps
+        only if no report of the window counted it already."""
+        return self._count(self.window_serial)
+
     def _count(self, serial: int) -> bool:
         """True the first time window `serial` is reported (optimizer.skipped_steps counts it once)."""
         first = serial not in self._counted

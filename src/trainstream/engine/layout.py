@@ -21,6 +21,10 @@ class Slot:
     trainable: bool  # updated by the engine's optimizer
     is_linear: bool  # weight or bias of an nn.Linear: may page in the autocast dtype
     unit: Unit = None
+    # Trainable and kept whole on the compute device (the plan's device_state, device_state.py):
+    # weights, gradient (p.grad, as torch keeps it), moments and any fp32 master. No host
+    # buffer, no gradient hook, never paged (a paged unit pages its other slots only).
+    device_state: bool = False
     # Frozen weights stored quantized (wrap(quantize=...)): the format and block size, and the
     # QuantizedWeight once made (WeightPager.place). Its codes live on the device for a resident
     # unit, in host transfer memory for a paged one; the weight itself exists only while a
@@ -121,8 +125,20 @@ class Unit:
 
     @functools.cached_property
     def trainable(self) -> list:
-        """The slots the optimizer updates (fixed at wrap(); read on every gradient)."""
-        return [s for s in self.slots if s.trainable]
+        """The slots the optimizer updates through the host path: gradients landed, updates
+        queued per unit (fixed at wrap(); read on every gradient). Device-state slots are not
+        among them (set_device_state drops this cache)."""
+        return [s for s in self.slots if s.trainable and not s.device_state]
+
+    @property
+    def device_state_slots(self) -> list:
+        """The trainable slots whose whole state stays on the compute device."""
+        return [s for s in self.slots if s.device_state]
+
+    @property
+    def pageable_slots(self) -> list:
+        """The slots a paged unit keeps in host memory: every one but the device-state ones."""
+        return [s for s in self.slots if not s.device_state]
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +148,7 @@ class Unit:
     def streamed_slots(self) -> list:
         """Slots whose weights are brought to the device for each use and released after:
         all of a paged unit's, and the quantized ones of a resident unit (dequantized there)."""
-        return list(self.slots) if self.paged else [s for s in self.slots if s.quant_format is not None]
+        return self.pageable_slots if self.paged else [s for s in self.slots if s.quant_format is not None]
 
     @property
     def streamed(self) -> bool:
@@ -198,6 +214,8 @@ def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
     buffer for its gradient (not when gradients stay on the device, optimizer_mode="gpu")."""
     n = s.param.numel()
     need = []
+    if s.device_state:  # its whole state is on the device (device_state.py)
+        return need
     if s.quant_format is not None:  # frozen: a paged unit keeps the codes and scales in host memory
         if paged:
             codes, code_dtype = code_layout(n, s.quant_format)
@@ -379,6 +397,16 @@ def adopt_stored_codes(block_units: list, outside_units: list) -> tuple[list, li
 def set_quantization(slots: list, fmt: str | None, block_size: int) -> None:
     for s in slots:
         s.quant_format, s.quant_block = fmt, block_size
+
+
+def set_device_state(units: list, names) -> None:
+    """Mark the trainable slots named in `names` as device state, and every other slot as
+    not; each unit's cached host-path `trainable` list is recomputed at its next read."""
+    names = set(names)
+    for u in units:
+        for s in u.slots:
+            s.device_state = s.trainable and s.name in names
+        u.__dict__.pop("trainable", None)
 
 
 @dataclass(eq=False)

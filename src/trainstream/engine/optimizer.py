@@ -360,6 +360,8 @@ class StreamedAdamW(OffloadAdamW):
         if self._shards:  # data parallel: whole moments loaded, this rank's elements kept
             self.shard_state(self._shards, self._full_tensor)
         self._into_mapped()  # the kernel keeps reading the buffers it was given at wrap()
+        if self._engine is not None:  # device state: the loaded moments go back to the device
+            self._engine.device_state.adopt_state()
 
     def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
@@ -446,6 +448,40 @@ class StreamedAdamW(OffloadAdamW):
                     v,
                     steps,
                     param_copies=copies,
+                    grad_scale=grad_scale,
+                    seeds=seeds,
+                    threads=self.threads,
+                    **_hyper(group),
+                ).wait()
+
+    def update_device_state(self, device: torch.device, slots: list, grads: list, masters: dict, grad_scale: float):
+        """Device state (device_state.py): AdamW over `slots`, whose params, `grads`, moments
+        and `masters` (param -> fp32 master, for params that are not fp32) are all on `device`,
+        one launch per param group and (gradient dtype, master or not). On CUDA the engine's
+        kernel on the current stream (a master's param then gets its rounding to nearest even,
+        as the kernel and the host AdamW write a copy); on the CPU path the host AdamW, the
+        same bits, done when this returns."""
+        key = lambda s: s.param in masters  # noqa: E731  (a master: written, the param rounded from it)
+        for group, items in self._batches(slots, grads, key):
+            states = [st for _, _, st, _ in items]
+            targets = [masters.get(s.param, s.param.data) for s, *_ in items]
+            rounded = [s.param.data for s, *_ in items] if items[0][0].param in masters else None
+            args = (
+                targets,
+                [g for _, g, *_ in items],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [int(st["step"].item()) for st in states],
+            )
+            seeds = [self._seed_for(i) for *_, i in items]
+            if device.type == "cuda":
+                adamw_step_mapped(device, *args, grad_scale=grad_scale, seeds=seeds, **_hyper(group))
+                if rounded is not None:
+                    torch._foreach_copy_(rounded, targets)
+            else:
+                ops.adamw_step(
+                    *args,
+                    param_copies=rounded,
                     grad_scale=grad_scale,
                     seeds=seeds,
                     threads=self.threads,

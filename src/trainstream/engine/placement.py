@@ -18,8 +18,8 @@ import torch
 
 from ..errors import DoesNotFit
 from ..planner.plan import BlockBytes, PlanInputs, make_plan
-from ..sizes import GiB
-from .layout import set_quantization
+from ..sizes import GiB, MiB
+from .layout import set_device_state, set_quantization
 from .moments import copy_limit, region_limit
 
 
@@ -97,19 +97,19 @@ def plan_inputs(
 
     def crossing(u):
         # Under bf16 autocast an fp32 Linear's weights travel in bf16 (params.py); quantized
-        # ones as codes and scales.
+        # ones as codes and scales. Device-state slots never travel.
         return sum(
             s.param.numel() * 2
             if compute_dtype == torch.bfloat16 and s.is_linear and s.dtype == torch.float32 and s.quant_format is None
             else s.nbytes
-            for s in u.slots
+            for s in u.pageable_slots
         )
 
     acts, casts = act_bytes or {}, act_cast or {}
     fallback = max(acts.values(), default=0)  # a block not measured (no copies counted for it)
     blocks = [
         BlockBytes(
-            u.nbytes,
+            sum(s.nbytes for s in u.pageable_slots),
             crossing(u),
             sum(s.nbytes for s in u.trainable),
             acts.get(u.block, fallback),
@@ -119,11 +119,20 @@ def plan_inputs(
         for u in block_units
     ]
     trainable = [s for u in block_units + outside_units for s in u.trainable]
-    largest_block = max([u.nbytes for u in block_units] or [0])
+    largest_block = max([sum(s.nbytes for s in u.pageable_slots) for u in block_units] or [0])
     # Outside weights stay resident; one block's gradients are held on their way out. Memory
     # that transfers keep from reuse after the engine let go of it (max_inflight_bytes) is not
     # counted: the allocator counts it free, and frees it for good before it would fail.
-    fixed = sum(u.nbytes for u in outside_units) + largest_block + dequantized_in_flight(block_units) + correction
+    # Device state is resident wherever its unit is (its moments' dtype: fp32 under "auto",
+    # the larger of the two, before the plan has chosen).
+    moment_bytes = 4 if opts.moment_dtype == "auto" else opts.moment_dtype.itemsize
+    fixed = (
+        sum(s.nbytes for u in outside_units for s in u.pageable_slots)
+        + largest_block
+        + dequantized_in_flight(block_units)
+        + device_state_bytes(block_units + outside_units, moment_bytes)
+        + correction
+    )
     if act_bytes is None:
         fixed += int(UNKNOWN_ACTIVATION_SHARE * usable)
 
@@ -326,12 +335,13 @@ def check_fits(
     when they exceed what the profile says the machine has (check_memory=True).
     `quantize_hint`: a quantize setting that would shrink the frozen weights, to suggest."""
     host = host_bytes(opts, units, moment_bytes, device_grads)
-    resident = sum(u.nbytes for u in units if not u.paged)
-    largest_paged = max([u.nbytes for u in units if u.paged] or [0])
+    resident = sum(s.nbytes for u in units if not u.paged for s in u.pageable_slots)
+    largest_paged = max([sum(s.nbytes for s in u.pageable_slots) for u in units if u.paged] or [0])
     device = {
         "resident weights": resident,
         "paged blocks in flight (2 largest)": 2 * largest_paged,
         "dequantized weights in flight": dequantized_in_flight(units),
+        DEVICE_STATE_CLASS: device_state_bytes(units, moment_bytes),
     }
     need_host, need_dev = sum(host.values()), sum(device.values())
     have_host = ram_share(profile)
@@ -392,6 +402,43 @@ def check_fits(
     return budget
 
 
+# Device state (device_state.py): a trainable set this small a share of the model's
+# parameters (a LoRA's adapters) keeps its whole state on the compute device, where the
+# per-tensor work of landing, host updates and pushes would cost more than its VRAM.
+DEVICE_STATE_MAX_SHARE = 0.10
+DEVICE_STATE_CLASS = "device state (trainable weights, gradients, moments, fp32 masters)"
+
+
+def device_state_bytes(units, moment_bytes: int) -> int:
+    """Device bytes of the device-state slots among `units`: weights and gradient in the
+    param's dtype, both moments, and an fp32 master for a param that is not fp32."""
+    total = 0
+    for u in units:
+        for s in u.device_state_slots:
+            n = s.param.numel()
+            total += 2 * n * s.dtype.itemsize + 2 * n * moment_bytes + (4 * n if s.dtype != torch.float32 else 0)
+    return total
+
+
+def why_not_device_state(opts, units, ranks: int) -> str | None:
+    """Why the trainable set keeps the host path whatever the bytes (None: it may go to
+    device state): too large a share of the model, data parallel, a non-contiguous param."""
+    trainable = [s for u in units for s in u.slots if s.trainable]
+    n_train = sum(s.param.numel() for s in trainable)
+    n_all = sum(s.param.numel() for u in units for s in u.slots)
+    if ranks > 1:
+        return f"data parallel over {ranks} ranks (the reduction of device-state gradients is not built)"
+    if n_train > DEVICE_STATE_MAX_SHARE * n_all:
+        return (
+            f"the trainable parameters are {n_train / n_all:.1%} of the model "
+            f"(device state is for at most {DEVICE_STATE_MAX_SHARE:.0%})"
+        )
+    bad = [s.name for s in trainable if not s.param.is_contiguous()]
+    if bad:
+        return f"{bad[0]} is not contiguous (the fused update reads flat tensors)"
+    return None
+
+
 def grads_stay_on_device(update_on_device: bool, opts) -> bool:
     """Gradients stay on the device for their update (optimizer_mode="gpu"), unless clipping
     (which needs every gradient first) or accumulation keeps them in host memory."""
@@ -424,10 +471,20 @@ class Plan:
     options: object  # the validated options the plan was made from (options.Options)
     profile: object  # the HardwareProfile it was made against
     warning: str | None = None  # a lossy choice made for the user, said outside the log too
+    # The names of the trainable slots whose whole state stays on the compute device
+    # (device_state.py), and the events that explain the choice.
+    device_state: frozenset = frozenset()
+    device_state_notes: tuple = ()
 
     @property
     def notes(self) -> tuple:
-        return (*self.placement_notes, *self.moment_notes, *self.mode_notes, *self.quant_notes)
+        return (
+            *self.placement_notes,
+            *self.moment_notes,
+            *self.mode_notes,
+            *self.quant_notes,
+            *self.device_state_notes,
+        )
 
 
 QUANT_ORDER = ("int8", "nf4")  # quantize="auto" tries them in this order, after no quantization
@@ -453,11 +510,65 @@ class _Fit:
     mapped_bytes: int
     moment_notes: list
     mode_notes: list
+    device_state: frozenset = frozenset()
+    device_state_notes: list = field(default_factory=list)
 
 
 def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
-    """Placement, moment dtype and optimizer mode for the units with their quantization as
-    set now; DoesNotFit when it does not fit."""
+    """Placement, moment dtype, optimizer mode and device state for the units with their
+    quantization as set now; DoesNotFit when it does not fit.
+
+    Device state is tried after the placement without it: every trainable slot keeps its
+    state on the device when why_not_device_state finds nothing against it, its bytes fit,
+    and the placement with them counted as resident pages no more blocks' weights and no
+    more blocks' activations than the one without them."""
+    set_device_state(model.units, ())
+    base = _fit_placement(opts, model, profile, backend, quantize_hint)
+    trainable = [s for u in model.units for s in u.slots if s.trainable]
+    if not trainable:
+        return base
+    why = why_not_device_state(opts, model.units, world_size(opts.distributed))
+    if why is None:
+        names = frozenset(s.name for s in trainable)
+        set_device_state(model.units, names)
+        try:
+            fit = _fit_placement(opts, model, profile, backend, quantize_hint)
+        except DoesNotFit as e:
+            fit, why = None, f"its {_device_state_gib(model.units, 4)} would not fit ({'; '.join(e.problems)})"
+        if fit is not None:
+            more = len(fit.placement.paged) - len(base.placement.paged)
+            more_acts = len(fit.placement.act_paged) - len(base.placement.act_paged)
+            if more > 0 or more_acts > 0:
+                why = (
+                    f"its VRAM would page {max(more, 0)} more blocks' weights and {max(more_acts, 0)} more "
+                    "blocks' activations"
+                )
+            else:
+                moments = str(fit.moment_dtype).replace("torch.", "")
+                where = "VRAM" if backend.is_cuda else f"{backend.device} memory"
+                fit.device_state = names
+                fit.device_state_notes = [
+                    f"device state: the {len(trainable)} trainable tensors "
+                    f"({sum(s.param.numel() for s in trainable):,} parameters) keep their weights, "
+                    f"gradients (p.grad), {moments} moments and fp32 masters in {where} "
+                    f"({_device_state_gib(model.units, fit.moment_dtype.itemsize)}): no gradient hooks, no host "
+                    "round trip; their update runs in optimizer.step(), fused"
+                ]
+                return fit
+        set_device_state(model.units, ())
+        for u in model.block_units:  # the trial's flags back to the placement kept
+            u.paged = u.block in base.placement.paged
+            u.act_paged = u.block in base.placement.act_paged
+    base.device_state_notes = [f"device state: not used, the trainable set keeps the host path: {why}"]
+    return base
+
+
+def _device_state_gib(units, moment_bytes: int) -> str:
+    return f"{device_state_bytes(units, moment_bytes) / MiB:.1f} MiB"
+
+
+def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
+    """_fit for the device-state flags as set now."""
     block_units, outside_units = model.block_units, model.outside_units
     placement = choose(opts, block_units, outside_units, model.unpageable, profile, model.on_device)
     for u in block_units:
@@ -636,4 +747,6 @@ def plan_run(opts, model, profile, backend) -> Plan:
         options=opts,
         profile=profile,
         warning=warning,
+        device_state=fit.device_state,
+        device_state_notes=tuple(fit.device_state_notes),
     )

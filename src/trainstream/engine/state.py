@@ -37,14 +37,19 @@ def _host_weights(s) -> torch.Tensor:
 
 def _exposed(slots) -> list:
     """The slots whose .data is a placeholder between uses, looked up when needed (the
-    adapter moves units between paged and resident)."""
-    return [s for s in slots if s.unit.paged or s.quant is not None]
+    adapter moves units between paged and resident). A device-state param is always its
+    own weights, on the device."""
+    return [s for s in slots if (s.unit.paged and not s.device_state) or s.quant is not None]
 
 
 def _level(s) -> None:
     """After a load: bring every host copy of `s` level with the one that was written
     (a paged param's host weights in its dtype, or a resident param's device data); a
-    quantized weight is quantized again from the loaded values, into its own buffers."""
+    quantized weight is quantized again from the loaded values, into its own buffers. A
+    device-state param has no host copy; its fp32 master takes the load as an edit (the
+    version counter, device_state.py)."""
+    if s.device_state:
+        return
     if s.quant is not None:
         q = QuantizedWeight.quantize(s.param.data, s.quant.format, s.quant.block_size)
         s.quant.codes.copy_(q.codes)
