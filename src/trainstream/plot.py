@@ -159,19 +159,9 @@ def _draw(report, target, title, figure_cls, canvas_cls) -> None:
     groups: dict = {}
     for step, kind, label in moves:
         groups.setdefault(step, []).append((kind, label))
-    lines = []
-    for number, (step, entries) in enumerate(groups.items(), 1):
-        lead = f"{number}. after step {step}: "
-        lines += [(lead if j == 0 else " " * len(lead)) + label for j, (_, label) in enumerate(entries)]
-    if len(lines) > MAX_LISTED:
-        lines = lines[:MAX_LISTED] + [f"... {len(lines) - MAX_LISTED} more lines: memory_report()['plan']['history']"]
-    params = report["params"]
-    lines.append(
-        f"now: weights paged for blocks {_ranges(params['paged_blocks']) or 'none'}, activations paged for "
-        f"blocks {_ranges(params['activation_paged_blocks']) or 'none'}"
-    )
+    lines = _listed(groups, report["params"])
     # Heights in inches: the list, the axis labels, the axes, the title.
-    text_h, below, axes_h, above = 0.16 * len(lines) + 0.1, 0.7, 3.4, 0.45
+    text_h, below, axes_h, above = 0.14 * len(lines) + 0.15, 0.7, 3.4, 0.45
     height = text_h + below + axes_h + above
     fig = figure_cls(figsize=(11, height), dpi=100)
     canvas_cls(fig)
@@ -179,22 +169,31 @@ def _draw(report, target, title, figure_cls, canvas_cls) -> None:
 
     if points:
         what = "measured peak per step" if span == 1 else f"largest measured peak of every {span} steps"
-        ax.plot([p[0] for p in points], [p[1] / unit for p in points], "o-", color="tab:blue", ms=3, label=what)
+        style = "o-" if len(points) <= 200 else "-"  # a marker per point while they stay apart
+        ax.plot([p[0] for p in points], [p[1] / unit for p in points], style, color="tab:blue", ms=3, label=what)
     else:
         ax.text(0.5, 0.5, _why_no_peaks(report), transform=ax.transAxes, ha="center", va="center", wrap=True)
     ax.axhline(usable / unit, color="tab:green", ls="--", label="usable device memory (the plan's budget)")
     ax.axhline(total / unit, color="black", ls=":", label="device memory (the card, or its cap)")
     if peaks.get("max_allocated_bytes") is not None:
         ax.axhline(
-            peaks["max_allocated_bytes"] / unit, color="tab:blue", ls="-.", lw=0.8, label="device peak since wrap()"
+            peaks["max_allocated_bytes"] / unit,
+            color="tab:cyan",
+            ls="-.",
+            lw=0.8,
+            label="torch.cuda.max_memory_allocated()",
         )
+    last = max([peaks["steps"], 1] + [p[0] for p in points] + [step + 1 for step, _, _ in moves])
+    numbered_at = None
     for number, (step, entries) in enumerate(groups.items(), 1):
         x = step + 0.5  # after `step` steps: between two steps' peaks
         kind = next((k for k in KIND_COLOR if any(k == e[0] for e in entries)), None)  # the weightiest
         ax.axvline(x, color=KIND_COLOR.get(kind, "tab:gray"), lw=1, alpha=0.7)
-        ax.annotate(str(number), (x, 1.0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=8)
+        # A number only where it has room; the list names every step.
+        if numbered_at is None or x - numbered_at >= last / 50:
+            ax.annotate(str(number), (x, 1.0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=8)
+            numbered_at = x
     switch = next((step for step, kind, _ in moves if kind == "switch"), None)
-    last = max([peaks["steps"], 1] + [p[0] for p in points] + [step + 1 for step, _, _ in moves])
     if switch is not None and report["mode"] == "stock":
         ax.axvspan(switch + 0.5, last + 0.5, color="tab:red", alpha=0.08, label="stock training (no per-step peaks)")
     ax.set_xlim(0, last + 0.5)
@@ -205,9 +204,24 @@ def _draw(report, target, title, figure_cls, canvas_cls) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     if title is None:
         title = f"TrainStream memory: {report['mode']} mode on {report['plan']['device']}, {peaks['steps']} steps"
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")  # above the moves' numbers
     fig.text(0.02, text_h / height, "\n".join(lines), fontsize=8, va="top", family="monospace")
     fig.savefig(target, format="png")
+
+
+def _listed(groups: dict, params: dict) -> list:
+    """The lines under the plot: each numbered step's moves, then the placement now."""
+    lines = []
+    for number, (step, entries) in enumerate(groups.items(), 1):
+        lead = f"{number}. after step {step}: "
+        lines += [(lead if j == 0 else " " * len(lead)) + label for j, (_, label) in enumerate(entries)]
+    if len(lines) > MAX_LISTED:
+        lines = lines[:MAX_LISTED] + [f"... {len(lines) - MAX_LISTED} more lines: memory_report()['plan']['history']"]
+    lines.append(
+        f"now: weights paged for blocks {_ranges(params['paged_blocks']) or 'none'}, activations paged for "
+        f"blocks {_ranges(params['activation_paged_blocks']) or 'none'}"
+    )
+    return lines
 
 
 def _why_no_peaks(report) -> str:
