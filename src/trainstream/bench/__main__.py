@@ -1,4 +1,4 @@
-"""python -m trainstream.bench [suite ...] [--quick] [--out DIR] [--readme [FILE ...]]"""
+"""python -m trainstream.bench [suite ...] [--quick] [--rows 1,3,9] [--out DIR] [--readme [FILE ...]]"""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import engine, hf, lora, loss, nonfinite, optimizer, optimizer_gpu, planner, quant, readme
+from . import engine, hf, lora, loss, nonfinite, optimizer, optimizer_gpu, planner, quant, readme, workloads
 from .common import env_line, environment, write_result
 
 # suite name -> (needs a GPU, runner(args) -> result dict)
@@ -30,13 +30,33 @@ SUITES = {
     "loss": (True, lambda a: loss.run(quick=a.quick)),
     "nonfinite": (True, lambda a: nonfinite.run(quick=a.quick)),
     "hf": (True, lambda a: hf.run(quick=a.quick)),
+    "workloads": (True, lambda a: workloads.run(quick=a.quick, rows=a.rows, out_dir=a.out, env=a.env)),
 }
+# GPU suites whose --quick runs at toy sizes on the CPU too (what needs CUDA says it was skipped).
+QUICK_ON_CPU = {"workloads"}
+# Suites that run only when named: a full run of workloads takes several 10-minute calls (--rows).
+NAMED_ONLY = {"workloads"}
+DEFAULT = [s for s in SUITES if s not in NAMED_ONLY]
+
+
+def _rows(text: str) -> list[int]:
+    try:
+        return workloads.parse_rows(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainstream.bench", description=__doc__)
-    parser.add_argument("suites", nargs="*", help=f"suites to run (default: all): {', '.join(SUITES)}")
+    parser.add_argument(
+        "suites",
+        nargs="*",
+        help=f"suites to run: {', '.join(SUITES)} (default: all but {', '.join(sorted(NAMED_ONLY))})",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument(
+        "--rows", type=_rows, default=None, help="workloads suite only: the rows to run, e.g. 1,3,9 (default: all)"
+    )
     parser.add_argument("--params", type=int, default=None, help="parameters for the optimizer suite")
     parser.add_argument("--threads", type=int, default=None, help="host threads (default: all cores)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where results go")
@@ -59,21 +79,25 @@ def main(argv=None) -> int:
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         parser.error(f"unknown suite(s) {unknown}; accepted: {list(SUITES)}")
+    if args.rows is not None and args.suites != ["workloads"]:
+        parser.error(
+            "--rows selects rows of the workloads suite: run it alone (python -m trainstream.bench workloads --rows ...)"
+        )
     from .. import _native
 
     args.threads = args.threads or _native.lib().available_cores()
     has_gpu = torch.cuda.is_available()
-    chosen = args.suites or list(SUITES)
+    chosen = args.suites or DEFAULT
     if not has_gpu:
-        gpu_suites = [s for s in chosen if SUITES[s][0]]
+        gpu_suites = [s for s in chosen if SUITES[s][0] and not (args.quick and s in QUICK_ON_CPU)]
         print(
             "No GPU visible: running the CPU suites only"
             + (f" (skipping {', '.join(gpu_suites)})" if gpu_suites else "")
             + ".",
             flush=True,
         )
-        chosen = [s for s in chosen if not SUITES[s][0]]
-    env = environment()
+        chosen = [s for s in chosen if s not in gpu_suites]
+    env = args.env = environment()
     print(env_line(env), flush=True)
     for name in chosen:
         print(f"[{name}]", flush=True)

@@ -7,6 +7,11 @@ everything between the two markers is replaced; the text around them is left as 
   (GPU machines first), each headed by the GPU, CPU, torch and commit it was measured with.
 - NAME ``summary``: the README's short table, a few headline rows of the engine and lora
   suites, each with its GPU and commit.
+- NAME ``workloads_summary``: one line per row of the workloads suite: TrainStream's first run,
+  the fastest peer that fits under the row's cap, the ratio to the row's bound.
+
+A suite's result that names a plot (``"plot"``: a PNG beside its JSON) shows it at the top of
+its section, linked from docs/ (the only file with suite sections).
 
 ``python -m trainstream.bench --readme`` rewrites both files; tests/test_docs.py fails when the
 committed files differ from what this module writes from the committed results.
@@ -23,6 +28,8 @@ from .common import env_line, markdown_table
 COMMAND = "python -m trainstream.bench --readme"
 FILES = (Path("README.md"), Path("docs/benchmarks.md"))
 SUMMARY = "summary"
+WORKLOADS_SUMMARY = "workloads_summary"
+PLOTS = "../benchmarks/results"  # benchmarks/results/ as docs/benchmarks.md links it
 
 _MARKED = re.compile(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", flags=re.S)
 
@@ -52,7 +59,10 @@ def load(results_dir: Path) -> dict[str, list[dict]]:
 
 def suite_section(result: dict) -> str:
     """One machine's results of one suite, as benchmarks/results/SUITE-MACHINE.md holds them."""
-    return f"### {result['suite']} ({env_line(result['env'])})\n\n{result['markdown'].strip()}"
+    head = f"### {result['suite']} ({env_line(result['env'])})\n\n"
+    if result.get("plot"):
+        head += f"![{result['suite']}: s/step and peak VRAM of every run]({PLOTS}/{result['plot']})\n\n"
+    return head + result["markdown"].strip()
 
 
 def summary(results: dict[str, list[dict]]) -> str:
@@ -95,6 +105,55 @@ def summary(results: dict[str, list[dict]]) -> str:
     return markdown_table(columns, rows)
 
 
+def workloads_summary(results: dict[str, list[dict]]) -> str:
+    """A line per row of the workloads suite (GPU machines): TrainStream's first run that
+    trained, the fastest peer that fits under the row's cap, the ratio to the row's bound."""
+
+    def trained(r):
+        return "s_per_step" in r and not r.get("oom") and "error" not in r and not r.get("skipped")
+
+    lines = []
+    for result in results.get("workloads", []):
+        if not result["env"].get("gpu") or result.get("quick"):
+            continue
+        for n in sorted({r["row"] for r in result["rows"]}):
+            runs = [r for r in result["rows"] if r["row"] == n]
+            ours = next((r for r in runs if r["runner"] in ("trainstream", "trainer_ours") and trained(r)), None)
+            caps = {r.get("cap_GiB") for r in runs if r["runner"] in ("trainstream", "trainer_ours")}
+            peers = [
+                r
+                for r in runs
+                if r["runner"] not in ("trainstream", "trainer_ours", "compute") and r.get("cap_GiB") in caps
+            ]
+            fits = [r for r in peers if trained(r)]
+            best = min(fits, key=lambda r: r["s_per_step"]) if fits else None
+            lines.append(
+                {
+                    "row": n,
+                    "workload": runs[0]["workload"],
+                    "cap": ours.get("cap_GiB") if ours else None,
+                    "s": ours["s_per_step"] if ours else "did not train",
+                    "peak": ours.get("peak_GiB") if ours else None,
+                    "bound": ours.get("vs_bound") if ours else None,
+                    "peer": f"{best['run']}: {best['s_per_step']:.3g}" if best else ("none fits" if peers else None),
+                    "commit": str(result["measured"][str(n)]["commit"])[:7],
+                }
+            )
+    if not lines:
+        return "_No results committed yet._"
+    columns = [
+        ("row", "row"),
+        ("workload", "workload"),
+        ("cap", "VRAM cap GiB"),
+        ("s", "TrainStream s/step"),
+        ("peak", "peak GiB"),
+        ("bound", "x bound"),
+        ("peer", "fastest peer that fits, s/step"),
+        ("commit", "commit"),
+    ]
+    return markdown_table(columns, lines)
+
+
 def render(text: str, results: dict[str, list[dict]]) -> str:
     """`text` with every generated part written again from `results`."""
 
@@ -102,6 +161,8 @@ def render(text: str, results: dict[str, list[dict]]) -> str:
         name = match.group(1)
         if name == SUMMARY:
             body = summary(results)
+        elif name == WORKLOADS_SUMMARY:
+            body = workloads_summary(results)
         else:
             body = "\n\n".join(suite_section(r) for r in results.get(name, [])) or "_No results committed yet._"
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
