@@ -23,6 +23,7 @@ weight, in chunks, so the full logits never exist (see [Note: chunked loss] belo
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import warnings
@@ -30,6 +31,8 @@ from collections.abc import Mapping
 
 import torch
 import transformers
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ... import options as _options
 from ...api import _engine_of
@@ -95,15 +98,6 @@ def _trainer_option(name: str, value):
 
 def _check_args(args, check_optim: bool) -> None:
     """TrainingArguments the engine cannot honour: a clear error before anything is wrapped."""
-    if args.world_size > 1:
-        # The Trainer saves the optimizer on the main process only (should_save), but a
-        # data-parallel optimizer.state_dict() is a collective: the first checkpoint would hang.
-        raise NotImplementedError(
-            f"TrainStreamTrainer: data parallel through the Trainer ({args.world_size} processes) is not built yet "
-            "(it saves the optimizer on the main process only, and a data-parallel optimizer.state_dict() is a "
-            "collective every rank must call). Under torchrun, call trainstream.wrap(model, optimizer) in your own "
-            "training loop instead: it trains data parallel over the process group (docs/distributed.md)"
-        )
     if args.fp16:
         raise ValueError(
             "TrainStreamTrainer: fp16=True is not supported (an update queued during backward cannot be "
@@ -128,6 +122,45 @@ def _check_args(args, check_optim: bool) -> None:
         )
 
 
+# TrainingArguments that tune the DistributedDataParallel wrapper, which a wrapped model never
+# gets (the engine reduces the gradients itself, unit by unit): name -> the values that ask for
+# nothing the engine does not do (None: DDP's default, left unset).
+DDP_ONLY_ARGS = {
+    "ddp_bucket_cap_mb": (None,),
+    "ddp_static_graph": (None, False),
+    "ddp_broadcast_buffers": (None, False),
+}
+
+
+def _check_parallelism(trainer, wrap_opts: dict) -> None:
+    """How the Trainer would spread the run, against what the engine does: a clear error
+    before anything is wrapped (docs/huggingface.md, "Data parallel")."""
+    args = trainer.args
+    for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
+        if getattr(trainer, flag, False) or (name == "FSDP" and getattr(trainer, "is_fsdp_xla_enabled", False)):
+            raise ValueError(
+                f"TrainStreamTrainer: {name} is not supported (TrainingArguments.deepspeed / fsdp, or the accelerate "
+                "config): the engine keeps the optimizer in host RAM and shards it across the processes itself; "
+                "launch with torchrun and neither, and the Trainer trains data parallel through the engine"
+            )
+    if args.world_size <= 1:
+        return
+    if wrap_opts.get("distributed") is False:
+        raise ValueError(
+            f"TrainStreamTrainer: distributed=False with {args.world_size} processes: the Trainer gives each "
+            "process its own shard of the data, so ranks training apart would end with different weights "
+            "(and only the main process's would be saved); leave distributed unset (None) or True"
+        )
+    for name, accepted in DDP_ONLY_ARGS.items():
+        value = getattr(args, name, None)
+        if value not in accepted:
+            raise ValueError(
+                f"TrainStreamTrainer: {name}={value!r} is not supported: the model is not wrapped in "
+                "DistributedDataParallel (the engine reduces the gradients itself, unit by unit, and never "
+                f"broadcasts buffers); accepted: {', '.join(repr(v) for v in accepted)}"
+            )
+
+
 class TrainStreamTrainer(transformers.Trainer):
     """A :class:`transformers.Trainer` whose model and optimizer are wrapped by TrainStream.
 
@@ -145,6 +178,7 @@ class TrainStreamTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         given_optimizer, given_scheduler = self.optimizer, self.lr_scheduler
         _check_args(self.args, check_optim=given_optimizer is None and self.optimizer_cls_and_kwargs is None)
+        _check_parallelism(self, self._ts_wrap)
         self._ts_chunked = self._decide_chunked()
         if given_optimizer is not None:  # optimizers=(torch AdamW/Adam, ...): converted by wrap()
             self.optimizer = self._wrap(self.model, given_optimizer)
@@ -160,6 +194,11 @@ class TrainStreamTrainer(transformers.Trainer):
         # whole-model move first would need the whole model's memory there.
         pass
 
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        # [Note: no DDP wrapper] on this Trainer's own accelerator only.
+        self.accelerator.prepare_model = functools.partial(_prepare_model_without_ddp, self.accelerator.prepare_model)
+
     def create_optimizer(self, model=None):
         """The Trainer's optimizer, converted by wrap() along with the model (once per model:
         a model_init run builds a new model, which is wrapped afresh)."""
@@ -172,23 +211,27 @@ class TrainStreamTrainer(transformers.Trainer):
         return self.optimizer
 
     def _wrap(self, model, optimizer):
-        try:
-            _engine_of(model)
-        except ValueError:
-            pass
-        else:
+        if _is_wrapped(model):
             raise ValueError(
                 "TrainStreamTrainer: this model is already wrapped (by another trainer or wrap()); "
                 "pass a model that is not, or trainstream.unwrap() it first"
             )
         clip = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+        options = dict(self._ts_wrap)
+        if self.args.world_size > 1:
+            # Data parallel over the Trainer's process group: one missing is wrap()'s clear
+            # error, never ranks training apart on their shards of the data.
+            options["distributed"] = True
+        device = self.args.device
+        if device.type == "cpu":  # accelerate names each rank's CPU cpu:<rank>: one memory, torch's "cpu"
+            device = torch.device("cpu")
         model, optimizer = wrap_hf(
             model,
             optimizer,
-            device=self.args.device,
+            device=device,
             max_grad_norm=clip,
             accumulation_steps=self.args.gradient_accumulation_steps,
-            **self._ts_wrap,
+            **options,
         )
         return optimizer
 
@@ -222,20 +265,36 @@ class TrainStreamTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # The engine's mode is saved inside the optimizer's state_dict (engine/switch.py).
         _synchronize(self.optimizer)
+        if self.args.world_size > 1 and not self.args.should_save:
+            # Data parallel: state_dict() gathers every rank's moment shards (a collective).
+            # The stock method calls it on the processes that save (should_save) and nowhere
+            # else, so every other rank takes its part here: each rank calls it once.
+            self.optimizer.state_dict()
         super()._save_optimizer_and_scheduler(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is None:
+            return
         # The optimizer's state_dict carries the mode it was saved in, and loading one saved
         # after offload='auto' switched to stock switches this run first (engine/switch.py,
         # [Note: resuming in the saved mode]). Checkpoints written before the mode was part of
         # it kept the mode in their own file, read here before the optimizer state loads.
-        if checkpoint is not None:
-            path = os.path.join(checkpoint, ENGINE_STATE_NAME)
-            if os.path.isfile(path):
-                with open(path) as f:
-                    mode = saved_mode({MODE_KEY: json.load(f).get("mode")})
-                _ours(self.optimizer).resume_in(mode, f"the checkpoint {checkpoint}")
-        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, ENGINE_STATE_NAME)
+        if os.path.isfile(path):
+            with open(path) as f:
+                mode = saved_mode({MODE_KEY: json.load(f).get("mode")})
+            _ours(self.optimizer).resume_in(mode, f"the checkpoint {checkpoint}")
+        optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # it finds nothing to load either
+        # Read into host memory, where the engine keeps the moments (each rank its shard of the
+        # whole ones saved, whatever the number of ranks that saved them): the stock method
+        # reads them onto each rank's GPU under data parallel, the whole moments in its VRAM.
+        self.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+        with warnings.catch_warnings(record=True) as caught:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        reissue_pt_warnings(caught)
 
     # -- the loss ----------------------------------------------------------------------------
 
@@ -373,6 +432,31 @@ def _same_hidden(returned, hidden) -> bool:
         and returned.shape == hidden.shape
         and torch.equal(returned, hidden.float())
     )
+
+
+# [Note: no DDP wrapper]
+# With more than one process the Trainer hands the model to accelerate's prepare_model, which
+# wraps it in DistributedDataParallel for training (transformers 4.x and 5.x alike: neither
+# wraps it in DDP itself). The engine already reduces the gradients, unit by unit as backward
+# lands them, so a wrapped model is prepared as accelerate prepares a model for evaluation:
+# mixed-precision forward, placement and compilation as for training, and no data-parallel
+# wrapper (DDP would broadcast at construction, then reduce p.grad, which the engine keeps
+# None). Everything else accelerate does for N processes stays: the data loaders' shards, the
+# gathers of the logged loss and the metrics, the token count across devices.
+# wrap() has placed the model already (what fits on the device, the rest streamed), so
+# accelerate does not move it either (as _move_model_to_device does not).
+def _prepare_model_without_ddp(prepare_model, model, device_placement=None, evaluation_mode=False):
+    if _is_wrapped(model):
+        device_placement, evaluation_mode = False, True
+    return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+
+def _is_wrapped(model) -> bool:
+    try:
+        _engine_of(model)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_scheduler(scheduler, optimizer) -> None:
