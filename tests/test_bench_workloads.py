@@ -434,3 +434,29 @@ def test_gpu_quick_rows_train_under_their_caps(tmp_path):
         if r["runner"] == "trainstream":
             assert r["vs_bound"] > 0 and r["pcie_s"] is not None, r
     assert {r["row"] for r in result["rows"]} == {1, 5, 9}
+
+
+def _committed(plot=None) -> dict:
+    payload = _measured_payload()
+    env = dict(date="d", commit="aaaaaaa1111", torch="t", gpu="NVIDIA H200", cpu="cpu", cores=16, simd="avx512")
+    return dict(suite="workloads", env=env, plot=plot, **payload, markdown=wl.markdown(payload))
+
+
+def test_the_docs_section_shows_the_plot_and_the_table():
+    from trainstream.bench import readme
+
+    text = "before\n<!-- results:workloads -->\nold\n<!-- /results:workloads -->\nafter\n"
+    shown = readme.render(text, {"workloads": [_committed(plot="workloads-nvidia-h200.png")]})
+    assert "![workloads: s/step and peak VRAM of every run](../benchmarks/results/workloads-nvidia-h200.png)" in shown
+    assert "- row 1: commit aaaaaaa1111" in shown and "old" not in shown and shown.endswith("after\n")
+    assert "![" not in readme.render(text, {"workloads": [_committed()]})
+
+
+def test_the_summary_line_of_each_row():
+    from trainstream.bench import readme
+
+    text = "<!-- results:workloads_summary -->\n<!-- /results:workloads_summary -->"
+    assert "_No results committed yet._" in readme.render(text, {})
+    shown = readme.render(text, {"workloads": [_committed()]})
+    assert "| 1 | GPT | 24 | 0.5 | 12 | 2.5 | torchao: 0.9 | aaaaaaa |" in shown
+    assert "| 3 | small | 4 | did not train | - | - | none fits | bbbbbbb |" in shown

@@ -119,7 +119,9 @@ def workloads_summary(results: dict[str, list[dict]]) -> str:
         for n in sorted({r["row"] for r in result["rows"]}):
             runs = [r for r in result["rows"] if r["row"] == n]
             ours = next((r for r in runs if r["runner"] in ("trainstream", "trainer_ours") and trained(r)), None)
+            # the row's cap: that of our runs, else (none of ours in the row) any run's
             caps = {r.get("cap_GiB") for r in runs if r["runner"] in ("trainstream", "trainer_ours")}
+            caps = caps or {r["cap_GiB"] for r in runs if r.get("cap_GiB") is not None}
             peers = [
                 r
                 for r in runs
@@ -131,7 +133,7 @@ def workloads_summary(results: dict[str, list[dict]]) -> str:
                 {
                     "row": n,
                     "workload": runs[0]["workload"],
-                    "cap": ours.get("cap_GiB") if ours else None,
+                    "cap": max(caps, key=lambda c: c or 0) if caps else None,
                     "s": ours["s_per_step"] if ours else "did not train",
                     "peak": ours.get("peak_GiB") if ours else None,
                     "bound": ours.get("vs_bound") if ours else None,
