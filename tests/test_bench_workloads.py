@@ -98,7 +98,13 @@ def test_the_command_line_refuses_bad_rows_and_rows_without_the_suite(capsys):
     for argv in (["engine", "--rows", "1"], ["--rows", "1"], ["workloads", "engine", "--rows", "1"]):
         with pytest.raises(SystemExit):
             bench_main.main(argv)
-        assert "--rows selects rows of the workloads suite" in capsys.readouterr().err
+        assert "--rows selects cases of the workloads suite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main.main(["workloads", "--runners", "stock,fsdp"])
+    assert "no runner 'fsdp'; accepted: compute, stock, trainstream" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main.main(["engine", "--runners", "stock"])
+    assert "--runners selects cases of the workloads suite" in capsys.readouterr().err
 
 
 def test_the_suite_runs_only_when_named_and_quick_on_the_cpu(monkeypatch, capsys, tmp_path):
@@ -120,38 +126,35 @@ def test_the_suite_runs_only_when_named_and_quick_on_the_cpu(monkeypatch, capsys
     assert calls == [] and "skipping workloads" in capsys.readouterr().out
 
 
-def _payload(commits: dict, quick=False) -> dict:
-    return dict(
-        quick=quick,
-        rows=[
-            dict(row=n, workload=f"workload {n}", run=f"{c} {k}", runner="stock")
-            for n, c in commits.items()
-            for k in ("first", "second")
-        ],
-        checks=[dict(row=n, check=f"check of {c}", value=1.0, target="-", met=None) for n, c in commits.items()],
-        measured={str(n): dict(commit=c, date=f"date {c}", probe={}) for n, c in commits.items()},
-    )
-
-
-def test_a_partial_run_merges_into_the_results_by_row():
-    previous = _payload({1: "old", 2: "old", 5: "old"})
-    merged = wl.merge(previous, _payload({3: "new", 2: "new"}))
-    assert [(r["row"], r["run"]) for r in merged["rows"]] == [
-        (1, "old first"),
-        (1, "old second"),
-        (2, "new first"),
-        (2, "new second"),
-        (3, "new first"),
-        (3, "new second"),
-        (5, "old first"),
-        (5, "old second"),
+def _runs(
+    commits: dict, labels=("stock: torch.optim.AdamW(fused=True), uncapped", "stock under the 24 GiB cap")
+) -> list:
+    return [
+        dict(row=n, workload=f"workload {n}", run=label, runner="stock", cap_GiB=None, commit=c, date=f"date {c}")
+        for n, c in commits.items()
+        for label in labels
     ]
-    assert [c["check"] for c in merged["checks"]] == ["check of old", "check of new", "check of new", "check of old"]
-    assert {n: m["commit"] for n, m in merged["measured"].items()} == {"1": "old", "2": "new", "3": "new", "5": "old"}
-    assert list(merged["measured"]) == ["1", "2", "3", "5"]
+
+
+def test_a_partial_run_merges_into_the_results_run_by_run():
+    table = wl.rows_table()
+    uncapped, capped = "stock: torch.optim.AdamW(fused=True), uncapped", "stock under the 24 GiB cap"
+    previous = dict(quick=False, rows=_runs({1: "old", 4: "old", 10: "old"}))
+    new = _runs({4: "new", 3: "new"}, labels=(capped,)) + _runs({10: "new"})
+    merged = wl.merge(previous, new, False, table)
+    assert [(r["row"], r["run"], r["commit"]) for r in merged["rows"]] == [
+        (1, uncapped, "old"),
+        (1, capped, "old"),
+        (3, capped, "new"),
+        (4, uncapped, "old"),  # row 4's uncapped stock was not run again: it stays, in the table's order
+        (4, capped, "new"),
+        (10, uncapped, "new"),
+        (10, capped, "new"),
+    ]
+    assert {c["row"] for c in merged["checks"]} <= {1, 3, 4, 10}
     # nothing before; a quick run never mixes with a full one
-    assert wl.merge(None, _payload({2: "new"}))["measured"].keys() == {"2"}
-    assert wl.merge(_payload({1: "old"}, quick=True), _payload({2: "new"}))["measured"].keys() == {"2"}
+    assert [r["row"] for r in wl.merge(None, new, False, table)["rows"]] == [3, 4, 10, 10]
+    assert [r["row"] for r in wl.merge(dict(previous, quick=True), new, False, table)["rows"]] == [3, 4, 10, 10]
 
 
 def test_the_pcie_time_overlaps_what_moves_both_ways():
@@ -215,6 +218,7 @@ def _ours(**extra) -> dict:
         moment_dtype="float32",
         mode="offload",
         finite=True,
+        rates=PROBE,  # measured in the run's own call
     )
     return dict(run, **extra)
 
@@ -229,7 +233,7 @@ def test_each_of_our_runs_gets_its_bound_and_checks():
         _ours(),
         _ours(run="ours, bf16 moments", moment_dtype="bfloat16", s_per_step=0.25, h2d_bytes=0, d2h_bytes=0),
     ]
-    wl.add_bounds(runs, PROBE)
+    wl.add_bounds(runs)
     first, second = runs[-2], runs[-1]
     assert first["pcie_s"] == pytest.approx(4 / 40 + 4 / 50) and first["host_adamw_s"] == pytest.approx(0.2)
     assert (first["bound_by"], first["bound_s"], first["vs_bound"]) == (
@@ -256,7 +260,7 @@ def test_a_derived_compute_bound_and_a_row_where_no_peer_fits():
         dict(row=11, run="stock", runner="stock", cap_GiB=24, error="RuntimeError: broke"),
         _ours(row=11, s_per_step=3.0, trained_params=1e8, matmul_params=70e9, tokens=2048, h2d_bytes=40e9, d2h_bytes=0),
     ]
-    wl.add_bounds(runs, PROBE)
+    wl.add_bounds(runs)
     ours = runs[-1]
     assert ours["compute_s"] == pytest.approx(4 * 70e9 * 2048 / 500e12)  # frozen base: no weight gradients
     assert ours["compute_how"] == "derived: 4 x 70B x 2048 tokens at 500 TFLOP/s"
@@ -271,8 +275,8 @@ def test_the_interleaved_row_and_the_step_time_target():
         dict(row=9, run="stock", runner="stock", cap_GiB=None, s_per_step=1.1, window_s_per_step=windows["stock"]),
         dict(row=9, run="ours", runner="trainstream", cap_GiB=None, s_per_step=1.15, window_s_per_step=windows["ours"]),
     ]
-    runs[1].update(mode="stock", optimizer_mode="cpu", finite=True)
-    wl.add_bounds(runs, PROBE)
+    runs[1].update(mode="stock", optimizer_mode="cpu", finite=True, rates=PROBE)
+    wl.add_bounds(runs)
     assert runs[1]["bound_s"] == 1.1 and runs[1]["compute_how"].startswith("stock's step")
     checks = {c["check"]: c for c in wl.row_checks(9, runs, None)}
     ratio = checks["defaults / stock, ratio of the medians of 3 interleaved windows"]
@@ -282,30 +286,32 @@ def test_the_interleaved_row_and_the_step_time_target():
 
 
 def _measured_payload() -> dict:
+    first = dict(workload="GPT", commit="aaaaaaa1111", date="2026-12-01 10:00 UTC", rates=PROBE)
+    later = dict(first, commit="ccccccc3333", date="2026-12-03 12:00 UTC")
     runs = [
+        dict(first, row=1, run="stock capped", runner="stock", cap_GiB=24, oom=True, error="OutOfMemoryError: x"),
+        dict(later, row=1, run="torchao", runner="torchao", cap_GiB=24, s_per_step=0.9, peak_GiB=20.0),
+        _ours(**first, peak_GiB=12.0, paged_blocks=[0, 1], activation_paged_blocks=[1], quantize="none"),
         dict(
-            row=1, workload="GPT", run="stock capped", runner="stock", cap_GiB=24, oom=True, error="OutOfMemoryError: x"
+            row=3,
+            workload="small",
+            run="zero-3",
+            runner="deepspeed",
+            cap_GiB=4,
+            skipped="needs CUDA: ...",
+            commit="bbbbbbb2222",
+            date="2026-12-02 11:00 UTC",
+            rates={"error": "the probe failed"},
         ),
-        dict(row=1, workload="GPT", run="torchao", runner="torchao", cap_GiB=24, s_per_step=0.9, peak_GiB=20.0),
-        _ours(workload="GPT", peak_GiB=12.0, paged_blocks=[0, 1], activation_paged_blocks=[1], quantize="none"),
-        dict(row=3, workload="small", run="zero-3", runner="deepspeed", cap_GiB=4, skipped="needs CUDA: ..."),
     ]
-    wl.add_bounds(runs, PROBE)
-    return dict(
-        quick=False,
-        rows=runs,
-        checks=wl.row_checks(1, runs[:3], 24),
-        measured={
-            "1": dict(commit="aaaaaaa1111", date="2026-12-01 10:00 UTC", probe=PROBE),
-            "3": dict(commit="bbbbbbb2222", date="2026-12-02 11:00 UTC", probe={"error": "the probe failed"}),
-        },
-    )
+    return wl.merge(None, runs, False, wl.rows_table())
 
 
 def test_the_markdown_says_which_rows_ran_at_which_commit():
     text = wl.markdown(_measured_payload())
-    assert "- row 1: commit aaaaaaa1111, 2026-12-01 10:00 UTC; pinned H2D 50.0, D2H 50.0" in text
-    assert "- row 3: commit bbbbbbb2222, 2026-12-02 11:00 UTC; rates not measured: the probe failed" in text
+    assert "- rows 1 (2 of its 3 runs): commit aaaaaaa1111, 2026-12-01 10:00 UTC; pinned H2D 50.0, D2H 50.0" in text
+    assert "- rows 1 (1 of its 3 runs): commit ccccccc3333, 2026-12-03 12:00 UTC; pinned H2D" in text
+    assert "- rows 3: commit bbbbbbb2222, 2026-12-02 11:00 UTC; rates not measured: the probe failed" in text
     assert "1. GPT" in text and "3. small" in text
     assert "| 1 | stock capped | 24 | - | - |" in text and "out of memory: OutOfMemoryError: x |" in text
     assert "| 1 | torchao | 24 | 0.9 | 1.8 | 20 |" in text
@@ -313,6 +319,7 @@ def test_the_markdown_says_which_rows_ran_at_which_commit():
     assert "| 3 | zero-3 | 4 | - |" in text and "skipped: needs CUDA: ... |" in text
     assert "| 1 | ours | 0.5 | - | - | 8 | 4 | 0.18 | 0.2 | 0.2 | host AdamW | 2.5 |" in text
     assert "| 1 | ours: step / bound (host AdamW, 0.2 s) | 2.5 | <= 1.25 | no |" in text
+    assert "| 1 | ours / the fastest peer that fits (torchao) | 0.556 | < 1.0 | yes |" in text
 
 
 def test_the_plot_of_every_run(tmp_path):
@@ -337,32 +344,52 @@ def test_run_measures_each_case_in_its_own_process_and_merges(monkeypatch, tmp_p
         if case["runner"] == "probe":
             return dict(PROBE), None
         if case["runner"] == "deepspeed":
-            return None, "Traceback (most recent call last):\n  ...\nImportError: no deepspeed here\n"
+            return None, "Traceback (most recent call last):\n  ...\nImportError: no deepspeed here\n[exit status 1]"
         if case["runner"] == "torchao":
             raise subprocess.TimeoutExpired(["python"], 900)
+        if case["runner"] == "stock":
+            return None, "UserWarning: something\n[exit status -9]"
         return dict(s_per_step=1.0, peak_GiB=2.0, finite=True, trained_params=10), None
 
     monkeypatch.setattr(wl, "case_in_subprocess", fake_subprocess)
     monkeypatch.setattr(wl, "git_commit", lambda: "newcommit")
-    stem = tmp_path / f"workloads-{wl.machine_slug(wl._machine())}"
-    old = _payload({1: "old", 3: "old"})
-    stem.with_suffix(".json").write_text(json.dumps(dict(suite="workloads", env={}, **old)))
-    env = dict(date="d", commit="newcommit", torch="t", gpu=None, cpu="cpu", cores=2, simd="avx2")
-    result = wl.run(rows=[3], out_dir=tmp_path, device="cuda", env=env)
     table = wl.rows_table(device="cuda")
+    stem = tmp_path / f"workloads-{wl.machine_slug(wl._machine())}"
+    old = [
+        dict(
+            row=n, workload="w", run=c["label"], runner=c["runner"], cap_GiB=c["cap_gib"], s_per_step=9.0, commit="old"
+        )
+        for n in (1, 3)
+        for c in table[n]["cases"]
+    ]
+    stem.with_suffix(".json").write_text(json.dumps(dict(suite="workloads", env={}, quick=False, rows=old)))
+    env = dict(date="d", commit="newcommit", torch="t", gpu=None, cpu="cpu", cores=2, simd="avx2")
+
+    result = wl.run(rows=[3], runners=["deepspeed", "torchao"], out_dir=tmp_path, device="cuda", env=env)
     assert calls[0][:2] == (wl.MODULE, "probe")
-    assert [(runner, row) for _, runner, row in calls[1:]] == [(c["runner"], 3) for c in table[3]["cases"]]
-    assert {n: m["commit"] for n, m in result["measured"].items()} == {"1": "old", "3": "newcommit"}
-    mine = [r for r in result["rows"] if r["row"] == 3]
-    assert [r["run"] for r in mine] == [c["label"] for c in table[3]["cases"]]
-    assert next(r for r in mine if r["runner"] == "deepspeed")["error"] == "ImportError: no deepspeed here"
-    assert next(r for r in mine if r["runner"] == "torchao")["error"] == "timed out after 900 s"
-    assert [r["run"] for r in result["rows"] if r["row"] == 1] == ["old first", "old second"]
-    # written as the row completed: the merged file, its markdown beside it
+    assert [(runner, row) for _, runner, row in calls[1:]] == [("torchao", 3), ("deepspeed", 3)]
+    commits = {(r["row"], r["runner"]): r["commit"] for r in result["rows"]}
+    assert commits[(3, "torchao")] == commits[(3, "deepspeed")] == "newcommit"
+    assert commits[(3, "stock")] == commits[(3, "trainstream")] == commits[(1, "torchao")] == "old"
+    mine = {r["runner"]: r for r in result["rows"] if r["row"] == 3}
+    assert mine["deepspeed"]["error"] == "ImportError: no deepspeed here (exit status 1)"
+    assert mine["torchao"]["error"] == "timed out after 900 s"
+    assert [r["run"] for r in result["rows"]] == [r["run"] for r in old]  # the table's order
+    # written after each case: the merged file, its markdown beside it
     written = json.loads(stem.with_suffix(".json").read_text())
-    assert written["measured"]["1"]["commit"] == "old" and written["measured"]["3"]["commit"] == "newcommit"
-    assert "row 3: commit newcommit" in stem.with_suffix(".md").read_text()
-    assert "row 3: commit newcommit" in result["markdown"]
+    assert {(r["row"], r["runner"], r["commit"]) for r in written["rows"]} == {
+        (r["row"], r["runner"], commits[(r["row"], r["runner"])]) for r in result["rows"]
+    }
+    assert "- rows 3 (2 of its 5 runs): commit newcommit" in stem.with_suffix(".md").read_text()
+
+    calls.clear()
+    result = wl.run(rows=[3], out_dir=tmp_path, device="cuda")
+    assert [runner for _, runner, _ in calls[1:]] == [c["runner"] for c in table[3]["cases"]]
+    stock = next(r for r in result["rows"] if r["row"] == 3 and r["runner"] == "stock")
+    assert stock["error"].startswith("killed by signal 9")
+    assert "- rows 3: commit newcommit" in result["markdown"] and "- rows 1: commit old" in result["markdown"]
+    with pytest.raises(ValueError, match="rows \\[9\\] have no case of the runners \\['torchao'\\]"):
+        wl.run(rows=[9], runners=["torchao"], out_dir=tmp_path, device="cuda")
 
 
 def _toy(number: int, runner: str, **changes) -> dict:
@@ -448,7 +475,7 @@ def test_the_docs_section_shows_the_plot_and_the_table():
     text = "before\n<!-- results:workloads -->\nold\n<!-- /results:workloads -->\nafter\n"
     shown = readme.render(text, {"workloads": [_committed(plot="workloads-nvidia-h200.png")]})
     assert "![workloads: s/step and peak VRAM of every run](../benchmarks/results/workloads-nvidia-h200.png)" in shown
-    assert "- row 1: commit aaaaaaa1111" in shown and "old" not in shown and shown.endswith("after\n")
+    assert "- rows 1 (2 of its 3 runs): commit aaaaaaa1111" in shown and "old" not in shown and shown.endswith("after\n")
     assert "![" not in readme.render(text, {"workloads": [_committed()]})
 
 

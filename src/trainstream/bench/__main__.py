@@ -30,7 +30,10 @@ SUITES = {
     "loss": (True, lambda a: loss.run(quick=a.quick)),
     "nonfinite": (True, lambda a: nonfinite.run(quick=a.quick)),
     "hf": (True, lambda a: hf.run(quick=a.quick)),
-    "workloads": (True, lambda a: workloads.run(quick=a.quick, rows=a.rows, out_dir=a.out, env=a.env)),
+    "workloads": (
+        True,
+        lambda a: workloads.run(quick=a.quick, rows=a.rows, runners=a.runners, out_dir=a.out, env=a.env),
+    ),
 }
 # GPU suites whose --quick runs at toy sizes on the CPU too (what needs CUDA says it was skipped).
 QUICK_ON_CPU = {"workloads"}
@@ -39,11 +42,16 @@ NAMED_ONLY = {"workloads"}
 DEFAULT = [s for s in SUITES if s not in NAMED_ONLY]
 
 
-def _rows(text: str) -> list[int]:
-    try:
-        return workloads.parse_rows(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _argument(parse):
+    """An argparse type from a parser that raises ValueError with its own message."""
+
+    def typed(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return typed
 
 
 def main(argv=None) -> int:
@@ -55,7 +63,17 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument(
-        "--rows", type=_rows, default=None, help="workloads suite only: the rows to run, e.g. 1,3,9 (default: all)"
+        "--rows",
+        type=_argument(workloads.parse_rows),
+        default=None,
+        help="workloads suite only: the rows to run, e.g. 1,3,9 (default: all)",
+    )
+    parser.add_argument(
+        "--runners",
+        type=_argument(workloads.parse_runners),
+        default=None,
+        help=f"workloads suite only: only these runners' cases of the rows, e.g. deepspeed,torchao "
+        f"(the others keep their results); accepted: {', '.join(workloads.RUNNERS)}",
     )
     parser.add_argument("--params", type=int, default=None, help="parameters for the optimizer suite")
     parser.add_argument("--threads", type=int, default=None, help="host threads (default: all cores)")
@@ -79,10 +97,11 @@ def main(argv=None) -> int:
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         parser.error(f"unknown suite(s) {unknown}; accepted: {list(SUITES)}")
-    if args.rows is not None and args.suites != ["workloads"]:
-        parser.error(
-            "--rows selects rows of the workloads suite: run it alone (python -m trainstream.bench workloads --rows ...)"
-        )
+    for flag, given in (("--rows", args.rows), ("--runners", args.runners)):
+        if given is not None and args.suites != ["workloads"]:
+            parser.error(
+                f"{flag} selects cases of the workloads suite: run it alone (python -m trainstream.bench workloads {flag} ...)"
+            )
     from .. import _native
 
     args.threads = args.threads or _native.lib().available_cores()

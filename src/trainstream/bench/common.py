@@ -199,13 +199,13 @@ def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: s
 
 def case_in_subprocess(module: str, case: dict):
     """Run `python -m module CASE_JSON` and return the JSON its last stdout line printed, or
-    None with the tail of its output when it failed (a case's memory cap, pinned memory and
-    crashes stay in its own process)."""
+    None with the tail of its output and a last line "[exit status N]" when it failed (N < 0:
+    killed by signal -N). A case's memory cap, pinned memory and crashes stay in its process."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, "-m", module, json.dumps(case)], capture_output=True, text=True, env=env, timeout=900
     )
     lines = [line for line in proc.stdout.splitlines() if line[:1] in "{["]
     if proc.returncode != 0 or not lines:
-        return None, (proc.stderr or proc.stdout)[-600:]
+        return None, (proc.stderr or proc.stdout)[-600:] + f"\n[exit status {proc.returncode}]"
     return json.loads(lines[-1]), None

@@ -138,7 +138,7 @@ def workloads_summary(results: dict[str, list[dict]]) -> str:
                     "peak": ours.get("peak_GiB") if ours else None,
                     "bound": ours.get("vs_bound") if ours else None,
                     "peer": f"{best['run']}: {best['s_per_step']:.3g}" if best else ("none fits" if peers else None),
-                    "commit": str(result["measured"][str(n)]["commit"])[:7],
+                    "commit": str((ours or runs[0]).get("commit"))[:7],
                 }
             )
     if not lines:

@@ -322,6 +322,29 @@ MAX_S_PER_STEP = {10: 1.5}
 RATIO_TARGET = 1.25
 
 
+RUNNERS = (
+    "compute",
+    "stock",
+    "trainstream",
+    "bnb",
+    "torchao",
+    "deepspeed",
+    "trainer_stock",
+    "trainer_ours",
+    "interleaved",
+)
+
+
+def parse_runners(text: str) -> list[str]:
+    """'deepspeed,torchao' -> those runners' cases only; anything else a ValueError naming the
+    accepted runners."""
+    names = sorted({p.strip() for p in str(text).split(",")})
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown or not names:
+        raise ValueError(f"--runners {text!r}: no runner {unknown[0]!r}; accepted: {', '.join(RUNNERS)}")
+    return names
+
+
 def parse_rows(text: str) -> list[int]:
     """'1,3,9' -> [1, 3, 9]; anything else a ValueError naming the accepted row numbers."""
     accepted = f"accepted: comma-separated row numbers from {ROWS[0]} to {ROWS[-1]}, e.g. '1,3,9'"
@@ -843,6 +866,19 @@ def run_case(case: dict) -> dict:
 # -- the suite: every case in its own process --------------------------------------------------------
 
 
+def _why(tail: str) -> str:
+    """A failed case's process in a line, from the tail of its output (case_in_subprocess):
+    the exception it died of, or the signal that killed it."""
+    lines = [line.strip() for line in tail.strip().splitlines() if line.strip()]
+    status = None
+    if lines and lines[-1].startswith("[exit status "):
+        status = int(lines.pop()[len("[exit status ") : -1])
+    if status is not None and status < 0:
+        return f"killed by signal {-status} (the kernel's out-of-memory killer sends 9: host RAM?)"
+    reason = lines[-1][:300] if lines else "no output"
+    return reason if status is None else f"{reason} (exit status {status})"
+
+
 def _measure(case: dict) -> list[dict]:
     """The case's results from its own process: one, or one per run of an interleaved case."""
     t = time.perf_counter()
@@ -852,8 +888,7 @@ def _measure(case: dict) -> list[dict]:
         result, error = None, f"timed out after {e.timeout:.0f} s"
     wall = time.perf_counter() - t
     if error is not None:
-        lines = [line for line in error.strip().splitlines() if line.strip()]
-        result = {"error": lines[-1][:300] if lines else "the case's process ended with no result and no output"}
+        result = {"error": _why(error)}
     runs = result.pop("runs", None)
     if runs is None:
         return [dict(result, case_wall_s=wall)]
@@ -887,25 +922,29 @@ def run(
     *,
     quick: bool = False,
     rows=None,
+    runners=None,
     out_dir: Path = Path("benchmarks/results"),
     device: str | None = None,
     env: dict | None = None,
 ) -> dict:
-    """The chosen rows (default: all), merged into out_dir's results of this suite on this
-    machine by row; the PNG beside them. With `env` (the machine's description), the merged
-    results are written after every row, so that a call cut short keeps the rows it finished."""
+    """The chosen rows (default: all; with `runners`, only those runners' cases of them),
+    merged into out_dir's results of this suite on this machine run by run: a run measured now
+    replaces the one of the same row and label, the others stay as they were measured. The PNG
+    beside them. With `env` (the machine's description) the merged results are written after
+    every case, so that a call cut short keeps what it finished."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.startswith("cuda")
     chosen = list(rows) if rows else list(ROWS)
     table = rows_table(quick, device)
-    commit = git_commit()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    todo = [c for n in chosen for c in table[n]["cases"] if runners is None or c["runner"] in runners]
+    if not todo:
+        raise ValueError(f"workloads: rows {chosen} have no case of the runners {sorted(runners)}")
+    stamp = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     stem = Path(out_dir) / f"{SUITE}-{machine_slug(_machine())}"
     previous = _previous(stem.with_suffix(".json"))
     probe, *_ = _measure(dict(runner="probe", row=0, label="bandwidths and rates", device=device, quick=quick))
-    new = dict(quick=quick, rows=[], checks=[], measured={})
-    cases, say = _progress([c for n in chosen for c in table[n]["cases"]])
-    runs, payload = [], None
+    probe.pop("case_wall_s", None)
+    cases, say = _progress(todo)
+    new, payload = [], None
     for case in cases:
         for result in _measure(case):
             run_row = dict(
@@ -913,22 +952,17 @@ def run(
                 workload=table[case["row"]]["title"],
                 run=result.pop("label", case["label"]),
                 runner=result.pop("runner", case["runner"]),
-                cap_GiB=case["cap_gib"] if cuda else None,  # no cap applies on the CPU
+                cap_GiB=case["cap_gib"] if device.startswith("cuda") else None,  # no cap applies on the CPU
                 **result,
+                **stamp,
+                rates=probe,
             )
-            runs.append(run_row)
-            say(f"    {json.dumps({k: v for k, v in run_row.items() if k != 'losses'})}")
-        n = case["row"]
-        if case is table[n]["cases"][-1]:  # the row is complete
-            add_bounds(runs, probe)
-            new["rows"] += runs
-            new["checks"] += row_checks(n, runs, table[n]["cap_gib"] if cuda else None)
-            new["measured"][str(n)] = dict(commit=commit, date=date, probe=probe)
-            runs = []
-            payload = merge(previous, new)
-            payload["plot"], payload["plot_note"] = plot(payload["rows"], stem.with_suffix(".png"))
-            if env is not None:
-                write_result(Path(out_dir), SUITE, env, dict(payload), markdown(payload))
+            new.append(run_row)
+            say(f"    {json.dumps({k: v for k, v in run_row.items() if k not in ('losses', 'rates')})}")
+        payload = merge(previous, new, quick, table)
+        payload["plot"], payload["plot_note"] = plot(payload["rows"], stem.with_suffix(".png"))
+        if env is not None:
+            write_result(Path(out_dir), SUITE, env, dict(payload), markdown(payload))
     payload["markdown"] = markdown(payload)
     return payload
 
@@ -947,24 +981,28 @@ def _previous(path: Path) -> dict | None:
         return None
 
 
-def merge(previous: dict | None, new: dict) -> dict:
-    """`new`'s rows with `previous`'s rows that this run did not measure, by row number (each
-    keeps its own commit, date and rates). A quick run and a full one never mix."""
-    ran = {int(n) for n in new["measured"]}
-    if previous is None or bool(previous.get("quick")) != bool(new["quick"]):
-        kept = dict(rows=[], checks=[], measured={})
-    else:
-        kept = dict(
-            rows=[r for r in previous.get("rows", []) if r["row"] not in ran],
-            checks=[c for c in previous.get("checks", []) if c["row"] not in ran],
-            measured={n: m for n, m in previous.get("measured", {}).items() if int(n) not in ran},
-        )
-    return dict(  # sorted() is stable: each row's runs stay in their case order
-        quick=new["quick"],
-        rows=sorted(kept["rows"] + new["rows"], key=lambda r: r["row"]),
-        checks=sorted(kept["checks"] + new["checks"], key=lambda c: c["row"]),
-        measured=dict(sorted({**kept["measured"], **new["measured"]}.items(), key=lambda kv: int(kv[0]))),
-    )
+def merge(previous: dict | None, runs: list[dict], quick: bool, table: dict) -> dict:
+    """`runs` with `previous`'s runs that this call did not measure again (by row and label;
+    each keeps its own commit, date and rates), in the table's order, and every row's bounds
+    and checks worked out again from them. A quick run and a full one never mix."""
+    fresh = {(r["row"], r["run"]) for r in runs}
+    kept = []
+    if previous is not None and bool(previous.get("quick")) == bool(quick):
+        kept = [r for r in previous.get("rows", []) if (r["row"], r["run"]) not in fresh]
+    order = {
+        (n, label): i
+        for n, row in table.items()
+        for i, label in enumerate(label for c in row["cases"] for label in c.get("labels", [c["label"]]))
+    }
+    merged = sorted(kept + runs, key=lambda r: (r["row"], order.get((r["row"], r["run"]), len(order))))
+    checks = []
+    for n in sorted({r["row"] for r in merged}):
+        row_runs = [r for r in merged if r["row"] == n]
+        add_bounds(row_runs)
+        caps = [r["cap_GiB"] for r in row_runs if r["runner"] in OURS]
+        cap = caps[0] if caps else table[n]["cap_gib"] if n in table else None
+        checks += row_checks(n, row_runs, cap)
+    return dict(quick=quick, rows=merged, checks=checks)
 
 
 # -- bounds and checks (arithmetic on the measured numbers) ------------------------------------------
@@ -985,13 +1023,15 @@ def _ok(r: dict) -> bool:
     return "s_per_step" in r and not r.get("oom") and "error" not in r
 
 
-def add_bounds(runs: list[dict], probe: dict) -> None:
-    """Each TrainStream run of a row gains its bound (compute, PCIe, host AdamW) and its ratio."""
+def add_bounds(runs: list[dict]) -> None:
+    """Each TrainStream run of a row gains its bound (compute, PCIe, host AdamW: at the rates
+    measured in its own call, its "rates") and its ratio."""
     compute = next((r for r in runs if r["runner"] == "compute"), None)
     stock = next((r for r in runs if r["runner"] == "stock" and _ok(r)), None)
     for r in runs:
         if r["runner"] not in OURS or not _ok(r):
             continue
+        probe = r.get("rates") or {}
         if compute is not None and _ok(compute):
             compute_s, how = compute["s_per_step"], "measured: forward + backward, uncapped"
         elif "window_s_per_step" in r and stock is not None:
@@ -1129,8 +1169,27 @@ def _gb(n) -> float | None:
     return None if n is None else n / 1e9
 
 
+def _rates(probe: dict) -> str:
+    text = ""
+    bw = probe.get("pcie_GBps")
+    if bw:
+        text += (
+            f"; pinned H2D {bw['h2d']:.1f}, D2H {bw['d2h']:.1f}, both at once {bw['bidir_each_way']:.1f} GB/s each way"
+        )
+    host = probe.get("host_adamw_params_per_s")
+    if host:
+        text += (
+            f"; host AdamW {host['float32'] / 1e9:.2f} (fp32 moments), {host['bfloat16'] / 1e9:.2f} (bf16) G params/s"
+        )
+    if probe.get("matmul_TFLOPs"):
+        text += f"; bf16 matmul {probe['matmul_TFLOPs']:.3g} TFLOP/s"
+    if probe.get("error"):
+        text += f"; rates not measured: {probe['error']}"
+    return text
+
+
 def markdown(payload: dict) -> str:
-    rows, measured = payload["rows"], payload["measured"]
+    rows = payload["rows"]
     by_row = {}
     for r in rows:
         by_row.setdefault(r["row"], r["workload"])
@@ -1195,21 +1254,15 @@ def markdown(payload: dict) -> str:
         [("row", "row"), ("check", "check"), ("value", "measured"), ("target", "target"), ("met", "met")],
         [dict(c, met={True: "yes", False: "no"}.get(c["met"], "-")) for c in payload["checks"]],
     )
-    rates = []
-    for n, m in measured.items():
-        p = m.get("probe") or {}
-        bw = p.get("pcie_GBps")
-        text = f"row {n}: commit {str(m['commit'])[:12]}, {m['date']}"
-        if bw:
-            text += f"; pinned H2D {bw['h2d']:.1f}, D2H {bw['d2h']:.1f}, both at once {bw['bidir_each_way']:.1f} GB/s each way"
-        if p.get("host_adamw_params_per_s"):
-            host = p["host_adamw_params_per_s"]
-            text += f"; host AdamW {host['float32'] / 1e9:.2f} (fp32 moments), {host['bfloat16'] / 1e9:.2f} (bf16) G params/s"
-        if p.get("matmul_TFLOPs"):
-            text += f"; bf16 matmul {p['matmul_TFLOPs']:.3g} TFLOP/s"
-        if p.get("error"):
-            text += f"; rates not measured: {p['error']}"
-        rates.append(f"- {text}")
+    totals, calls = {}, {}
+    for r in rows:  # each call: its commit, date and rates, and how many runs of which rows it measured
+        totals[r["row"]] = totals.get(r["row"], 0) + 1
+        call = calls.setdefault((r.get("commit"), r.get("date")), dict(rates=r.get("rates") or {}, rows={}))
+        call["rows"][r["row"]] = call["rows"].get(r["row"], 0) + 1
+    measured = []
+    for (commit, date), call in calls.items():
+        done = [f"{n}" if k == totals[n] else f"{n} ({k} of its {totals[n]} runs)" for n, k in call["rows"].items()]
+        measured.append(f"- rows {', '.join(done)}: commit {str(commit)[:12]}, {date}{_rates(call['rates'])}")
     titles = [f"{n}. {title}" for n, title in sorted(by_row.items())]
     quick = (
         "Quick run: toy sizes of every row (not results); on the CPU no VRAM cap applies.\n\n"
@@ -1221,8 +1274,8 @@ def markdown(payload: dict) -> str:
         quick
         + "Rows:\n\n"
         + "\n".join(titles)
-        + "\n\nMeasured (each row in one call, its rates in the same call):\n\n"
-        + "\n".join(rates)
+        + "\n\nMeasured (each call: the rows it ran, at which commit, and the rates its bounds use):\n\n"
+        + "\n".join(measured)
         + "\n\n"
         + runs
         + "\n\nEach TrainStream run against its physical bound (the largest of compute, PCIe and the host AdamW; "
@@ -1239,7 +1292,6 @@ def plot(rows: list[dict], path: Path) -> tuple[str | None, str | None]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        print(f"  no plot: {_first_line(e)}", flush=True)
         return None, f"not drawn: matplotlib is not installed ({_first_line(e)})"
     shown = [r for r in rows if r["runner"] != "compute"]
     if not shown:
