@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from trainstream.bench import __main__ as bench_main
+from trainstream.bench import workload_cases as cases
+from trainstream.bench import workload_tables as tables
 from trainstream.bench import workloads as wl
 from trainstream.bench.models import GPT, GPTConfig, hub_config
 
@@ -43,7 +45,7 @@ def test_the_rows_and_their_peers():
     )
     assert {("stock", None, 4), ("deepspeed", 3, 4), ("trainstream", None, 4)} <= _runners(table[3])
     for n, row in table.items():
-        assert any(c["runner"] in wl.OURS for c in row["cases"]) or n == 9
+        assert any(c["runner"] in tables.OURS for c in row["cases"]) or n == 9
         assert n == 9 or any(c["runner"] == "compute" and c["cap_gib"] is None for c in row["cases"])
         for c in row["cases"]:
             assert c["row"] == n and c["device"] == "cuda" and c["cap_gib"] in (None, row["cap_gib"])
@@ -57,6 +59,7 @@ def test_the_rows_and_their_peers():
     assert ours[8]["load"] == ours[11]["load"] == "nf4"
     assert ours[10]["wrap"] == dict(moment_dtype="bfloat16") and ours[10]["train"] == "full"
     assert table[9]["cases"][0]["runner"] == "interleaved" and len(table[9]["cases"][0]["labels"]) == 2
+    assert set(wl.RUNNERS) == {c["runner"] for row in table.values() for c in row["cases"]}
 
 
 def test_the_rows_have_the_published_shapes():
@@ -159,9 +162,9 @@ def test_a_partial_run_merges_into_the_results_run_by_run():
 
 def test_the_pcie_time_overlaps_what_moves_both_ways():
     bw = dict(h2d=50.0, d2h=40.0, bidir_each_way=25.0)
-    assert wl.pcie_seconds(10e9, 4e9, bw) == pytest.approx(4 / 25 + 6 / 50)
-    assert wl.pcie_seconds(2e9, 6e9, bw) == pytest.approx(2 / 25 + 4 / 40)
-    assert wl.pcie_seconds(0, 8e9, bw) == pytest.approx(8 / 40)
+    assert tables.pcie_seconds(10e9, 4e9, bw) == pytest.approx(4 / 25 + 6 / 50)
+    assert tables.pcie_seconds(2e9, 6e9, bw) == pytest.approx(2 / 25 + 4 / 40)
+    assert tables.pcie_seconds(0, 8e9, bw) == pytest.approx(8 / 40)
 
 
 def _facts(stored_codes=False) -> dict:
@@ -188,20 +191,21 @@ def _plan(**changes) -> dict:
 def test_the_bytes_a_step_moves():
     # block 1 paged: in twice; block 2, the last, once; block 0's activations out and back;
     # every gradient out; new weights back to the resident block 0 and the outside units
-    assert wl.step_traffic(_facts(), _plan()) == dict(h2d_bytes=3 * 1050 + 7 + 110, d2h_bytes=310 + 7)
+    assert cases.step_traffic(_facts(), _plan()) == dict(h2d_bytes=3 * 1050 + 7 + 110, d2h_bytes=310 + 7)
     # weights quantized by wrap() cross at their quantized size; codes stored before it already are
     quantized = _plan(quantize="nf4", quantized_bytes=[1000, 250])
-    assert wl.step_traffic(_facts(), quantized)["h2d_bytes"] == 3 * 300 + 7 + 110
-    assert wl.step_traffic(_facts(stored_codes=True), quantized)["h2d_bytes"] == 3 * 1050 + 7 + 110
+    assert cases.step_traffic(_facts(), quantized)["h2d_bytes"] == 3 * 300 + 7 + 110
+    assert cases.step_traffic(_facts(stored_codes=True), quantized)["h2d_bytes"] == 3 * 1050 + 7 + 110
     # optimizer_mode="gpu": both moments each way instead of gradients and new weights
     moments = 2 * 4 * 80
-    assert wl.step_traffic(_facts(), _plan(optimizer_mode="gpu")) == dict(
+    assert cases.step_traffic(_facts(), _plan(optimizer_mode="gpu")) == dict(
         h2d_bytes=3 * 1050 + 7 + moments, d2h_bytes=7 + moments
     )
     assert (
-        wl.step_traffic(_facts(), _plan(optimizer_mode="gpu", moment_dtype="bfloat16"))["d2h_bytes"] == 7 + moments // 2
+        cases.step_traffic(_facts(), _plan(optimizer_mode="gpu", moment_dtype="bfloat16"))["d2h_bytes"]
+        == 7 + moments // 2
     )
-    assert wl.step_traffic(_facts(), _plan(mode="stock")) == dict(h2d_bytes=0, d2h_bytes=0)
+    assert cases.step_traffic(_facts(), _plan(mode="stock")) == dict(h2d_bytes=0, d2h_bytes=0)
 
 
 def _ours(**extra) -> dict:
@@ -233,7 +237,7 @@ def test_each_of_our_runs_gets_its_bound_and_checks():
         _ours(),
         _ours(run="ours, bf16 moments", moment_dtype="bfloat16", s_per_step=0.25, h2d_bytes=0, d2h_bytes=0),
     ]
-    wl.add_bounds(runs)
+    tables.add_bounds(runs)
     first, second = runs[-2], runs[-1]
     assert first["pcie_s"] == pytest.approx(4 / 40 + 4 / 50) and first["host_adamw_s"] == pytest.approx(0.2)
     assert (first["bound_by"], first["bound_s"], first["vs_bound"]) == (
@@ -244,7 +248,7 @@ def test_each_of_our_runs_gets_its_bound_and_checks():
     assert first["compute_s"] == 0.1 and first["compute_how"].startswith("measured")
     assert (second["bound_by"], second["bound_s"]) == ("host AdamW", pytest.approx(1 / 8))
     assert "bound_s" not in runs[3]
-    checks = {c["check"]: c for c in wl.row_checks(1, runs, 24)}
+    checks = {c["check"]: c for c in tables.row_checks(1, runs, 24)}
     bound = checks["ours: step / bound (host AdamW, 0.2 s)"]
     assert bound["value"] == pytest.approx(2.5) and bound["target"] == "<= 1.25" and bound["met"] is False
     assert checks["ours, bf16 moments: step / bound (host AdamW, 0.125 s)"]["met"] is False
@@ -260,12 +264,12 @@ def test_a_derived_compute_bound_and_a_row_where_no_peer_fits():
         dict(row=11, run="stock", runner="stock", cap_GiB=24, error="RuntimeError: broke"),
         _ours(row=11, s_per_step=3.0, trained_params=1e8, matmul_params=70e9, tokens=2048, h2d_bytes=40e9, d2h_bytes=0),
     ]
-    wl.add_bounds(runs)
+    tables.add_bounds(runs)
     ours = runs[-1]
     assert ours["compute_s"] == pytest.approx(4 * 70e9 * 2048 / 500e12)  # frozen base: no weight gradients
     assert ours["compute_how"] == "derived: 4 x 70B x 2048 tokens at 500 TFLOP/s"
     assert (ours["bound_by"], ours["bound_s"]) == ("compute", pytest.approx(4 * 70e9 * 2048 / 500e12))
-    checks = [c["check"] for c in wl.row_checks(11, runs, 24)]
+    checks = [c["check"] for c in tables.row_checks(11, runs, 24)]
     assert "peers that fit: none of 2 (out of memory, failed or skipped)" in checks
 
 
@@ -276,13 +280,13 @@ def test_the_interleaved_row_and_the_step_time_target():
         dict(row=9, run="ours", runner="trainstream", cap_GiB=None, s_per_step=1.15, window_s_per_step=windows["ours"]),
     ]
     runs[1].update(mode="stock", optimizer_mode="cpu", finite=True, rates=PROBE)
-    wl.add_bounds(runs)
+    tables.add_bounds(runs)
     assert runs[1]["bound_s"] == 1.1 and runs[1]["compute_how"].startswith("stock's step")
-    checks = {c["check"]: c for c in wl.row_checks(9, runs, None)}
+    checks = {c["check"]: c for c in tables.row_checks(9, runs, None)}
     ratio = checks["defaults / stock, ratio of the medians of 3 interleaved windows"]
     assert ratio["value"] == pytest.approx(1.15 / 1.1) and ratio["target"] == "<= 1.02" and ratio["met"] is False
     fast = [_ours(row=10, s_per_step=1.4, h2d_bytes=0, d2h_bytes=0, trained_params=1)]
-    assert {c["check"]: c["met"] for c in wl.row_checks(10, fast, 24)}["ours: s/step"] is True
+    assert {c["check"]: c["met"] for c in tables.row_checks(10, fast, 24)}["ours: s/step"] is True
 
 
 def _measured_payload() -> dict:
@@ -308,7 +312,7 @@ def _measured_payload() -> dict:
 
 
 def test_the_markdown_says_which_rows_ran_at_which_commit():
-    text = wl.markdown(_measured_payload())
+    text = tables.markdown(_measured_payload())
     assert "- rows 1 (2 of its 3 runs): commit aaaaaaa1111, 2026-12-01 10:00 UTC; pinned H2D 50.0, D2H 50.0" in text
     assert "- rows 1 (1 of its 3 runs): commit ccccccc3333, 2026-12-03 12:00 UTC; pinned H2D" in text
     assert "- rows 3: commit bbbbbbb2222, 2026-12-02 11:00 UTC; rates not measured: the probe failed" in text
@@ -324,14 +328,14 @@ def test_the_markdown_says_which_rows_ran_at_which_commit():
 
 def test_the_plot_of_every_run(tmp_path):
     pytest.importorskip("matplotlib")
-    name, note = wl.plot(_measured_payload()["rows"], tmp_path / "workloads-x.png")
+    name, note = tables.plot(_measured_payload()["rows"], tmp_path / "workloads-x.png")
     assert (name, note) == ("workloads-x.png", None)
     assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_without_matplotlib_the_suite_says_so(monkeypatch, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
-    name, note = wl.plot(_measured_payload()["rows"], tmp_path / "p.png")
+    name, note = tables.plot(_measured_payload()["rows"], tmp_path / "p.png")
     assert name is None and note.startswith("not drawn: matplotlib is not installed")
     assert not (tmp_path / "p.png").exists()
 
@@ -405,7 +409,7 @@ def _check_trained(out: dict) -> None:
 
 def test_a_gpt_row_of_ours_at_toy_size():
     case = _toy(1, "trainstream", wrap=dict(offload=True, activation_offload=True))
-    out = wl.run_case(case)
+    out = cases.run_case(case)
     _check_trained(out)
     assert len(out["losses"]) == case["warmup"] + case["steps"]
     assert out["mode"] == "offload" and out["activation_paged_blocks"] == [0, 1] and out["paged_blocks"] == []
@@ -418,8 +422,8 @@ def test_a_gpt_row_of_ours_at_toy_size():
 
 def test_a_lora_row_of_ours_and_its_stock_peer_at_toy_size():
     pytest.importorskip("peft")
-    ours = wl.run_case(_toy(5, "trainstream"))
-    stock = wl.run_case(_toy(5, "stock", cap_gib=None))
+    ours = cases.run_case(_toy(5, "trainstream"))
+    stock = cases.run_case(_toy(5, "stock", cap_gib=None))
     for out in (ours, stock):
         _check_trained(out)
     assert ours["trainable"] == stock["trainable"] > 0
@@ -430,21 +434,21 @@ def test_a_lora_row_of_ours_and_its_stock_peer_at_toy_size():
 def test_the_trainer_row_of_ours_at_toy_size():
     pytest.importorskip("transformers")
     case = _toy(2, "trainer_ours")
-    out = wl.run_case(case)
+    out = cases.run_case(case)
     _check_trained(out)
     assert len(out["losses"]) == case["warmup"] + case["steps"] and "mode" in out
 
 
 def test_a_case_that_fails_or_needs_cuda_says_why():
-    assert wl.run_case(_toy(1, "torchao")) == {
+    assert cases.run_case(_toy(1, "torchao")) == {
         "skipped": "needs CUDA: torchao's CPUOffloadOptimizer offloads the state of CUDA parameters"
     }
-    assert wl.run_case(_toy(4, "deepspeed"))["skipped"].startswith("needs CUDA: DeepSpeed")
-    assert wl.run_case(_toy(9, "interleaved"))["skipped"].startswith("needs CUDA")
-    out = wl.run_case(_toy(1, "trainstream", wrap=dict(bogus_option=1)))
+    assert cases.run_case(_toy(4, "deepspeed"))["skipped"].startswith("needs CUDA: DeepSpeed")
+    assert cases.run_case(_toy(9, "interleaved"))["skipped"].startswith("needs CUDA")
+    out = cases.run_case(_toy(1, "trainstream", wrap=dict(bogus_option=1)))
     assert out["error"].startswith("ValueError: ") and "bogus_option" in out["error"]
     with pytest.raises(ValueError, match="unknown runner 'fsdp'"):
-        wl.run_case(dict(_toy(1, "stock"), runner="fsdp"))
+        cases.run_case(dict(_toy(1, "stock"), runner="fsdp"))
 
 
 @pytest.mark.gpu
@@ -466,7 +470,7 @@ def test_gpu_quick_rows_train_under_their_caps(tmp_path):
 def _committed(plot=None) -> dict:
     payload = _measured_payload()
     env = dict(date="d", commit="aaaaaaa1111", torch="t", gpu="NVIDIA H200", cpu="cpu", cores=16, simd="avx512")
-    return dict(suite="workloads", env=env, plot=plot, **payload, markdown=wl.markdown(payload))
+    return dict(suite="workloads", env=env, plot=plot, **payload, markdown=tables.markdown(payload))
 
 
 def test_the_docs_section_shows_the_plot_and_the_table():
@@ -475,7 +479,9 @@ def test_the_docs_section_shows_the_plot_and_the_table():
     text = "before\n<!-- results:workloads -->\nold\n<!-- /results:workloads -->\nafter\n"
     shown = readme.render(text, {"workloads": [_committed(plot="workloads-nvidia-h200.png")]})
     assert "![workloads: s/step and peak VRAM of every run](../benchmarks/results/workloads-nvidia-h200.png)" in shown
-    assert "- rows 1 (2 of its 3 runs): commit aaaaaaa1111" in shown and "old" not in shown and shown.endswith("after\n")
+    assert (
+        "- rows 1 (2 of its 3 runs): commit aaaaaaa1111" in shown and "old" not in shown and shown.endswith("after\n")
+    )
     assert "![" not in readme.render(text, {"workloads": [_committed()]})
 
 
