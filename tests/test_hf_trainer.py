@@ -403,15 +403,40 @@ def test_fp16_is_refused(tmp_path):
         TrainStreamTrainer(model=tiny_causal_lm(), args=training_args(tmp_path, fp16=True))
 
 
-def test_more_than_one_process_is_refused_before_anything_is_wrapped(tmp_path, monkeypatch):
-    """Under torchrun the Trainer would save the optimizer on rank 0 only, and a data-parallel
-    optimizer.state_dict() is a collective: refused, with what works instead."""
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        ({"trainstream": {"distributed": False}}, r"distributed=False with 2 processes.*different weights"),
+        ({"ddp_bucket_cap_mb": 25}, r"ddp_bucket_cap_mb=25 is not supported.*not wrapped in DistributedDataParallel"),
+        ({"ddp_static_graph": True}, r"ddp_static_graph=True is not supported.*accepted: None, False"),
+        ({"ddp_broadcast_buffers": True}, r"ddp_broadcast_buffers=True is not supported.*never broadcasts buffers"),
+    ],
+    ids=["distributed-false", "bucket-cap", "static-graph", "broadcast-buffers"],
+)
+def test_what_data_parallel_does_not_support_is_refused_before_anything_is_wrapped(tmp_path, monkeypatch, given, match):
+    """With more than one process (the spawned runs are tests/test_hf_trainer_distributed.py)
+    the model is not wrapped in DDP: arguments that tune DDP, and ranks training apart, are
+    refused by name."""
     monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
     model = tiny_causal_lm()
-    with pytest.raises(NotImplementedError, match=r"2 processes\) is not built yet.*trainstream.wrap\(model"):
-        TrainStreamTrainer(model=model, args=training_args(tmp_path))
+    arguments = {k: v for k, v in given.items() if k != "trainstream"}
+    with pytest.raises(ValueError, match=match):
+        TrainStreamTrainer(model=model, args=training_args(tmp_path, **arguments), trainstream=given.get("trainstream"))
     with pytest.raises(ValueError, match="not wrapped"):
         trainstream.memory_report(model)
+
+
+@pytest.mark.parametrize("flag, name", [("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")])
+def test_deepspeed_and_fsdp_are_refused(tmp_path, flag, name):
+    # The accelerate state that enables them leaks through the environment into later tests,
+    # so the check is given a trainer that says it has them.
+    from types import SimpleNamespace
+
+    from trainstream.integrations.huggingface.trainer import _check_parallelism
+
+    trainer = SimpleNamespace(args=training_args(tmp_path), **{flag: True})
+    with pytest.raises(ValueError, match=rf"{name} is not supported.*shards it across the processes itself"):
+        _check_parallelism(trainer, {})
 
 
 @pytest.mark.parametrize(
