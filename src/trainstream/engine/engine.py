@@ -34,9 +34,10 @@ from ..sizes import MiB
 from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
+from .device_state import DeviceState
 from .distributed import DataParallel, StockGradients, agree
 from .grads import GradSettings, GradStreamer
-from .layout import Fetch
+from .layout import Fetch, set_device_state
 from .measure import ActivationMeter
 from .moments import MomentStager, lay_out
 from .params import WeightPager
@@ -116,6 +117,7 @@ class Engine:
         self.block_units = layout.block_units
         self.outside_units = layout.outside_units
         self.units = self.block_units + self.outside_units
+        set_device_state(self.units, plan.device_state)  # before any manager reads unit.trainable
         self.events = EventLog(opts.verbose)
         self.steps = 0
         self.mode = "offload"  # "stock" once offload="auto" has switched
@@ -156,6 +158,9 @@ class Engine:
         self.moments = self._lay_out_moments() if plan.mapped_bytes else None
         self.updates = Updater(
             backend, optimizer, self.grads, self.weights, self.moments, self.ledger, self.update_order()
+        )
+        self.device_state = DeviceState(
+            optimizer, [s for u in self.update_order() for s in u.device_state_slots], backend
         )
         self._entered: set = set()  # blocks whose backward has started this pass
         self._handles: list = []
@@ -236,6 +241,8 @@ class Engine:
                 "torch.optim.AdamW(fused=True) on the device if stock training fits"
             )
         for note in plan.quant_notes:
+            events.add(note)
+        for note in plan.device_state_notes:
             events.add(note)
         if self.dp is not None:
             events.add(self.dp.describe())
@@ -603,6 +610,7 @@ class Engine:
         if self.grads.raised_pass():
             if self.dp is not None:
                 self.dp.discard()
+            self.device_state.drop()  # the window's gradients go with the host path's
             self.after_backward()
         self._report_skipped()
 
@@ -756,16 +764,18 @@ class Engine:
         self._warn_changed_hyperparameters()
         self._queue(self.grads.flush())
         pending = self.grads.take_pending()
+        on_device = self.device_state.with_grads()  # device state (device_state.py): updated below
+        scale = 1.0
         if self.dp is not None:
             self._dp_step(pending)
-        elif pending:
-            scale = 1.0
+        elif pending or on_device:
             if self.opts.max_grad_norm is not None:
                 slots = [s for u in self.units for s in u.trainable if s.has_grad]
-                total = self.grads.global_norm(slots)
+                total = self._global_norm(slots, on_device)
                 self._last_grad_norm = float(total)
                 if not math.isfinite(self._last_grad_norm) and self.opts.nonfinite != "ignore":
-                    self._nonfinite_window(self.grads.first_nonfinite_in_window(slots))
+                    first = self.grads.first_nonfinite_in_window(slots)
+                    self._nonfinite_window(first if first is not None else self.device_state.first_nonfinite(on_device))
                     pending = self.grads.take_pending()  # none, unless the norm alone overflowed
                 clip = torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0)
                 scale = float(clip)
@@ -773,6 +783,7 @@ class Engine:
         if self.grads.nonfinite is not None:
             self.grads.skip_window()  # a held window found not finite before its end
         self._report_skipped()
+        self._step_device_state(on_device, scale)
         self.updates.end_window()
         self.grads.reset_window()
         self.steps += 1
@@ -796,6 +807,46 @@ class Engine:
             return None
         return decision
 
+    def _global_norm(self, slots, on_device) -> torch.Tensor:
+        """The global gradient norm over the host path's window gradients (`slots`) and the
+        device-state ones (`on_device`): as torch's clip_grad_norm_, the norm of the
+        per-gradient norms (the host sums' norm, with accumulation, as one of them)."""
+        if not on_device:
+            return self.grads.global_norm(slots)
+        norms = self.device_state.norms(on_device)
+        if slots:
+            norms.append(self.grads.global_norm(slots).to(norms[0].device))
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0).cpu()
+
+    def _step_device_state(self, slots, grad_scale: float) -> None:
+        """step(): the device-state update, after the host path's own work. A window the host
+        path marked not finite (or the global norm did) skips it; so does a device-state
+        gradient found not finite here, counted and logged once per window as the host path
+        counts it; nonfinite="raise" raises naming it, its window dropped."""
+        if not slots:
+            return
+        bad = self.grads.nonfinite
+        if bad is None and self.opts.nonfinite != "ignore" and self.opts.max_grad_norm is None:
+            bad = self.device_state.first_nonfinite(slots)  # with clipping, the global norm was the check
+            if bad is not None and self.opts.nonfinite == "raise":
+                self.device_state.drop()
+                self.grads.drop_pass()  # the next window starts clean
+                self.updates.end_window()
+                raise FloatingPointError(
+                    f"trainstream: the gradient of {bad.name} is not finite (wrap(nonfinite='raise')); "
+                    "this step's gradients are dropped"
+                )
+        if bad is None:
+            self.device_state.update(slots, grad_scale)
+            return
+        self.device_state.drop()
+        if self.grads.count_skip():
+            self.optimizer.count_skipped_step()
+        self.events.add(
+            f"step {self.steps + 1}: the gradient of {bad.name} is not finite: skipped the device-state update "
+            f"of {len(slots)} tensors (nonfinite='skip'; their weights, moments and step counts are unchanged)"
+        )
+
     def _nonfinite_window(self, first) -> None:
         """step() with clipping found the window's global norm not finite: `first` is the
         first slot whose gradient is not (None: only the norm overflowed, and the update
@@ -804,6 +855,7 @@ class Engine:
             return
         if self.opts.nonfinite == "raise":
             self.grads.drop_pass()  # the next window starts clean
+            self.device_state.drop()
             self.updates.end_window()
             raise FloatingPointError(
                 f"trainstream: the gradient of {first.name} is not finite (wrap(nonfinite='raise')); "
@@ -866,6 +918,7 @@ class Engine:
         self._queue(self.grads.flush())  # a finished window's last units: their updates stand
         self._check_dropped_window()
         self._report_skipped()
+        self._check_dropped_device_state()
         self.updates.end_window()
         self.grads.reset_window()
 
@@ -888,6 +941,22 @@ class Engine:
                 first = self.grads.first_nonfinite_in_window(slots)
                 if first is not None:  # None: only the norm overflowed, the gradients are finite
                     self.grads.skip_window(first)
+
+    def _check_dropped_device_state(self) -> None:
+        """zero_grad() drops a window with device-state gradients that step() has not taken
+        (every device-state update is held): one not finite counts the window as skipped, as
+        _check_dropped_window counts a held window, once."""
+        if self.opts.nonfinite != "skip" or self.grads.passes == 0 or self.grads.nonfinite is not None:
+            return  # no window open, or the host path found (and counted) it already
+        bad = self.device_state.first_nonfinite()
+        if bad is None:
+            return
+        if self.grads.count_skip():
+            self.optimizer.count_skipped_step()
+        self.events.add(
+            f"step {self.steps + 1}: the gradient of {bad.name} is not finite in the window zero_grad() dropped: "
+            "counted as a skipped step (nonfinite='skip'; nothing of it was applied)"
+        )
 
     def _dp_check_dropped_window(self) -> None:
         """_check_dropped_window with data parallel: a held window (clipping, or fewer passes

@@ -122,7 +122,7 @@ class WeightPager:
                         s.stage_region = buf
                     else:
                         s.spare = buf
-                if unit.paged:
+                if unit.paged and not s.device_state:  # a device-state slot stays on the device, paged unit or not
                     s.placeholder = self._readable_placeholder(s)
                     s.param.data = s.placeholder
                 else:
@@ -188,7 +188,7 @@ class WeightPager:
         for unit in self.units:
             self.release(unit)
             for s in unit.slots:
-                if unit.paged or s.quant is not None:
+                if (unit.paged and not s.device_state) or s.quant is not None:
                     weights = s.quant.dequantize() if s.quant is not None else s.host[s.dtype]
                     s.param.data = weights.to(self.backend.device)
 
@@ -337,7 +337,7 @@ class WeightPager:
         backend = self.backend
         self.release(unit)
         self.take_edits(unit)  # an edit of the device weights, before the host ones become the param
-        for s in unit.slots:
+        for s in unit.pageable_slots:  # device-state slots stay where they are
             if s.quant is not None:  # the codes move to host transfer memory; the param keeps its placeholder
                 for t in (s.quant.codes, s.quant.absmax):  # a dequantize queued on copy-in may still read them
                     backend.keep_until(t, backend.copy_in)
@@ -355,7 +355,7 @@ class WeightPager:
     def _to_resident(self, unit) -> None:
         self.release(unit)
         self.take_edits(unit)  # an edit through the placeholder: every host copy level first
-        for s in unit.slots:
+        for s in unit.pageable_slots:  # device-state slots never left
             if s.quant is not None:  # the codes to the device; still dequantized for each use
                 s.quant = s.quant.to(self.backend.device)
                 continue

@@ -545,12 +545,14 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
                 )
             else:
                 moments = str(fit.moment_dtype).replace("torch.", "")
+                n_masters = sum(s.dtype != torch.float32 for s in trainable)
+                masters = f" and {n_masters} fp32 masters" if n_masters else ""
                 where = "VRAM" if backend.is_cuda else f"{backend.device} memory"
                 fit.device_state = names
                 fit.device_state_notes = [
                     f"device state: the {len(trainable)} trainable tensors "
                     f"({sum(s.param.numel() for s in trainable):,} parameters) keep their weights, "
-                    f"gradients (p.grad), {moments} moments and fp32 masters in {where} "
+                    f"gradients (p.grad), {moments} moments{masters} in {where} "
                     f"({_device_state_gib(model.units, fit.moment_dtype.itemsize)}): no gradient hooks, no host "
                     "round trip; their update runs in optimizer.step(), fused"
                 ]
