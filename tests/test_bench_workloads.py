@@ -60,6 +60,14 @@ def test_the_rows_and_their_peers():
     assert ours[10]["wrap"] == dict(moment_dtype="bfloat16") and ours[10]["train"] == "full"
     assert table[9]["cases"][0]["runner"] == "interleaved" and len(table[9]["cases"][0]["labels"]) == 2
     assert set(wl.RUNNERS) == {c["runner"] for row in table.values() for c in row["cases"]}
+    # TrainStream's runs are timed once the planner has settled; the peers after 2 steps
+    warmups = {
+        (c["runner"] == "trainstream", c["warmup"])
+        for row in table.values()
+        for c in row["cases"]
+        if c["runner"] != "interleaved"  # the planner suite's windows
+    }
+    assert warmups == {(True, wl.OURS_WARMUP), (False, 2)} and wl.OURS_WARMUP == 5
 
 
 def test_the_rows_have_the_published_shapes():
@@ -437,6 +445,7 @@ def test_the_trainer_row_of_ours_at_toy_size():
     out = cases.run_case(case)
     _check_trained(out)
     assert len(out["losses"]) == case["warmup"] + case["steps"] and "mode" in out
+    assert out["wrap_s"] is None  # the Trainer wraps inside train(), in the first step
 
 
 def test_a_case_that_fails_or_needs_cuda_says_why():

@@ -400,11 +400,9 @@ def trainer_case(case: dict) -> dict:
         )
         data = TokenRows(case["batch"] * total, case["seq"], case["model"]["config"]["vocab_size"])
         timer = _step_end_times(device)
-        t = time.perf_counter()
         kind = TrainStreamTrainer if ours else transformers.Trainer
         extra = {"trainstream": {}} if ours else {}
         trainer = kind(model=model, args=args, train_dataset=data, callbacks=[timer], **extra)
-        wrap_s = time.perf_counter() - t  # TrainStreamTrainer wraps when train() starts: in the first step
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     intervals = [b - a for a, b in zip(timer.times[case["warmup"] - 1 :], timer.times[case["warmup"] :])]
@@ -416,7 +414,7 @@ def trainer_case(case: dict) -> dict:
         losses=losses,
         finite=all(math.isfinite(v) for v in losses),
         load_s=load_s,
-        wrap_s=wrap_s,
+        wrap_s=None,  # TrainStreamTrainer wraps inside train(): the first step's time holds it
     )
     if facts is not None:
         plan = plan_facts(trainer.model)
