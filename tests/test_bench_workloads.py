@@ -471,8 +471,8 @@ def test_gpu_quick_rows_train_under_their_caps(tmp_path):
             assert "error" not in r and r["s_per_step"] > 0 and r["peak_GiB"] > 0, r
         else:
             assert "s_per_step" in r or r.get("error"), r
-        if r["runner"] == "trainstream":
-            assert r["vs_bound"] > 0 and r["pcie_s"] is not None, r
+        if r["runner"] == "trainstream":  # row 9's is held to stock's step, the others to their plan's bytes too
+            assert r["vs_bound"] > 0 and (r["row"] == 9 or r["pcie_s"] is not None), r
     assert {r["row"] for r in result["rows"]} == {1, 5, 9}
 
 
