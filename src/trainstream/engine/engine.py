@@ -36,6 +36,7 @@ from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
 from .device_state import DeviceState
 from .distributed import DataParallel, StockGradients, agree
+from .frozen_linear import FrozenLinears
 from .grads import GradSettings, GradStreamer
 from .layout import Fetch, set_device_state
 from .measure import ActivationMeter
@@ -155,6 +156,7 @@ class Engine:
             self.events,
         )
         self.state_hooks = StateHooks(model, self.units, backend, self.weights)
+        self.linears = FrozenLinears(self.weights, self._hooks_for)  # [Note: frozen linears]
         self.moments = self._lay_out_moments() if plan.mapped_bytes else None
         self.updates = Updater(
             backend, optimizer, self.grads, self.weights, self.moments, self.ledger, self.update_order()
@@ -330,6 +332,7 @@ class Engine:
         for unit, block in zip(self.block_units, self.stack.blocks):
             self._forwards[block] = block.__dict__.get("forward")
             block.forward = self._block_forward(unit, block.forward)
+        self.linears.install(self.model, self.stack.blocks, self.block_units, _Installed)
         # The hook dict is owned by the parameter's C++ autograd metadata, which Python's
         # cyclic GC cannot see: a hook holding the engine (-> model -> param) or the slot
         # (-> param) strongly would make param, engine and model immortal. So the hook
@@ -368,6 +371,7 @@ class Engine:
             else:
                 block.forward = own
         self._forwards = {}
+        self.linears.remove()
         for module, own in self._applies.items():
             if own is None:
                 module.__dict__.pop("_apply", None)
@@ -442,8 +446,11 @@ class Engine:
                 # A checkpoint around the block has its own saved-tensor hooks: ours would
                 # override them (nothing recomputed, every activation kept), so a block whose
                 # activations stay put leaves them be; its weights come back with the recompute.
+                # A block whose streamed weights are all frozen Linears' saves none of them
+                # ([Note: frozen linears]) and needs no hooks of ours either.
                 foreign = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-                if (unit.act_paged or measure or (unit.streamed and not foreign)) and torch.is_grad_enabled():
+                saves_weights = unit.streamed and not foreign and not engine.linears.serves(unit)
+                if (unit.act_paged or measure or saves_weights) and torch.is_grad_enabled():
                     with torch.autograd.graph.saved_tensors_hooks(functools.partial(engine.pack, unit), engine.unpack):
                         out = forward(*args, **kwargs)
                 else:
@@ -508,6 +515,7 @@ class Engine:
         ptr = t.untyped_storage().data_ptr()
         slot = self.weights.fetched_slot(t, ptr)
         if slot is not None:
+            self.linears.saved(slot)
             return SavedWeight(slot, t)
         self.meter.count(t, unit)
         if (
@@ -517,6 +525,10 @@ class Engine:
         ):
             return t.detach()
         return self.acts.pack(t, unit)
+
+    def _hooks_for(self, unit) -> tuple:
+        """The saved-tensor hooks (pack, unpack) of `unit`'s block."""
+        return functools.partial(self.pack, unit), self.unpack
 
     def unpack(self, packed):
         if isinstance(packed, SavedWeight):

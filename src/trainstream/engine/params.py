@@ -521,12 +521,16 @@ class WeightPager:
         at = t.storage_offset() * t.element_size()
         return next((s for start, end, s in spans if start <= at < end), None)
 
+    def attached_weight(self, slot, dtypes: dict) -> torch.Tensor:
+        """`slot`'s weight on the device as fetched for the forward that read it (`dtypes`),
+        for its backward: attached again if it was released since (frozen_linear.py)."""
+        self.attach(slot.unit, dtypes=dtypes)
+        return slot.unit.fetched[slot]
+
     def device_view(self, slot, dtypes: dict, dtype, size, stride, offset) -> torch.Tensor:
         """A saved weight for backward: the same view of the weights as fetched for the
         forward that saved it (`dtypes`)."""
-        unit = slot.unit
-        self.attach(unit, dtypes=dtypes)
-        dev = unit.fetched[slot]
+        dev = self.attached_weight(slot, dtypes)
         return torch.empty(0, dtype=dtype, device=dev.device).set_(dev.untyped_storage(), offset, size, stride)
 
     def _readable_placeholder(self, s) -> torch.Tensor:
