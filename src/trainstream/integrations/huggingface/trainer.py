@@ -14,6 +14,9 @@ Trainer's code path that would act on ``p.grad`` (None under the engine) is turn
   Trainer's loss normalisation (``num_items_in_batch``) unchanged;
 - the model is wrapped once, when the Trainer is built, on the device the Trainer chose
   (``args.device``): the Trainer does not move it there first, wrap() does, placing what fits.
+- with more than one process (torchrun) the model is wrapped data parallel over the Trainer's
+  process group and is not wrapped in DistributedDataParallel ([Note: no DDP wrapper]); every
+  rank takes part in the optimizer's state_dict() when the main process saves a checkpoint.
 
 With ``chunked_loss`` (default True) a causal LM's training loss is computed by
 :func:`trainstream.causal_lm_loss` from the final hidden states and the output layer's
