@@ -77,7 +77,13 @@ def _assert_device_state(run):
     assert engine.plan.device_state == frozenset(s.name for s in trainable)
     assert all(s.device_state and s.stage_region is None and not s.host for s in trainable)
     assert all(not u.trainable for u in engine.units)  # the gradient streamer sees none of them
-    assert "device state: the" in trainstream.memory_report(run[2][0])["events"]
+    report = trainstream.memory_report(run[2][0])
+    assert "device state: the" in report["events"]
+    n = sum(s.param.numel() for s in trainable)
+    assert report["plan"]["device_state"]["tensors"] == len(trainable)
+    assert report["plan"]["device_state"]["parameters"] == n
+    assert report["plan"]["device_state"]["device_bytes"] > n * trainable[0].dtype.itemsize  # weights and moments
+    assert placement.DEVICE_STATE_CLASS in report["plan"]["budget"]["device"]
 
 
 CASES = {

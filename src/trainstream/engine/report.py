@@ -76,6 +76,8 @@ def build_report(engine) -> dict:
             "blocks": engine.stack.describe(),
             "quantized": quant,
             "moment_dtype": str(engine.optimizer.moment_dtype).replace("torch.", ""),
+            # The trainable tensors kept whole on the device (device_state.py; None: none are).
+            "device_state": device_state(engine),
             # Where the updates run: "cpu" (host AdamW) or "gpu" (the CUDA kernel), as decided.
             "optimizer_mode": "gpu" if engine.update_on_device else "cpu",
             # optimizer_mode="gpu": region updates whose moments were copied through VRAM, and
@@ -98,13 +100,27 @@ def build_report(engine) -> dict:
     }
 
 
+def device_state(engine) -> dict | None:
+    """The device-state set: how many tensors and parameters, and the device bytes its
+    weights, gradients, moments and masters hold now."""
+    ds = engine.device_state
+    if not len(ds):
+        return None
+    return {
+        "tensors": len(ds),
+        "parameters": sum(s.param.numel() for s in ds.slots),
+        "device_bytes": ds.nbytes(),
+    }
+
+
 def host_moment_bytes(optimizer) -> int:
-    """Bytes of AdamW moments this process holds (with data parallel, its shards only)."""
+    """Bytes of AdamW moments this process holds in host memory (with data parallel, its
+    shards only); moments on a GPU (device state's, stock training's) are not host memory."""
     return sum(
         t.numel() * t.element_size()
         for st in optimizer.state.values()
         for k, t in st.items()
-        if k in ("exp_avg", "exp_avg_sq")
+        if k in ("exp_avg", "exp_avg_sq") and not t.is_cuda  # device state's are on the device
     )
 
 
