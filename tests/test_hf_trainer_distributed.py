@@ -89,10 +89,10 @@ def _model(seed: int = 0):
     return hf_models.build("llama", seed=seed)
 
 
-def _lora_model():
+def _lora_model(adapter_seed: int = 1):
     peft = pytest.importorskip("peft")
     base = _model()
-    torch.manual_seed(1)  # random B too, so that the adapters' first steps move every weight
+    torch.manual_seed(adapter_seed)  # random B too, so that the adapters' first steps move every weight
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
     return peft.get_peft_model(base, config)
 
@@ -141,15 +141,17 @@ def _run(trainer) -> dict:
 
 
 def _every_run(rank: int, world: int, root: str) -> dict:
-    """The stock Trainer (DDP), ours with checkpoints, ours resumed from its first
-    checkpoint, an evaluation, offload="auto", and LoRA: each on this process's shard."""
+    """The stock Trainer (DDP), ours with checkpoints (rank 1 starting from other weights),
+    ours resumed from its first checkpoint, evaluations, offload="auto", and LoRA (rank 1's
+    adapters initialized otherwise): each on this process's shard."""
     out = {}
     stock = transformers.Trainer(model=_model(), args=_args(f"{root}/stock", world), train_dataset=Tokens())
     stock.train()
     out["stock"] = _run(stock)
 
     args = _args(f"{root}/ours", world, save_strategy="steps", save_steps=SAVE_STEPS)
-    ours = Recording(model=_model(), args=args, train_dataset=Tokens(), trainstream=ENGINE)
+    # Rank 1 builds other initial weights: rank 0's are taken, as DDP broadcasts them.
+    ours = Recording(model=_model(seed=0 if rank == 0 else 3), args=args, train_dataset=Tokens(), trainstream=ENGINE)
     with _recording_writes() as written:
         ours.train()
     out["ours"] = {
@@ -172,7 +174,7 @@ def _every_run(rank: int, world: int, root: str) -> dict:
     out["auto"] = {**_run(auto), "mode": auto.model._trainstream_engine.mode}
 
     lora_args = _args(f"{root}/lora", world, save_strategy="steps", save_steps=STEPS)
-    lora = TrainStreamTrainer(model=_lora_model(), args=lora_args, train_dataset=Tokens(), trainstream=ENGINE)
+    lora = TrainStreamTrainer(model=_lora_model(1 + rank), args=lora_args, train_dataset=Tokens(), trainstream=ENGINE)
     lora.train()
     out["lora"] = _run(lora)
     stock_lora = transformers.Trainer(
@@ -322,6 +324,7 @@ def test_no_ddp_wrapper_and_every_rank_ends_with_the_same_bits(runs):
 
 
 def test_weights_match_one_process_within_three_times_ddps_distance(runs):
+    """Rank 1 built other initial weights, and one process rank 0's: rank 0's were taken."""
     ddp = _ddp_distance(runs)
     r0, one = runs["ranks"][0], runs["one"]
     assert _distance(r0["ours"]["state"], one["ours"]["state"]) <= 3 * ddp

@@ -225,6 +225,7 @@ class TrainStreamTrainer(transformers.Trainer):
             # Data parallel over the Trainer's process group: one missing is wrap()'s clear
             # error, never ranks training apart on their shards of the data.
             options["distributed"] = True
+            _trainable_from_rank_zero(model)
         device = self.args.device
         if device.type == "cpu":  # accelerate names each rank's CPU cpu:<rank>: one memory, torch's "cpu"
             device = torch.device("cpu")
@@ -452,6 +453,42 @@ def _prepare_model_without_ddp(prepare_model, model, device_placement=None, eval
     if _is_wrapped(model):
         device_placement, evaluation_mode = False, True
     return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+
+# [Note: rank 0's weights]
+# DDP broadcasts rank 0's parameters when it wraps the model, so under the stock Trainer ranks
+# whose initial weights differ (a head or adapters initialized without a common seed) still
+# train one model. The engine does not, so before wrap() every rank compares each trainable
+# parameter's float64 sum and norm with rank 0's, and those that differ on some rank are
+# broadcast from rank 0 (the common case, a model loaded from one checkpoint, sends nothing
+# but the sums). Frozen parameters are left as they are: they may hold quantized codes, and
+# loaded from a checkpoint they agree.
+def _trainable_from_rank_zero(model) -> None:
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    group = dist.new_group(backend="gloo")  # host tensors, whatever the default group's backend
+    try:
+        with torch.no_grad():
+            mine = torch.tensor(
+                [
+                    [float(torch.sum(p, dtype=torch.float64)), float(torch.linalg.vector_norm(p, dtype=torch.float64))]
+                    for p in params
+                ],
+                dtype=torch.float64,
+            ).reshape(len(params), 2)
+            zero = mine.clone()
+            dist.broadcast(zero, src=dist.get_global_rank(group, 0), group=group)
+            differ = (mine != zero).any(dim=1).to(torch.int32)
+            dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=group)
+            for p, d in zip(params, differ.tolist()):
+                if d:
+                    host = p.detach().to("cpu", copy=True).contiguous()
+                    # as bytes: gloo broadcasts every dtype that way
+                    dist.broadcast(host.view(-1).view(torch.uint8), src=dist.get_global_rank(group, 0), group=group)
+                    p.copy_(host)
+    finally:
+        dist.destroy_process_group(group)
 
 
 def _is_wrapped(model) -> bool:
