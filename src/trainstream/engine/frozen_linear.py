@@ -145,13 +145,12 @@ class FrozenLinears:
             fetched = unit.fetched
             if fetched is None or unit.fetch is not Fetch.ATTACHED or slot not in fetched:
                 return forward(x, *args, **kwargs)  # resident (or not attached): nothing streamed
-            if not torch.is_grad_enabled():
-                return forward(x, *args, **kwargs)
+            if not torch.is_grad_enabled() or not getattr(x, "requires_grad", True):
+                return forward(x, *args, **kwargs)  # nothing for autograd to save: W and b are frozen
             if (
                 not args
                 and not kwargs
                 and type(x) is torch.Tensor
-                and x.requires_grad
                 and x.dim() >= 2
                 and x.is_contiguous()
                 and slot not in self.saved_elsewhere

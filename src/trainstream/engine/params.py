@@ -524,8 +524,10 @@ class WeightPager:
     def attached_weight(self, slot, dtypes: dict) -> torch.Tensor:
         """`slot`'s weight on the device as fetched for the forward that read it (`dtypes`),
         for its backward: attached again if it was released since (frozen_linear.py)."""
-        self.attach(slot.unit, dtypes=dtypes)
-        return slot.unit.fetched[slot]
+        unit = slot.unit
+        if unit.fetch is not Fetch.ATTACHED or unit.fetch_dtypes is not dtypes:  # else: attached for that forward
+            self.attach(unit, dtypes=dtypes)
+        return unit.fetched[slot]
 
     def device_view(self, slot, dtypes: dict, dtype, size, stride, offset) -> torch.Tensor:
         """A saved weight for backward: the same view of the weights as fetched for the
@@ -618,5 +620,8 @@ def _placeholder(s, device) -> torch.Tensor:
 def _held_bytes(tensors) -> int:
     """Device bytes the storages under `tensors` hold, each storage once (a unit's
     dequantized weights are views of one buffer, alignment gaps included)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
