@@ -165,7 +165,9 @@ def _every_run(rank: int, world: int, root: str) -> dict:
     stock_eval = transformers.Trainer(model=saved, args=_args(f"{root}/stock-eval", world))
     out["stock"]["eval_loss"] = stock_eval.evaluate(Tokens(rows=EVAL_ROWS, seed=3))["eval_loss"]
 
-    resumed = Recording(model=_model(seed=5), args=_args(f"{root}/resumed", world), train_dataset=Tokens())
+    resumed = Recording(
+        model=_model(seed=5), args=_args(f"{root}/resumed", world), train_dataset=Tokens(), trainstream=ENGINE
+    )
     resumed.train(resume_from_checkpoint=f"{root}/ours/checkpoint-{SAVE_STEPS}")
     out["resumed"] = _run(resumed)
 
@@ -231,7 +233,9 @@ def _one_process(root) -> dict:
     stock_lora.train()
     out["stock_lora"] = _run(stock_lora)
     # The 2-process run's first checkpoint, resumed alone.
-    resumed = Recording(model=_model(seed=5), args=_args(root / "resumed1", 1), train_dataset=Tokens())
+    resumed = Recording(
+        model=_model(seed=5), args=_args(root / "resumed1", 1), train_dataset=Tokens(), trainstream=ENGINE
+    )
     resumed.train(resume_from_checkpoint=str(root / "ours" / f"checkpoint-{SAVE_STEPS}"))
     out["resumed"] = {**_run(resumed), "loaded": resumed.loaded_optimizer_state}
     return out
@@ -240,7 +244,7 @@ def _one_process(root) -> dict:
 # -- spawning ---------------------------------------------------------------------------------
 
 
-def _entry(rank: int, world: int, root: str, timeout_s: float, fn):
+def _entry(rank: int, world: int, root: str, timeout_s: float, fn, backend: str):
     # What torchrun sets; accelerate reads it and uses the process group made here.
     os.environ.update(
         RANK=str(rank),
@@ -251,8 +255,10 @@ def _entry(rank: int, world: int, root: str, timeout_s: float, fn):
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{os.path.join(root, 'store')}",
         rank=rank,
         world_size=world,
@@ -268,10 +274,10 @@ def _entry(rank: int, world: int, root: str, timeout_s: float, fn):
     dist.destroy_process_group()
 
 
-def _spawn(world: int, root, fn, timeout_s: float = 60) -> list:
+def _spawn(world: int, root, fn, timeout_s: float = 60, backend: str = "gloo") -> list:
     root = str(root)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, root, timeout_s, fn)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, root, timeout_s, fn, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -411,3 +417,34 @@ def test_evaluate_on_two_processes_equals_the_stock_trainers(runs):
     r0, r1 = runs["ranks"]
     assert r0["ours"]["eval_loss"] == r1["ours"]["eval_loss"]
     assert r0["ours"]["eval_loss"] == pytest.approx(r0["stock"]["eval_loss"], rel=1e-6)
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+
+def _on_gpus(rank: int, world: int, root: str) -> dict:
+    """bf16 on one GPU per process (NCCL default group, as torchrun gives): the stock
+    Trainer's DDP run, then ours with a checkpoint."""
+    gpu = dict(use_cpu=False, bf16=True)
+    stock = transformers.Trainer(model=_model(), args=_args(f"{root}/stock", world, **gpu), train_dataset=Tokens())
+    stock.train()
+    args = _args(f"{root}/ours", world, save_strategy="steps", save_steps=STEPS, **gpu)
+    ours = TrainStreamTrainer(model=_model(), args=args, train_dataset=Tokens(), trainstream=ENGINE)
+    ours.train()
+    return {"stock": _run(stock), "ours": _run(ours), "device": str(ours.args.device)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per process)")
+def test_two_gpus_bf16_every_rank_the_same_bits_and_the_stock_ddp_losses(tmp_path):
+    from safetensors.torch import load_file
+
+    r0, r1 = _spawn(WORLD, tmp_path, _on_gpus, timeout_s=120, backend="nccl")
+    assert (r0["device"], r1["device"]) == ("cuda:0", "cuda:1")
+    assert r0["ours"]["wrapped_in"] != "DistributedDataParallel"
+    assert _same_bits(r0["ours"]["state"], r1["ours"]["state"])
+    assert r0["ours"]["loss"] == r1["ours"]["loss"]
+    for got, want in zip(r0["ours"]["loss"], r0["stock"]["loss"]):  # bf16 autocast on both
+        assert got == pytest.approx(want, rel=1e-2)
+    saved = load_file(str(tmp_path / "ours" / f"checkpoint-{STEPS}" / "model.safetensors"))
+    assert all(torch.equal(v, r0["ours"]["state"][k]) for k, v in saved.items())
