@@ -176,3 +176,14 @@ def test_cuda_compute_stream_follows_the_current_stream():
         assert backend.compute_stream() == s
         assert backend.compute_stream().cuda_stream == s.cuda_stream
     assert backend.compute_stream() == default
+
+
+@pytest.mark.gpu
+def test_cuda_current_stream_handle_is_the_current_streams():
+    from trainstream.ops._streams import current_stream_handle
+
+    index = torch.cuda.current_device()
+    assert current_stream_handle(index) == torch.cuda.current_stream(index).cuda_stream
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert current_stream_handle(index) == s.cuda_stream != torch.cuda.default_stream(index).cuda_stream

@@ -15,11 +15,7 @@ from collections import deque
 
 import torch
 
-# The current CUDA stream's raw handle, without building a torch.cuda.Stream (torch's own
-# generated code reads it this way); builds without it fall back to the Stream's handle.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda index: torch.cuda.current_stream(index).cuda_stream
-)
+from ..ops._streams import current_stream_handle
 
 
 class _DoneEvent:
@@ -89,7 +85,7 @@ class Backend:
         stream (each thread has its own current stream: the check covers every thread)."""
         if not self.is_cuda:
             return None
-        raw = _raw_stream(self._index)
+        raw = current_stream_handle(self._index)
         cached = self._current  # one tuple, read once: another thread may replace it
         if cached is not None and cached[0] == raw:
             return cached[1]

@@ -16,6 +16,7 @@ import torch
 from .. import options
 from .._native import lib
 from . import _args, _dtypes
+from ._streams import current_stream_handle
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -419,7 +420,7 @@ def _gpu_launch(
         _dtypes.code(moment_dtype),
         _dtypes.code(param_dtype),
         device.index,
-        torch.cuda.current_stream(device).cuda_stream,
+        current_stream_handle(device.index),
         int(max_blocks),
         skip_flag.data_ptr() if skip_flag is not None else 0,
     )

@@ -9,6 +9,7 @@ import torch
 
 from .._native import lib
 from . import _args, _dtypes, reference
+from ._streams import current_stream_handle
 from .adamw import AdamWHandle, get_pool
 
 
@@ -86,7 +87,7 @@ def grad_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         partials.data_ptr(),
         out.data_ptr(),
         device.index,
-        torch.cuda.current_stream(device).cuda_stream,
+        current_stream_handle(device.index),
     )
     return out
 
@@ -155,5 +156,5 @@ def mark_nonfinite_(
         flag.data_ptr(),
         max_blocks,
         device.index,
-        torch.cuda.current_stream(device).cuda_stream,
+        current_stream_handle(device.index),
     )

@@ -38,6 +38,7 @@ import torch
 
 from .._native import lib
 from . import _args, _dtypes
+from ._streams import current_stream_handle
 from .adamw import get_pool
 
 NF4, INT8 = 0, 1  # native QuantFormat
@@ -92,13 +93,6 @@ def check_codes(op: str, fmt: int, codes, absmax, n: int, block_size: int) -> No
         )
 
 
-# The current CUDA stream's handle without building a torch.cuda.Stream (the kernels take
-# the handle): torch's own generated code reads it this way; older builds fall back.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda index: torch.cuda.current_stream(index).cuda_stream
-)
-
-
 def _require_cuda() -> None:
     global _cuda_ready
     if not _cuda_ready:  # checked once: a LoRA step dequantizes every frozen weight twice
@@ -124,7 +118,7 @@ def _run(
     )
     if values.device.type == "cuda":
         _require_cuda()
-        native.quant_cuda(*args, values.device.index, _raw_stream(values.device.index))
+        native.quant_cuda(*args, values.device.index, current_stream_handle(values.device.index))
     else:
         native.quant_queue(get_pool(), *args).wait()
 
@@ -160,7 +154,7 @@ def _run_many(fmt: int, codes: Sequence, absmax: Sequence, outs: Sequence, block
     by_dtype: dict = {}
     for c, a, out in zip(codes, absmax, outs):
         by_dtype.setdefault(out.dtype, []).append((c, a, out))
-    stream = _raw_stream(device.index)
+    stream = current_stream_handle(device.index)
     for dtype, group in by_dtype.items():
         native.dequantize_batch_cuda(
             fmt,
