@@ -105,6 +105,37 @@ def test_tensors_on_two_devices_are_refused():
         qops.dequantize_many("nf4", [codes[0], on_meta[0]], [absmax[0], on_meta[1]], [outs[0], on_meta[2]])
 
 
+def test_the_engine_dequantizes_a_unit_into_one_buffer_with_one_call(monkeypatch):
+    from helpers import RESIDENT, train
+
+    frozen = lambda n: n.startswith("layers.") and n.endswith(("qkv.weight", "fc.weight", "out.weight"))  # noqa: E731
+    calls = []
+    original = qops.dequantize_many_trusted
+
+    def counting(format, codes, absmax, outs, block_size):
+        calls.append(len(outs))
+        return original(format, codes, absmax, outs, block_size)
+
+    monkeypatch.setattr(qops, "dequantize_many_trusted", counting)
+    _, _, (model, _) = train("gpt", dict(RESIDENT, quantize="nf4"), steps=1, freeze=frozen)
+    assert calls and set(calls) == {3}  # each fetch: the block's three quantized weights at once
+    pager = model._trainstream_engine.weights
+    unit = pager.units[1]
+    before = pager.fetched_bytes
+    pager.attach(unit)
+    views = unit.fetched
+    assert len(views) == 3 and len({v.untyped_storage().data_ptr() for v in views.values()}) == 1
+    storage = next(iter(views.values())).untyped_storage()
+    assert all((v.storage_offset() * v.element_size()) % pager.DEQUANT_ALIGN == 0 for v in views.values())
+    assert pager.fetched_bytes - before == storage.nbytes() == sum(-(-v.nbytes // 256) * 256 for v in views.values())
+    for slot, v in views.items():
+        assert_same_bits(v, slot.quant.dequantize())
+        ptr = v.untyped_storage().data_ptr()
+        assert pager.fetched_slot(v, ptr) is slot and pager.fetched_slot(v[1:].t(), ptr) is slot
+    pager.release(unit)
+    assert not pager.fetched_storages
+
+
 # -- CUDA ------------------------------------------------------------------------------
 
 
