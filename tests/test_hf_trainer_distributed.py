@@ -184,6 +184,13 @@ def _every_run(rank: int, world: int, root: str) -> dict:
     )
     stock_lora.train()
     out["stock_lora"] = _run(stock_lora)
+
+    # Rank 1 with one layer fewer: refused on every rank, before anything trains.
+    other = _model() if rank == 0 else hf_models.build("llama", num_hidden_layers=2)
+    try:
+        TrainStreamTrainer(model=other, args=_args(f"{root}/other", world), train_dataset=Tokens())
+    except ValueError as e:
+        out["other_model"] = str(e)
     return out
 
 
@@ -409,6 +416,11 @@ def test_resume_with_one_process_loads_the_whole_state_and_continues_within_ddps
     ddp_loss = _loss_distance(runs["ranks"][0]["stock"]["loss"], runs["one"]["stock"]["loss"])
     for got, want in zip(resumed["loss"][SAVE_STEPS:], r0["loss"][SAVE_STEPS:]):
         assert abs(got - want) <= 3 * ddp_loss
+
+
+def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(runs):
+    for rank in runs["ranks"]:
+        assert "data parallel needs the same model on every rank" in rank.get("other_model", "")
 
 
 def test_evaluate_on_two_processes_equals_the_stock_trainers(runs):

@@ -447,10 +447,10 @@ def _same_hidden(returned, hidden) -> bool:
 # wrapper (DDP would broadcast at construction, then reduce p.grad, which the engine keeps
 # None). Everything else accelerate does for N processes stays: the data loaders' shards, the
 # gathers of the logged loss and the metrics, the token count across devices.
-# wrap() has placed the model already (what fits on the device, the rest streamed), so
-# accelerate does not move it either (as _move_model_to_device does not).
 def _prepare_model_without_ddp(prepare_model, model, device_placement=None, evaluation_mode=False):
     if _is_wrapped(model):
+        # wrap() has placed it (what fits on the device, the rest streamed): no move either,
+        # as _move_model_to_device makes none.
         device_placement, evaluation_mode = False, True
     return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
@@ -462,30 +462,42 @@ def _prepare_model_without_ddp(prepare_model, model, device_placement=None, eval
 # parameter's float64 sum and norm with rank 0's, and those that differ on some rank are
 # broadcast from rank 0 (the common case, a model loaded from one checkpoint, sends nothing
 # but the sums). Frozen parameters are left as they are: they may hold quantized codes, and
-# loaded from a checkpoint they agree.
+# loaded from a checkpoint they agree. Models that differ in their parameters' sizes are left
+# to wrap(), which refuses them on every rank with the names and shapes.
 def _trainable_from_rank_zero(model) -> None:
     import torch.distributed as dist
 
     params = [p for p in model.parameters() if p.requires_grad]
     group = dist.new_group(backend="gloo")  # host tensors, whatever the default group's backend
+    src = dist.get_global_rank(group, 0)
     try:
+        count = torch.tensor([len(params), -len(params)], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        if count[0] != -count[1]:
+            return
         with torch.no_grad():
             mine = torch.tensor(
                 [
-                    [float(torch.sum(p, dtype=torch.float64)), float(torch.linalg.vector_norm(p, dtype=torch.float64))]
+                    [
+                        p.numel(),
+                        float(torch.sum(p, dtype=torch.float64)),
+                        float(torch.linalg.vector_norm(p, dtype=torch.float64)),
+                    ]
                     for p in params
                 ],
                 dtype=torch.float64,
-            ).reshape(len(params), 2)
+            ).reshape(len(params), 3)
             zero = mine.clone()
-            dist.broadcast(zero, src=dist.get_global_rank(group, 0), group=group)
-            differ = (mine != zero).any(dim=1).to(torch.int32)
-            dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=group)
-            for p, d in zip(params, differ.tolist()):
-                if d:
+            dist.broadcast(zero, src=src, group=group)
+            flags = torch.stack([(mine[:, 0] != zero[:, 0]).any(), *(mine[:, 1:] != zero[:, 1:]).any(dim=1)])
+            flags = flags.to(torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            if flags[0]:  # some size differs: wrap() says which
+                return
+            for p, differs in zip(params, flags[1:].tolist()):
+                if differs:
                     host = p.detach().to("cpu", copy=True).contiguous()
-                    # as bytes: gloo broadcasts every dtype that way
-                    dist.broadcast(host.view(-1).view(torch.uint8), src=dist.get_global_rank(group, 0), group=group)
+                    dist.broadcast(host.view(-1).view(torch.uint8), src=src, group=group)  # bytes: any dtype
                     p.copy_(host)
     finally:
         dist.destroy_process_group(group)
