@@ -313,9 +313,9 @@ def plot(rows: list[dict], path: Path) -> tuple[str | None, str | None]:
     shown = [r for r in rows if r["runner"] != "compute"]
     if not shown:
         return None, "not drawn: no runs"
-    labels = [f"{r['row']}: {r['run'][:70]}" for r in shown]
+    labels = [f"{r['row']}: {r['run'][:56]}" for r in shown]
     colors = ["tab:orange" if r["runner"] in OURS else "tab:blue" for r in shown]
-    fig, axes = plt.subplots(1, 2, figsize=(16, 0.32 * len(shown) + 1.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(18, 0.32 * len(shown) + 1.5), sharey=True)
     y = list(range(len(shown)))
     for ax, key, title in ((axes[0], "s_per_step", "s/step (log)"), (axes[1], "peak_GiB", "peak VRAM GiB")):
         values = [r[key] if _ok(r) and r.get(key) is not None else math.nan for r in shown]
@@ -330,7 +330,7 @@ def plot(rows: list[dict], path: Path) -> tuple[str | None, str | None]:
     axes[0].set_yticks(y, labels, fontsize=7)
     axes[0].invert_yaxis()
     fig.suptitle("workloads: TrainStream (orange) against the peers (blue), each under its row's VRAM cap")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the title above the panels
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
