@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
+
 
 class DeviceState:
     """Owns the device-state slots' moments' placement, masters and update."""
@@ -103,8 +105,7 @@ class DeviceState:
         takes it and as torch's clip_grad_norm_ takes it of an fp32 gradient."""
         if not slots:
             return []
-        grads = [g if g.dtype == torch.float32 else g.float() for g in self._grads(slots)]
-        return list(torch._foreach_norm(grads, 2.0))
+        return list(torch._foreach_norm(self._grads(slots), 2.0, dtype=torch.float32))
 
     def first_nonfinite(self, slots=None):
         """The first slot (of `slots`, default: those with a gradient) whose gradient is not
@@ -136,14 +137,43 @@ class DeviceState:
                 master.copy_(p.detach())
                 self._versions[p] = p._version
 
-    def update(self, slots, grad_scale: float = 1.0) -> None:
+    def update(self, slots, grad_scale: float = 1.0, check: bool = False):
         """AdamW over `slots` from their gradients, scaled by `grad_scale` (clipping): one
-        kernel per param group and gradient dtype."""
+        kernel per param group and gradient dtype. `check`: the gradients' values are checked
+        on the device first (ops.mark_nonfinite_, one launch per dtype) into a flag the
+        kernels read: set, they write nothing. The host reads the flag after the launches (on
+        CUDA the one sync waits for the update, not for backward before it: the GPU never idles
+        while the update is prepared). Returns the first slot whose gradient is not finite,
+        its update skipped and every step count taken back, or None."""
         if not slots:
-            return
+            return None
         self._place([s for s in slots if s.param not in self._ready])
         self.take_edits(slots)
-        self.optimizer.update_device_state(self.backend.device, slots, self._grads(slots), self.masters, grad_scale)
+        grads = self._grads(slots)
+        flag, found = self._mark_nonfinite(grads) if check else (None, None)
+        self.optimizer.update_device_state(self.backend.device, slots, grads, self.masters, grad_scale, flag)
+        if flag is None or not int(flag.item()):
+            return None
+        for s in slots:
+            self.optimizer.state[s.param]["step"] -= 1
+        marks = torch.cat([found[i] for i in sorted(found)]).tolist()
+        order = [j for i in sorted(found) for j in self._by_dtype[i]]
+        return slots[min(j for j, m in zip(order, marks) if m)]
+
+    def _mark_nonfinite(self, grads) -> tuple:
+        """(flag, {dtype group: found}) with ops.mark_nonfinite_ queued over `grads`, one
+        launch per gradient dtype; self._by_dtype maps each group to its gradients' indices."""
+        device = self.backend.device
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        groups: dict = {}
+        for j, g in enumerate(grads):
+            groups.setdefault(g.dtype, []).append(j)
+        self._by_dtype = dict(enumerate(groups.values()))
+        found = {}
+        for i, idx in self._by_dtype.items():
+            found[i] = torch.zeros(len(idx), dtype=torch.int32, device=device)
+            ops.mark_nonfinite_([grads[j] for j in idx], found[i], flag)
+        return flag, found
 
     def nbytes(self) -> int:
         """Device bytes this state holds now: weights, gradients, moments, masters."""

@@ -838,9 +838,12 @@ class Engine:
         if not slots:
             return
         bad = self.grads.nonfinite
-        if bad is None and self.opts.nonfinite != "ignore" and self.opts.max_grad_norm is None:
-            bad = self.device_state.first_nonfinite(slots)  # with clipping, the global norm was the check
-            if bad is not None and self.opts.nonfinite == "raise":
+        if bad is None:
+            check = self.opts.nonfinite != "ignore" and self.opts.max_grad_norm is None  # clipping: the norm was
+            bad = self.device_state.update(slots, grad_scale, check=check)
+            if bad is None:
+                return
+            if self.opts.nonfinite == "raise":
                 self.device_state.drop()
                 self.grads.drop_pass()  # the next window starts clean
                 self.updates.end_window()
@@ -848,9 +851,6 @@ class Engine:
                     f"trainstream: the gradient of {bad.name} is not finite (wrap(nonfinite='raise')); "
                     "this step's gradients are dropped"
                 )
-        if bad is None:
-            self.device_state.update(slots, grad_scale)
-            return
         self.device_state.drop()
         if self.grads.count_skip():
             self.optimizer.count_skipped_step()

@@ -454,13 +454,23 @@ class StreamedAdamW(OffloadAdamW):
                     **_hyper(group),
                 ).wait()
 
-    def update_device_state(self, device: torch.device, slots: list, grads: list, masters: dict, grad_scale: float):
+    def update_device_state(
+        self,
+        device: torch.device,
+        slots: list,
+        grads: list,
+        masters: dict,
+        grad_scale: float,
+        skip_flag: torch.Tensor | None = None,
+    ) -> None:
         """Device state (device_state.py): AdamW over `slots`, whose params, `grads`, moments
         and `masters` (param -> fp32 master, for params that are not fp32) are all on `device`,
         one launch per param group and (gradient dtype, master or not). On CUDA the engine's
         kernel on the current stream (a master's param then gets its rounding to nearest even,
         as the kernel and the host AdamW write a copy); on the CPU path the host AdamW, the
-        same bits, done when this returns."""
+        same bits, done when this returns. `skip_flag` (one int32 on `device`): set when the
+        update runs, it writes nothing; the step counts are advanced here all the same (the
+        caller takes them back once it has read the flag)."""
         key = lambda s: s.param in masters  # noqa: E731  (a master: written, the param rounded from it)
         for group, items in self._batches(slots, grads, key):
             states = [st for _, _, st, _ in items]
@@ -475,9 +485,12 @@ class StreamedAdamW(OffloadAdamW):
             )
             seeds = [self._seed_for(i) for *_, i in items]
             if device.type == "cuda":
-                adamw_step_mapped(device, *args, grad_scale=grad_scale, seeds=seeds, **_hyper(group))
-                if rounded is not None:
+                hyper = _hyper(group)
+                adamw_step_mapped(device, *args, grad_scale=grad_scale, seeds=seeds, skip_flag=skip_flag, **hyper)
+                if rounded is not None:  # skipped, the master is unchanged: its rounding is the param's
                     torch._foreach_copy_(rounded, targets)
+            elif skip_flag is not None and int(skip_flag) != 0:
+                continue  # as the kernel: nothing written
             else:
                 ops.adamw_step(
                     *args,
