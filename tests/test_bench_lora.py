@@ -48,3 +48,10 @@ def test_the_checks_read_the_targets_from_the_rows():
     assert {c["model"] for c in lora._checks(rows)} == {"3b", "qwen2.5-7b"}
     # A row that did not run (out of memory) gives no check, and nothing fails.
     assert lora._checks([_row("3b", "stock", "stock", oom=True)]) == []
+
+
+def test_a_case_past_its_timeout_is_an_error_row_not_a_crash():
+    from trainstream.bench.common import case_in_subprocess
+
+    result, error = case_in_subprocess("trainstream.bench.lora", {"sleep": True}, timeout=0.01)
+    assert result is None and error.endswith("[timed out after 0.01 s]")

@@ -197,14 +197,20 @@ def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: s
     return out_dir / f"{stem}.json"
 
 
-def case_in_subprocess(module: str, case: dict):
+def case_in_subprocess(module: str, case: dict, timeout: float = 900):
     """Run `python -m module CASE_JSON` and return the JSON its last stdout line printed, or
     None with the tail of its output and a last line "[exit status N]" when it failed (N < 0:
-    killed by signal -N). A case's memory cap, pinned memory and crashes stay in its process."""
+    killed by signal -N), or "[timed out after T s]" when it ran past `timeout` seconds. A
+    case's memory cap, pinned memory and crashes stay in its process."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", module, json.dumps(case)], capture_output=True, text=True, env=env, timeout=900
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, json.dumps(case)], capture_output=True, text=True, env=env, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr or e.stdout or b""
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return None, tail[-600:] + f"\n[timed out after {timeout:g} s]"
     lines = [line for line in proc.stdout.splitlines() if line[:1] in "{["]
     if proc.returncode != 0 or not lines:
         return None, (proc.stderr or proc.stdout)[-600:] + f"\n[exit status {proc.returncode}]"

@@ -31,6 +31,7 @@ from .models import PUBLISHED
 BATCH, SEQ = 4, 512
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CAP_GIB = 8
+CASE_TIMEOUT_S = 240  # a case builds its model (7B: about 15 GB of bf16 on the host) and trains about 12 steps
 
 
 # The models: "quick" (a smoke run), "3b" (the suite's Llama: weights resident and under a
@@ -320,7 +321,8 @@ def run(*, quick: bool = False) -> dict:
     bw = pcie_GBps(1 << 30)
     rows = []
     for case in cases(quick):
-        result, error = case_in_subprocess("trainstream.bench.lora", case)
+        # A case that runs long says so in its row, and the suite still writes the others'.
+        result, error = case_in_subprocess("trainstream.bench.lora", case, timeout=CASE_TIMEOUT_S)
         row = {"run": case["label"], "cap_GiB": case.get("cap_gib"), "model": case["size"], "runner": case["runner"]}
         row["compute_only"] = bool(case.get("compute_only"))
         row.update(result if error is None else {"error": error[-300:]})
