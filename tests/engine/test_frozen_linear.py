@@ -111,6 +111,42 @@ def _peft_llama():
     return build
 
 
+class _Attached:
+    """A pager stand-in whose attached weight is `w`."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def attached_weight(self, slot, dtypes):
+        return self.w
+
+
+@pytest.mark.parametrize(
+    "x_shape", [(5, 7), (3, 4, 7), (2, 1, 3, 7), (1, 7), (1, 1, 7), (6, 1), (1, 1)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_the_function_gives_stock_autograds_input_gradient_bit_for_bit(x_shape, bias, autocast):
+    inputs = x_shape[-1]
+    w = torch.randn(9, inputs)
+    b = torch.randn(9) if bias else None
+    x = torch.randn(x_shape)
+    grad = torch.randn(*x_shape[:-1], 9)
+    results = []
+    for use_function in (False, True):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            if use_function:
+                y = FrozenLinearFunction.apply(xi, w, b, None, _Attached(w), None)
+            else:
+                y = F.linear(xi, w, b)
+        y.backward(grad.to(y.dtype))
+        results.append((y, xi.grad))
+    (y_stock, g_stock), (y_ours, g_ours) = results
+    assert_same_bits(y_ours.detach(), y_stock.detach())
+    assert_same_bits(g_ours, g_stock)
+
+
 def test_installed_on_the_frozen_linears_and_a_quantized_block_needs_no_hooks(monkeypatch):
     packed = _count(monkeypatch, Engine, "pack")
     backward_reads = _count(monkeypatch, WeightPager, "attached_weight")

@@ -48,25 +48,32 @@ class FrozenLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, slot, pager, dtypes):
         y = F.linear(x, weight, bias)
-        ctx.slot, ctx.pager, ctx.dtypes = slot, pager, dtypes
-        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
-        ctx.compute_dtype = y.dtype  # autocast's dtype if it cast, else x's
+        inputs = x.shape[-1]
+        rows = math.prod(x.shape[:-1])
         # The product's input matrix as the stock matmul folds it (autocast's copy of x keeps
-        # its strides): column-major gets its gradient computed transposed (mm_mat1_backward).
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        ctx.column_major = x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]
+        # its strides): a column-major one gets its gradient computed transposed
+        # (mm_mat1_backward). A contiguous x folds column-major only as 1 row or 1 column.
+        column_major = False
+        if rows == 1 or inputs == 1:
+            x2 = x if x.dim() == 2 else x.reshape(rows, inputs)
+            column_major = x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]
+        # y's dtype: autocast's if it cast, else x's. One tuple: backward reads it at once.
+        ctx.state = (slot, pager, dtypes, x.dtype, y.dtype, x.shape, rows, column_major)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        w = ctx.pager.attached_weight(ctx.slot, ctx.dtypes)
-        if w.dtype != ctx.compute_dtype:
-            w = w.to(ctx.compute_dtype)  # the copy autocast made in forward
-        g2 = grad.reshape(math.prod(ctx.x_shape[:-1]), grad.shape[-1])
-        gx = w.t().mm(g2.t()).t() if ctx.column_major else g2.mm(w)
-        gx = gx.reshape(ctx.x_shape)
-        if gx.dtype != ctx.x_dtype:
-            gx = gx.to(ctx.x_dtype)  # the backward of autocast's cast of x
+        slot, pager, dtypes, x_dtype, compute_dtype, x_shape, rows, column_major = ctx.state
+        w = pager.attached_weight(slot, dtypes)
+        if w.dtype != compute_dtype:
+            w = w.to(compute_dtype)  # the copy autocast made in forward
+        flat = len(x_shape) == 2
+        g2 = grad if flat else grad.reshape(rows, grad.shape[-1])
+        gx = w.t().mm(g2.t()).t() if column_major else g2.mm(w)
+        if not flat:
+            gx = gx.reshape(x_shape)
+        if gx.dtype != x_dtype:
+            gx = gx.to(x_dtype)  # the backward of autocast's cast of x
         return gx, None, None, None, None, None
 
 
