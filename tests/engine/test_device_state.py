@@ -287,6 +287,7 @@ def test_nonfinite_raise_names_the_parameter_and_drops_the_window(clip):
     model, opt = trainstream.wrap(
         model, None, device="cpu", lr=1e-2, offload=True, nonfinite="raise", max_grad_norm=clip, **RESIDENT
     )
+    assert model._trainstream_engine.plan.device_state
     _nan_at(model, 0, [0])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loss_fn(model, batch(0, "cpu")).backward()
@@ -299,6 +300,7 @@ def test_nonfinite_raise_names_the_parameter_and_drops_the_window(clip):
 
 def test_nonfinite_ignore_updates():
     run = _run_with_nan(RESIDENT, nonfinite="ignore", steps=2)
+    _assert_device_state(run)
     assert run[2][1].skipped_steps == 0
     assert not torch.isfinite(run[1]["layers.2.fc1.lora_a"]).all()
 
@@ -330,6 +332,7 @@ def test_resume_from_the_optimizer_state_dict_is_bit_exact(moments):
             opt.zero_grad()
 
     model, opt, batch, loss_fn = wrapped()
+    assert model._trainstream_engine.plan.device_state
     steps(model, opt, batch, loss_fn, 0, 2)
     saved = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
     st = next(iter(saved["optim"]["state"].values()))
@@ -410,10 +413,13 @@ def test_a_peft_lora_over_an_nf4_llama_takes_device_state(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["plain", "accumulation", "paged", "bf16 moments", "nf4 base"])
+@pytest.mark.parametrize(
+    "case", ["plain", "accumulation", "paged", "bf16 moments", "bf16 model", "nf4 base", "gpu mode"]
+)
 def test_gpu_device_state_gives_the_host_paths_bits(case, monkeypatch):
-    """The CUDA AdamW performs the host AdamW's operations one by one: the same bits."""
-    kw = dict(CASES[case])
+    """The CUDA AdamW performs the host AdamW's operations one by one: the same bits (in
+    optimizer_mode='gpu' the host path's update is that kernel too)."""
+    kw = dict(CASES[case]) if case != "gpu mode" else dict(options=dict(RESIDENT, optimizer_mode="gpu"))
     options = kw.pop("options", RESIDENT)
     run = train("lora", options, device="cuda", steps=5, model_factory=lora_mlp, **kw)
     _assert_device_state(run)
