@@ -234,7 +234,11 @@ class Engine:
                 )
             )
         else:
-            events.add(f"optimizer: host AdamW, moments {moments}, {n_trainable} trainable tensors")
+            on_device = sum(len(u.device_state_slots) for u in self.units)
+            events.add(
+                f"optimizer: host AdamW, moments {moments}, {n_trainable} trainable tensors"
+                + (f" (and {on_device} in device state, updated on the device in step())" if on_device else "")
+            )
         for note in plan.mode_notes:
             events.add(note)
         if opts.offload == "auto":
