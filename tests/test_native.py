@@ -84,3 +84,21 @@ def test_require_cuda_passes_on_a_gpu_machine():
     assert info["device_count"] == torch.cuda.device_count()
     # CUDA's minor-version compatibility: a driver of the build's CUDA major is enough.
     assert info["driver_version"] // 1000 >= info["runtime_version"] // 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_launch_on_another_device_leaves_the_current_device_as_it_was():
+    from trainstream import ops
+
+    torch.cuda.set_device(1)
+    try:
+        x = torch.randn(4096, device="cuda:0")
+        codes, absmax = ops.quantize_nf4(x)
+        ops.dequantize_nf4(codes, absmax, x.shape, dtype=torch.float32)
+        found = torch.zeros(1, dtype=torch.int32, device="cuda:0")
+        ops.mark_nonfinite_([x], found, torch.zeros((), dtype=torch.int32, device="cuda:0"))
+        torch.cuda.synchronize(0)
+        assert torch.cuda.current_device() == 1
+    finally:
+        torch.cuda.set_device(0)

@@ -29,7 +29,7 @@ void adamw_gpu_launch(const GpuAdamWLaunch& L) {
   TS_CHECK_ARG(L.max_blocks >= 0, "max_blocks must be >= 0");
   if (L.num_chunks == 0) return;
   // Our statically linked runtime keeps its own current device: always set it.
-  TS_CUDA_CHECK(cudaSetDevice(L.device));
+  DeviceGuard device_guard(L.device);
   auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(L.stream));
   const bool g16 = L.grad_dtype == DType::kBFloat16, m16 = L.moment_dtype == DType::kBFloat16;
   if (g16 && m16) launch_typed<uint16_t, uint16_t>(L, stream);

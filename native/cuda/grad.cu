@@ -11,7 +11,7 @@ void grad_sq_norms_launch(const SqNormTensor* tensors, int num_tensors, int64_t 
                           DType dtype, float* partials, float* out, int device, int64_t stream_int) {
   TS_CHECK_ARG(num_chunks < (int64_t(1) << 31), "too many chunks for one launch");
   if (num_tensors == 0) return;
-  TS_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard device_guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
   if (num_chunks > 0) {
     dim3 grid(static_cast<unsigned>(num_chunks));
@@ -32,7 +32,7 @@ void mark_nonfinite_launch(const SqNormTensor* tensors, int num_tensors, int64_t
   TS_CHECK_ARG(num_chunks < (int64_t(1) << 31), "too many chunks for one launch");
   TS_CHECK_ARG(max_blocks >= 0, "max_blocks must be >= 0");
   if (num_tensors == 0 || num_chunks == 0) return;  // nothing to read: nothing is marked
-  TS_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard device_guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
   const int64_t blocks = max_blocks > 0 && max_blocks < num_chunks ? max_blocks : num_chunks;
   dim3 grid(static_cast<unsigned>(blocks));

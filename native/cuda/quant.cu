@@ -70,7 +70,7 @@ static void quantize_typed(const QuantArgs& a, int device, cudaStream_t stream) 
 void quantize_cuda(const QuantArgs& a, int device, int64_t stream_int) {
   check(a);
   if (a.numel == 0) return;
-  TS_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard device_guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
   switch (a.dtype) {
     case DType::kBFloat16: return quantize_typed<BF16>(a, device, stream);
@@ -110,7 +110,7 @@ static void dequantize_typed(const QuantArgs& a, int device, cudaStream_t stream
 void dequantize_cuda(const QuantArgs& a, int device, int64_t stream_int) {
   check(a);
   if (a.numel == 0) return;
-  TS_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard device_guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
   switch (a.dtype) {
     case DType::kBFloat16: return dequantize_typed<BF16>(a, device, stream);
@@ -173,7 +173,7 @@ void dequantize_batch_cuda(QuantFormat format, DType dtype, const DequantTensor*
                "dtype must be float32, bfloat16 or float16");
   TS_CHECK_ARG(num_tensors >= 0, "num_tensors must be >= 0");
   if (num_tensors == 0) return;
-  TS_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard device_guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream_int));
   switch (dtype) {
     case DType::kBFloat16: return dequantize_batch_format<BF16>(format, tensors, num_tensors, stream);
