@@ -28,6 +28,7 @@ import hf_models  # noqa: E402
 
 import trainstream  # noqa: E402
 from trainstream.integrations.huggingface import TrainStreamTrainer  # noqa: E402
+from trainstream.quant import stored  # noqa: E402
 
 WORLD = 2
 PER_RANK_BATCH = 2
@@ -97,6 +98,47 @@ def _lora_model(adapter_seed: int = 1):
     return peft.get_peft_model(base, config)
 
 
+# The block stack's weights: frozen and stored as NF4 codes; the embedding: frozen, in full
+# precision; the norms and the output layer train.
+QUANTIZED = lambda n: ".layers." in n and n.endswith("proj.weight")  # noqa: E731
+FROZEN = lambda n: QUANTIZED(n) or n == "model.embed_tokens.weight"  # noqa: E731
+
+
+def _frozen_model(otherwise: str | None = None):
+    """A model with frozen weights, some quantized. `otherwise`: what rank 1 builds instead of
+    rank 0's model: "other" (another embedding, another quantized block, another rotary
+    buffer) or "permuted" (the same values of the embedding, the output layer and one
+    quantized weight's codes and scales, in another order: their sums and norms are rank 0's)."""
+    model = _model()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        if otherwise == "other":
+            model.model.embed_tokens.weight.normal_(generator=g)
+            for name, p in model.model.layers[1].named_parameters():
+                if name.endswith("proj.weight"):
+                    p.normal_(std=0.02, generator=g)
+            model.model.rotary_emb.inv_freq.mul_(1.5)
+        if otherwise == "permuted":
+            for p in (model.model.embed_tokens.weight, model.lm_head.weight):
+                _permute(p, g)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not FROZEN(n))
+    trainstream.quantize_model(model, "nf4")
+    if otherwise == "permuted":
+        q = stored.codes_of(model.model.layers[0].self_attn.q_proj.weight)
+        _permute(q.codes, g)
+        _permute(q.absmax, g)
+    return model
+
+
+def _permute(t: torch.Tensor, g: torch.Generator) -> None:
+    with torch.no_grad():
+        flat = t.view(-1)
+        moved = flat[torch.randperm(flat.numel(), generator=g)]
+        assert not torch.equal(moved, flat)
+        flat.copy_(moved)
+
+
 def _logged(trainer, key: str) -> list:
     return [h[key] for h in trainer.state.log_history if "loss" in h and key in h]
 
@@ -133,8 +175,33 @@ def _run(trainer) -> dict:
         "loss": _logged(trainer, "loss"),
         "grad_norm": _logged(trainer, "grad_norm"),
         "state": _state(trainer.model),
+        "buffers": {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.named_buffers()},
         "wrapped_in": type(trainer.model_wrapped).__name__,
     }
+
+
+@contextlib.contextmanager
+def _taken_from_rank_zero():
+    """What the Trainer says it took from rank 0, as it logs it."""
+    import logging
+
+    from trainstream.integrations.huggingface import trainer as trainer_module
+
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler, logger = Said(), trainer_module.log
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 # -- what each process runs -------------------------------------------------------------------
@@ -184,6 +251,19 @@ def _every_run(rank: int, world: int, root: str) -> dict:
     )
     stock_lora.train()
     out["stock_lora"] = _run(stock_lora)
+
+    # Frozen weights (some stored quantized) and buffers: rank 1 builds the same as rank 0, then
+    # others, then the same values permuted.
+    for name, otherwise in (("frozen", None), ("frozen_other", "other"), ("frozen_permuted", "permuted")):
+        with _taken_from_rank_zero() as said:
+            frozen = TrainStreamTrainer(
+                model=_frozen_model(otherwise if rank == 1 else None),
+                args=_args(f"{root}/{name}", world),
+                train_dataset=Tokens(),
+                trainstream=ENGINE,
+            )
+        frozen.train()
+        out[name] = {**_run(frozen), "said": said}
 
     # Rank 1 with one layer fewer: refused on every rank, before anything trains.
     other = _model() if rank == 0 else hf_models.build("llama", num_hidden_layers=2)
@@ -416,6 +496,43 @@ def test_resume_with_one_process_loads_the_whole_state_and_continues_within_ddps
     ddp_loss = _loss_distance(runs["ranks"][0]["stock"]["loss"], runs["one"]["stock"]["loss"])
     for got, want in zip(resumed["loss"][SAVE_STEPS:], r0["loss"][SAVE_STEPS:]):
         assert abs(got - want) <= 3 * ddp_loss
+
+
+def test_frozen_weights_that_agree_are_compared_and_not_sent(runs):
+    for rank in runs["ranks"]:
+        assert rank["frozen"]["said"] == []
+    r0, r1 = runs["ranks"]
+    assert _same_bits(r0["frozen"]["state"], r1["frozen"]["state"])
+    assert stored.codes_of(_frozen_model().model.layers[0].mlp.up_proj.weight) is not None  # a quantized base
+
+
+@pytest.mark.parametrize("otherwise", ["other", "permuted"])
+def test_frozen_weights_quantized_codes_and_buffers_rank_1_built_otherwise_are_rank_0s(runs, otherwise):
+    """Rank 1's frozen embedding, quantized block weights and rotary buffer differ (other), or
+    hold rank 0's values permuted (with a trainable weight's: their sums and norms agree):
+    rank 0's are taken, as DDP broadcasts them, and the run is the one where both ranks
+    built rank 0's model, bit for bit."""
+    r0, r1 = runs["ranks"]
+    name = f"frozen_{otherwise}"
+    want = r0["frozen"]
+    for rank in (r0, r1):
+        got = rank[name]
+        assert _same_bits(got["state"], want["state"]), rank
+        assert _same_bits(got["buffers"], want["buffers"]), rank
+        assert got["loss"] == want["loss"]
+    taken = {
+        "other": ["model.embed_tokens.weight"]
+        + [
+            f"model.layers.1.{n}"
+            for n, _ in _frozen_model().model.layers[1].named_parameters()
+            if n.endswith("proj.weight")
+        ]
+        + ["model.rotary_emb.inv_freq"],
+        "permuted": ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
+    }[otherwise]
+    for rank in (r0, r1):
+        (said,) = rank[name]["said"]
+        assert said == f"TrainStreamTrainer: took rank 0's {', '.join(taken)} (they differed on some rank)"
 
 
 def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(runs):

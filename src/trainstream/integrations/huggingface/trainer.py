@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -41,6 +43,8 @@ from ... import options as _options
 from ...api import _engine_of
 from ...engine.switch import MODE_KEY, saved_mode
 from .wrap import _is_peft, wrap_hf
+
+log = logging.getLogger(__name__)
 
 WHERE = "TrainStreamTrainer(trainstream=...)"
 # Older checkpoints' file of the engine's mode when they were saved (now in the optimizer's state).
@@ -164,8 +168,8 @@ def _check_parallelism(trainer, wrap_opts: dict) -> None:
         if value not in accepted:
             raise ValueError(
                 f"TrainStreamTrainer: {name}={value!r} is not supported: the model is not wrapped in "
-                "DistributedDataParallel (the engine reduces the gradients itself, unit by unit, and never "
-                f"broadcasts buffers); accepted: {', '.join(repr(v) for v in accepted)}"
+                "DistributedDataParallel (the engine reduces the gradients itself, unit by unit, and never broadcasts buffers "
+                f"during training); accepted: {', '.join(repr(v) for v in accepted)}"
             )
 
 
@@ -230,7 +234,10 @@ class TrainStreamTrainer(transformers.Trainer):
             # Data parallel over the Trainer's process group: one missing is wrap()'s clear
             # error, never ranks training apart on their shards of the data.
             options["distributed"] = True
-            _trainable_from_rank_zero(model)
+            # As DDP at construction: buffers too, unless ddp_broadcast_buffers=False leaves them out.
+            taken = _from_rank_zero(model, buffers=self.args.ddp_broadcast_buffers is not False)
+            if taken:
+                log.info("TrainStreamTrainer: took rank 0's %s (they differed on some rank)", ", ".join(taken))
         device = self.args.device
         if device.type == "cpu":  # accelerate names each rank's CPU cpu:<rank>: one memory, torch's "cpu"
             device = torch.device("cpu")
@@ -461,51 +468,145 @@ def _prepare_model_without_ddp(prepare_model, model, device_placement=None, eval
 
 
 # [Note: rank 0's weights]
-# DDP broadcasts rank 0's parameters when it wraps the model, so under the stock Trainer ranks
-# whose initial weights differ (a head or adapters initialized without a common seed) still
-# train one model. The engine does not, so before wrap() every rank compares each trainable
-# parameter's float64 sum and norm with rank 0's, and those that differ on some rank are
-# broadcast from rank 0 (the common case, a model loaded from one checkpoint, sends nothing
-# but the sums). Frozen parameters are left as they are: they may hold quantized codes, and
-# loaded from a checkpoint they agree. Models that differ in their parameters' sizes are left
-# to wrap(), which refuses them on every rank with the names and shapes.
-def _trainable_from_rank_zero(model) -> None:
+# DDP broadcasts rank 0's parameters, trainable and frozen, and its buffers (unless
+# broadcast_buffers=False) when it wraps the model, so under the stock Trainer ranks whose
+# initial weights differ (a head, adapters or a frozen module initialized without a common
+# seed, a base built with random weights on each rank) still train one model. The engine
+# does not, so before wrap() every rank compares a SHA-256 digest of the bytes of each
+# parameter and buffer with rank 0's, and those that differ on some rank are sent whole from
+# rank 0 (a model loaded from one checkpoint sends nothing but the digests, however large its
+# frozen base). A digest of the bytes sees what a sum and a norm cannot: a permutation of the
+# values, a NaN's payload, the sign of a zero. A parameter stored quantized (quant.stored)
+# holds a placeholder as its data: its codes and scales are what is compared and sent. Every
+# rank must hold the same tensors (names, shapes, dtypes, which train, which are quantized and
+# how): otherwise ValueError on every rank, before anything is sent.
+DIGEST_CHUNK_BYTES = 64 << 20  # a device tensor's bytes come to the host this many at a time
+
+
+def _from_rank_zero(model, *, buffers: bool) -> list:
+    """Take rank 0's parameters (and, with `buffers`, its buffers) wherever some rank's
+    differ ([Note: rank 0's weights]). Returns the names of those taken (the same on every
+    rank)."""
     import torch.distributed as dist
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    entries = _compared(model, buffers)
     group = dist.new_group(backend="gloo")  # host tensors, whatever the default group's backend
     src = dist.get_global_rank(group, 0)
     try:
-        count = torch.tensor([len(params), -len(params)], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        if count[0] != -count[1]:
-            return
+        _check_same_layout(entries, group, src)
         with torch.no_grad():
-            mine = torch.tensor(
-                [
-                    [
-                        p.numel(),
-                        float(torch.sum(p, dtype=torch.float64)),
-                        float(torch.linalg.vector_norm(p, dtype=torch.float64)),
-                    ]
-                    for p in params
-                ],
-                dtype=torch.float64,
-            ).reshape(len(params), 3)
+            mine = torch.tensor([_digest(e.tensors) for e in entries], dtype=torch.int64).reshape(len(entries), 2)
             zero = mine.clone()
             dist.broadcast(zero, src=src, group=group)
-            flags = torch.stack([(mine[:, 0] != zero[:, 0]).any(), *(mine[:, 1:] != zero[:, 1:]).any(dim=1)])
-            flags = flags.to(torch.int32)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-            if flags[0]:  # some size differs: wrap() says which
-                return
-            for p, differs in zip(params, flags[1:].tolist()):
-                if differs:
-                    host = p.detach().to("cpu", copy=True).contiguous()
-                    dist.broadcast(host.view(-1).view(torch.uint8), src=src, group=group)  # bytes: any dtype
-                    p.copy_(host)
+            differs = (mine != zero).any(dim=1).to(torch.int32)
+            dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+            taken = [e for e, d in zip(entries, differs.tolist()) if d]
+            for e in taken:
+                for t in e.tensors:
+                    _broadcast_into(t, src, group)
     finally:
         dist.destroy_process_group(group)
+    return [e.name for e in taken]
+
+
+class _Compared:
+    """One parameter or buffer as ranks compare it: the tensors holding its bytes (its data,
+    or its codes and scales when it is stored quantized) and its layout, which every rank's
+    must match before any bytes are compared."""
+
+    __slots__ = ("name", "tensors", "layout")
+
+    def __init__(self, name: str, tensors: list, layout: tuple):
+        self.name, self.tensors, self.layout = name, tensors, layout
+
+
+def _compared(model, buffers: bool) -> list:
+    from ...quant import stored
+
+    lost = {
+        f"{prefix}.{n}" if prefix else n for prefix, module in model.named_modules() for n in stored.lost_codes(module)
+    }
+    entries = []
+    for name, p in model.named_parameters():
+        q = stored.codes_of(p)
+        common = ("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        if name in lost:  # its data is a placeholder and it has no codes: wrap() refuses it
+            entries.append(_Compared(name, [], (*common, "lost codes")))
+        elif q is not None:
+            quant = (q.format, q.block_size, tuple(q.codes.shape), str(q.codes.dtype), tuple(q.absmax.shape))
+            entries.append(_Compared(name, [q.codes, q.absmax], (*common, quant)))
+        else:
+            entries.append(_Compared(name, [p], (*common, p.is_meta)))
+    if buffers:
+        for name, b in model.named_buffers():
+            entries.append(_Compared(name, [b], ("buffer", name, tuple(b.shape), str(b.dtype), b.is_meta)))
+    return entries
+
+
+def _check_same_layout(entries: list, group, src: int) -> None:
+    """ValueError on every rank unless every rank holds the same parameters and buffers."""
+    import torch.distributed as dist
+
+    rows = [hashlib.sha256(repr(e.layout).encode()).digest()[:8] for e in entries]
+    mine = torch.tensor(
+        [
+            sum(e.layout[0] == "parameter" for e in entries),
+            sum(e.layout[0] == "buffer" for e in entries),
+            int.from_bytes(hashlib.sha256(b"".join(rows)).digest()[:8], "little", signed=True),
+        ],
+        dtype=torch.int64,
+    )
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if all(torch.equal(t, every[0]) for t in every):
+        return
+    rank = dist.get_rank(group)
+    counts = ", ".join(f"rank {r}: {int(t[0])} parameters, {int(t[1])} buffers" for r, t in enumerate(every))
+    first = ""
+    if all(torch.equal(t[:2], every[0][:2]) for t in every):  # as many of each: name the first that differs
+        layouts = torch.tensor([int.from_bytes(r, "little", signed=True) for r in rows], dtype=torch.int64)
+        zero = layouts.clone()
+        dist.broadcast(zero, src=src, group=group)
+        at = torch.tensor([next((i for i, d in enumerate((layouts != zero).tolist()) if d), len(rows))])
+        dist.all_reduce(at, op=dist.ReduceOp.MIN, group=group)
+        if int(at) < len(entries):
+            e = entries[int(at)]
+            first = f"; the first that differs from rank 0's is {e.layout[0]} {e.name}, here {e.layout[2:]}"
+    raise ValueError(
+        "TrainStreamTrainer: data parallel needs the same model on every rank, but the parameters or buffers "
+        f"differ (names, shapes, dtypes, which train, which are stored quantized): {counts}{first}; "
+        f"this is rank {rank}"
+    )
+
+
+def _digest(tensors: list) -> tuple:
+    """128 bits of the SHA-256 of the tensors' bytes (host tensors read in place; a device
+    tensor's come to the host in chunks)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        if t.is_meta or t.numel() == 0:
+            continue
+        flat = t.detach().reshape(-1).view(torch.uint8)  # a copy only of a tensor that is not contiguous
+        if flat.device.type == "cpu":
+            h.update(flat.numpy())
+        else:
+            for lo in range(0, flat.numel(), DIGEST_CHUNK_BYTES):
+                h.update(flat[lo : lo + DIGEST_CHUNK_BYTES].cpu().numpy())
+    d = h.digest()
+    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:16], "little", signed=True)
+
+
+def _broadcast_into(t: torch.Tensor, src: int, group) -> None:
+    """Rank 0's bytes of `t` into `t` (any dtype; a host tensor in place)."""
+    import torch.distributed as dist
+
+    if t.is_meta or t.numel() == 0:
+        return
+    in_place = t.device.type == "cpu" and t.is_contiguous()
+    host = t.detach() if in_place else t.detach().to("cpu", copy=True).contiguous()
+    dist.broadcast(host.reshape(-1).view(torch.uint8), src=src, group=group)
+    if not in_place:
+        t.copy_(host)
 
 
 def _is_wrapped(model) -> bool:
