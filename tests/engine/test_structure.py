@@ -4,7 +4,18 @@ import inspect
 
 import pytest
 
-from trainstream.engine import activations, adapt, grads, moments, params, state, updates
+from trainstream.engine import (
+    activations,
+    adapt,
+    device_state,
+    frozen_linear,
+    grads,
+    moments,
+    nonfinite,
+    params,
+    state,
+    updates,
+)
 
 MANAGERS = [
     params.WeightPager,
@@ -14,6 +25,9 @@ MANAGERS = [
     adapt.Adapter,
     state.StateHooks,
     updates.Updater,
+    device_state.DeviceState,
+    nonfinite.DeviceCheck,
+    frozen_linear.FrozenLinears,
 ]
 
 
