@@ -104,7 +104,7 @@ QUANTIZED = lambda n: ".layers." in n and n.endswith("proj.weight")  # noqa: E73
 FROZEN = lambda n: QUANTIZED(n) or n == "model.embed_tokens.weight"  # noqa: E731
 
 
-def _frozen_model(otherwise: str | None = None):
+def _frozen_model(otherwise: str | None = None, quantize: str = "nf4"):
     """A model with frozen weights, some quantized. `otherwise`: what rank 1 builds instead of
     rank 0's model: "other" (another embedding, another quantized block, another rotary
     buffer) or "permuted" (the same values of the embedding, the output layer and one
@@ -123,7 +123,7 @@ def _frozen_model(otherwise: str | None = None):
                 _permute(p, g)
     for n, p in model.named_parameters():
         p.requires_grad_(not FROZEN(n))
-    trainstream.quantize_model(model, "nf4")
+    trainstream.quantize_model(model, quantize)
     if otherwise == "permuted":
         q = stored.codes_of(model.model.layers[0].self_attn.q_proj.weight)
         _permute(q.codes, g)
@@ -185,15 +185,13 @@ def _taken_from_rank_zero():
     """What the Trainer says it took from rank 0, as it logs it."""
     import logging
 
-    from trainstream.integrations.huggingface import trainer as trainer_module
-
     said = []
 
     class Said(logging.Handler):
         def emit(self, record):
             said.append(record.getMessage())
 
-    handler, logger = Said(), trainer_module.log
+    handler, logger = Said(), logging.getLogger("trainstream.integrations.huggingface.trainer")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -264,6 +262,22 @@ def _every_run(rank: int, world: int, root: str) -> dict:
             )
         frozen.train()
         out[name] = {**_run(frozen), "said": said}
+
+    # ddp_broadcast_buffers=False: DDP leaves the buffers out of what it broadcasts, and so
+    # does the Trainer (rank 1 keeps its own rotary buffer; its weights are still rank 0's).
+    args = _args(f"{root}/own-buffers", world, ddp_broadcast_buffers=False)
+    own = _frozen_model("other" if rank == 1 else None)
+    TrainStreamTrainer(model=own, args=args, train_dataset=Tokens(), trainstream=ENGINE)
+    out["own_buffers"] = {k: v.detach().clone() for k, v in own.named_buffers()}
+    out["own_buffers_embedding"] = own.model.embed_tokens.weight.detach().clone()
+
+    # Rank 1 stores its block weights as int8 codes, rank 0 as NF4 (the same names, shapes and
+    # dtypes, which wrap() compares): refused on every rank, before anything is sent.
+    codes = _frozen_model(quantize="int8" if rank == 1 else "nf4")
+    try:
+        TrainStreamTrainer(model=codes, args=_args(f"{root}/codes", world), train_dataset=Tokens())
+    except ValueError as e:
+        out["other_codes"] = str(e)
 
     # Rank 1 with one layer fewer: refused on every rank, before anything trains.
     other = _model() if rank == 0 else hf_models.build("llama", num_hidden_layers=2)
@@ -515,11 +529,11 @@ def test_frozen_weights_quantized_codes_and_buffers_rank_1_built_otherwise_are_r
     r0, r1 = runs["ranks"]
     name = f"frozen_{otherwise}"
     want = r0["frozen"]
-    for rank in (r0, r1):
+    for r, rank in enumerate((r0, r1)):
         got = rank[name]
-        assert _same_bits(got["state"], want["state"]), rank
-        assert _same_bits(got["buffers"], want["buffers"]), rank
-        assert got["loss"] == want["loss"]
+        assert _same_bits(got["state"], want["state"]), f"rank {r}"
+        assert _same_bits(got["buffers"], want["buffers"]), f"rank {r}"
+        assert got["loss"] == want["loss"], f"rank {r}"
     taken = {
         "other": ["model.embed_tokens.weight"]
         + [
@@ -533,6 +547,20 @@ def test_frozen_weights_quantized_codes_and_buffers_rank_1_built_otherwise_are_r
     for rank in (r0, r1):
         (said,) = rank[name]["said"]
         assert said == f"TrainStreamTrainer: took rank 0's {', '.join(taken)} (they differed on some rank)"
+
+
+def test_with_ddp_broadcast_buffers_false_each_rank_keeps_its_buffers_as_under_ddp(runs):
+    r0, r1 = runs["ranks"]
+    assert torch.equal(r0["own_buffers_embedding"], r1["own_buffers_embedding"])
+    mine, zero = r1["own_buffers"], r0["own_buffers"]
+    assert torch.equal(mine["model.rotary_emb.inv_freq"], 1.5 * zero["model.rotary_emb.inv_freq"])
+
+
+def test_weights_quantized_otherwise_on_one_rank_are_refused_on_every_rank(runs):
+    for rank in runs["ranks"]:
+        said = rank.get("other_codes", "")
+        assert "data parallel needs the same model on every rank" in said
+        assert "the first that differs from rank 0's is parameter model.layers.0.self_attn.q_proj.weight" in said
 
 
 def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(runs):
