@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import os
 
 import pytest
@@ -577,6 +578,42 @@ def test_evaluate_on_two_processes_equals_the_stock_trainers(runs):
 
 
 # -- GPU --------------------------------------------------------------------------------------
+
+
+def _module_of_rank(rank: int, device: str) -> torch.nn.Module:
+    """A Linear (frozen bias) and a buffer, initialized from `rank`."""
+    torch.manual_seed(rank)
+    module = torch.nn.Linear(300, 200)
+    module.bias.requires_grad_(False)
+    module.register_buffer("scale", torch.randn(7))
+    return module.to(device)
+
+
+def _rank_zeros_on(rank: int, world: int, root: str, device: str) -> dict:
+    from trainstream.integrations.huggingface import trainer as trainer_module
+
+    module = _module_of_rank(rank, device)
+    trainer_module.DIGEST_CHUNK_BYTES = 4096  # many chunks of each device tensor
+    taken = trainer_module._from_rank_zero(module, buffers=True)
+    return {"taken": taken, "state": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
+
+
+def _check_rank_zeros(ranks) -> None:
+    want = _module_of_rank(0, "cpu").state_dict()
+    for rank in ranks:
+        assert rank["taken"] == ["weight", "bias", "scale"]
+        assert _same_bits(rank["state"], want)
+
+
+def test_rank_zeros_tensors_taken_on_the_host_directly(tmp_path):
+    _check_rank_zeros(_spawn(WORLD, tmp_path, functools.partial(_rank_zeros_on, device="cpu")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per process)")
+def test_rank_zeros_tensors_on_the_gpu_digested_in_chunks_and_taken(tmp_path):
+    ranks = _spawn(WORLD, tmp_path, functools.partial(_rank_zeros_on, device="cuda"), timeout_s=120, backend="nccl")
+    _check_rank_zeros(ranks)
 
 
 def _on_gpus(rank: int, world: int, root: str) -> dict:

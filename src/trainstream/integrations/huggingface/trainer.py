@@ -15,8 +15,10 @@ Trainer's code path that would act on ``p.grad`` (None under the engine) is turn
 - the model is wrapped once, when the Trainer is built, on the device the Trainer chose
   (``args.device``): the Trainer does not move it there first, wrap() does, placing what fits.
 - with more than one process (torchrun) the model is wrapped data parallel over the Trainer's
-  process group and is not wrapped in DistributedDataParallel ([Note: no DDP wrapper]); every
-  rank takes part in the optimizer's state_dict() when the main process saves a checkpoint.
+  process group and is not wrapped in DistributedDataParallel ([Note: no DDP wrapper]); rank
+  0's parameters and buffers are taken first wherever a rank's differ, as DDP broadcasts them
+  ([Note: rank 0's weights]); every rank takes part in the optimizer's state_dict() when the
+  main process saves a checkpoint.
 
 With ``chunked_loss`` (default True) a causal LM's training loss is computed by
 :func:`trainstream.causal_lm_loss` from the final hidden states and the output layer's
@@ -235,7 +237,7 @@ class TrainStreamTrainer(transformers.Trainer):
             # error, never ranks training apart on their shards of the data.
             options["distributed"] = True
             # As DDP at construction: buffers too, unless ddp_broadcast_buffers=False leaves them out.
-            taken = _from_rank_zero(model, buffers=self.args.ddp_broadcast_buffers is not False)
+            taken = _from_rank_zero(model, buffers=getattr(self.args, "ddp_broadcast_buffers", None) is not False)
             if taken:
                 log.info("TrainStreamTrainer: took rank 0's %s (they differed on some rank)", ", ".join(taken))
         device = self.args.device
