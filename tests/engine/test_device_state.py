@@ -1,11 +1,14 @@
 """Device state (engine/device_state.py): a small trainable set keeps its weights, gradients,
-moments and masters on the compute device and is updated in step(); the planner decides it
-from sizes (placement.py). On the CPU path the update is the same host AdamW as the host
-path's, so the two give the same bits; against torch's AdamW the bounds of test_engine."""
+moments and masters on the compute device and is updated when the host path would update it
+(at the end of the window's last backward pass, or in step() with max_grad_norm); the planner
+decides it from sizes (placement.py). On the CPU path the update is the same host AdamW as the
+host path's, so a loop gives the same bits on both paths, whatever it does between backward()
+and step(); against torch's AdamW the bounds of test_engine."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -119,20 +122,29 @@ def test_a_lora_trains_with_device_state_as_the_host_path_and_torch(case, monkey
         assert _engine(run).last_grad_norm > kw["clip"]  # clipping was active
 
 
-def test_device_state_gradients_are_torch_p_grad():
+@pytest.mark.parametrize("clip", [None, 1e9], ids=["eager", "clip"])
+def test_device_state_gradients_are_torch_p_grad(clip):
     """p.grad accumulates as torch's does (summed over the window) and zero_grad clears it
-    as torch's does; no gradient reaches the landing path."""
+    as torch's does; no gradient reaches the landing path. The update takes the window's
+    gradients where the host path's takes them: at the end of its last pass (eager: p.grad
+    is None from then on), or at step() (max_grad_norm)."""
     torch.manual_seed(0)
     model, batch, loss_fn = lora_mlp()
     ref = LoraMLP()
     ref.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, accumulation_steps=2, **RESIDENT)
+    model, opt = trainstream.wrap(
+        model, opt, device="cpu", offload=True, accumulation_steps=2, max_grad_norm=clip, **RESIDENT
+    )
+    pairs = [(p, q) for p, q in zip(model.parameters(), ref.parameters()) if p.requires_grad]
     for i in range(2):
         loss_fn(model, batch(i, "cpu")).backward()
         loss_fn(ref, batch(i, "cpu")).backward()
-    pairs = [(p, q) for p, q in zip(model.parameters(), ref.parameters()) if p.requires_grad]
-    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+        if i == 0 or clip is not None:
+            assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    if clip is None:  # taken by the update the window's last pass queued
+        assert all(p.grad is None for p, _ in pairs)
+        return
     with pytest.raises(RuntimeError, match="accumulation_steps=2"):
         loss_fn(model, batch(2, "cpu")).backward()  # the window's pass count still holds
     opt.zero_grad(set_to_none=False)
@@ -263,39 +275,92 @@ def _run_with_nan(options, *, nonfinite="skip", clip=None, steps=4, nan_step=1, 
     return losses, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}, (model, opt)
 
 
+def _skip_lines(model) -> list:
+    """The events' lines about gradients not finite, without their time stamps."""
+    lines = trainstream.memory_report(model)["events"].splitlines()
+    return [line.split("] ", 1)[-1] for line in lines if "not finite" in line]
+
+
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clip"])
-def test_a_nonfinite_gradient_skips_the_step_whole(clip, monkeypatch):
+def test_a_nonfinite_gradient_skips_what_the_host_path_skips(clip, monkeypatch):
+    """Held (clipping): the step is skipped whole, as torch's loop that skips it. Eager: the
+    unit found and every unit after it in backward's order (block 3 keeps its update), as the
+    host path skips them; the same weights, moments, step counts, count and events."""
     run = _run_with_nan(RESIDENT, clip=clip)
     _assert_device_state(run)
     model, opt = run[2]
     assert opt.skipped_steps == 1
     events = trainstream.memory_report(model)["events"]
     assert "step 2: the gradient of layers.2.fc1.lora_a is not finite" in events
-    stock = _run_with_nan(None, clip=clip)
-    assert max_diff(stock[1], run[1]) < 5e-5 and all(torch.isfinite(v).all() for v in run[1].values())
-    steps = {int(st["step"]) for st in opt.state.values()}
-    assert steps == {3}  # the skipped step counted no step
-    if clip is not None:  # a held window: the host path skips it whole too, the same bits
-        _host_path(monkeypatch)
-        assert_same_bits(run, _run_with_nan(RESIDENT, clip=clip))
+    assert all(torch.isfinite(v).all() for v in run[1].values())
+    steps = {name: int(opt.state[p]["step"]) for name, p in model.named_parameters() if p.requires_grad}
+    if clip is not None:
+        stock = _run_with_nan(None, clip=clip)
+        assert max_diff(stock[1], run[1]) < 5e-5
+        assert set(steps.values()) == {3}  # the skipped step counted no step
+    else:
+        assert {n: v for n, v in steps.items() if n.startswith("layers.3.")} == dict.fromkeys(
+            [n for n in steps if n.startswith("layers.3.")], 4
+        )
+        assert {v for n, v in steps.items() if not n.startswith("layers.3.")} == {3}
+    _host_path(monkeypatch)
+    host = _run_with_nan(RESIDENT, clip=clip)
+    assert_same_bits(run, host)
+    assert host[2][1].skipped_steps == 1 and _skip_lines(host[2][0]) == _skip_lines(model)
+    assert [int(st["step"]) for st in host[2][1].state_dict()["state"].values()] == [
+        int(st["step"]) for st in opt.state_dict()["state"].values()
+    ]
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clip"])
-def test_nonfinite_raise_names_the_parameter_and_drops_the_window(clip):
-    torch.manual_seed(0)
-    model, batch, loss_fn = lora_mlp()
-    model, opt = trainstream.wrap(
-        model, None, device="cpu", lr=1e-2, offload=True, nonfinite="raise", max_grad_norm=clip, **RESIDENT
-    )
+def test_nonfinite_raise_names_the_parameter_and_drops_the_window(clip, accumulation, monkeypatch):
+    """Where the host path raises: from loss.backward() without clipping (eager: the units
+    before the one found keep their update; accumulation: from the pass that has it, nothing
+    applied), from step() with it (nothing applied); the same weights after, on both paths."""
+
+    def run():
+        torch.manual_seed(0)
+        model, batch, loss_fn = lora_mlp()
+        model, opt = trainstream.wrap(
+            model,
+            None,
+            device="cpu",
+            lr=1e-2,
+            offload=True,
+            nonfinite="raise",
+            max_grad_norm=clip,
+            accumulation_steps=accumulation,
+            **RESIDENT,
+        )
+        _nan_at(model, 0, [0])
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        if clip is None:
+            with pytest.raises(FloatingPointError, match="layers.2.fc1.lora_a is not finite"):
+                loss_fn(model, batch(0, "cpu")).backward()
+        else:
+            loss_fn(model, batch(0, "cpu")).backward()
+            with pytest.raises(FloatingPointError, match="layers.2.fc1.lora_a is not finite"):
+                opt.step()
+        opt.synchronize()
+        assert all(p.grad is None for p in model.parameters())
+        return model, opt, before
+
+    model, opt, before = run()
     assert model._trainstream_engine.plan.device_state
-    _nan_at(model, 0, [0])
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    loss_fn(model, batch(0, "cpu")).backward()
-    with pytest.raises(FloatingPointError, match="layers.2.fc1.lora_a is not finite"):
-        opt.step()
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert all(p.grad is None for p in model.parameters())
-    assert all(float(st["step"]) == 0 for st in opt.state_dict()["state"].values())  # no step was counted
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    steps = {n: float(opt.state.get(p, {}).get("step", 0)) for n, p in model.named_parameters() if p.requires_grad}
+    if clip is None and accumulation == 1:  # block 3 was updated before backward reached block 2
+        assert changed == {k for k in before if k.startswith("layers.3.") and ".lora_" in k}
+        assert all(v == (1 if n.startswith("layers.3.") else 0) for n, v in steps.items())
+    else:
+        assert not changed
+        assert all(v == 0 for v in steps.values())  # no step was counted
+    _host_path(monkeypatch)
+    host, hopt, _ = run()
+    assert not host._trainstream_engine.plan.device_state
+    for k, v in host.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
 
 
 def test_nonfinite_ignore_updates():
@@ -317,7 +382,10 @@ def test_a_dropped_window_with_a_nonfinite_gradient_counts_as_skipped():
 
 
 @pytest.mark.parametrize("moments", ["float32", "bfloat16"])
-def test_resume_from_the_optimizer_state_dict_is_bit_exact(moments):
+def test_resume_of_fp32_params_from_the_optimizer_state_dict_is_bit_exact(moments):
+    """fp32 params (their own masters). With bf16 params neither path resumes bit for bit:
+    the fp32 masters are not in the optimizer's state_dict() (test below)."""
+
     def wrapped():
         torch.manual_seed(0)
         model, batch, loss_fn = lora_mlp()
@@ -385,19 +453,39 @@ def test_an_in_place_edit_of_a_bf16_param_is_taken_into_its_master(monkeypatch):
         assert torch.equal(state[k], host[k]), k
 
 
-def test_lr_set_between_backward_and_step_is_used_without_warning(recwarn):
+@pytest.mark.parametrize("clip", [None, 1e9], ids=["eager", "clip"])
+def test_lr_set_between_backward_and_step_as_on_the_host_path(clip, monkeypatch):
+    """Eager: the update queued at backward's end read the old lr, and step() warns, as on
+    the host path. Held (clipping): step() reads the new one, as torch's, without warning."""
+
+    def run():
+        torch.manual_seed(0)
+        model, batch, loss_fn = lora_mlp()
+        model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, max_grad_norm=clip, **RESIDENT)
+        loss_fn(model, batch(0, "cpu")).backward()
+        opt.param_groups[0]["lr"] = 0.5
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        opt.synchronize()
+        return model, [w for w in caught if "changed from" in str(w.message)]
+
+    model, warned = run()
+    assert model._trainstream_engine.plan.device_state
     torch.manual_seed(0)
-    model, batch, loss_fn = lora_mlp()
-    ref = LoraMLP()
-    ref.load_state_dict(model.state_dict())
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **RESIDENT)
+    ref, batch, loss_fn = lora_mlp()
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, foreach=False)
-    for m, o in ((model, opt), (ref, ropt)):
-        loss_fn(m, batch(0, "cpu")).backward()
-        o.param_groups[0]["lr"] = 0.5  # a device-state update reads its group at step(), as torch's
-        o.step()
+    loss_fn(ref, batch(0, "cpu")).backward()
+    if clip is not None:
+        ropt.param_groups[0]["lr"] = 0.5  # read at step(), as torch reads it
+    ropt.step()
     assert max_diff(model.state_dict(), ref.state_dict()) < 1e-6
-    assert not [w for w in recwarn if "changed from" in str(w.message)]
+    assert bool(warned) == (clip is None)
+    _host_path(monkeypatch)
+    host, host_warned = run()
+    assert [str(w.message) for w in host_warned] == [str(w.message) for w in warned]
+    for k, v in host.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
 
 
 def test_a_peft_lora_over_an_nf4_llama_takes_device_state(monkeypatch):
@@ -407,6 +495,196 @@ def test_a_peft_lora_over_an_nf4_llama_takes_device_state(monkeypatch):
     _assert_device_state(run)
     _host_path(monkeypatch)
     assert_same_bits(run, train("llama", dict(RESIDENT, quantize="nf4"), steps=3, model_factory=_peft_llama()))
+
+
+# -- the same loop on both paths: the planner's choice changes no result -----------------------
+
+
+def _both_paths(monkeypatch, loop, dtype=None, **wrap_options):
+    """`loop(model, opt, batch, loss_fn)` over the LoRA MLP wrapped with `wrap_options`, with
+    device state and then on the host path: both runs' (model, opt, state dict, loop's
+    answer), after asserting that they end with the same weights, moments and step counts,
+    bit for bit, and that no trainable p.grad is left."""
+
+    def run():
+        torch.manual_seed(0)
+        model, batch, loss_fn = lora_mlp()
+        if dtype is not None:
+            model = model.to(dtype)
+        model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **RESIDENT, **wrap_options)
+        answer = loop(model, opt, batch, loss_fn)
+        opt.synchronize()
+        return model, opt, {k: v.detach().clone() for k, v in model.state_dict().items()}, answer
+
+    dev = run()
+    assert dev[0]._trainstream_engine.plan.device_state
+    with monkeypatch.context() as m:
+        _host_path(m)
+        host = run()
+    assert not host[0]._trainstream_engine.plan.device_state
+    for k, v in dev[2].items():
+        assert torch.equal(v, host[2][k]), k
+    for a, b in zip(dev[1].state_dict()["state"].values(), host[1].state_dict()["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    for model in (dev[0], host[0]):
+        assert all(p.grad is None for p in model.parameters())
+    return dev, host
+
+
+def test_a_loop_without_zero_grad_trains_as_the_host_path(monkeypatch):
+    """step() consumes the gradients on both paths: without zero_grad() the next step's are
+    its own, not summed onto the last."""
+
+    def loop(model, opt, batch, loss_fn):
+        for i in range(4):
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+
+    _both_paths(monkeypatch, loop)
+    _both_paths(monkeypatch, loop, max_grad_norm=0.05)
+
+
+def test_step_after_every_micro_batch_with_accumulation_as_the_host_path(monkeypatch):
+    """accumulation_steps=2 but step() after each pass: each step() ends a window of one pass
+    (the last partial batch of an epoch), which counts that pass once."""
+
+    def loop(model, opt, batch, loss_fn):
+        for i in range(4):
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+            if i == 1:
+                opt.zero_grad()
+
+    _both_paths(monkeypatch, loop, accumulation_steps=2)
+    _both_paths(monkeypatch, loop, accumulation_steps=2, max_grad_norm=0.05)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_window_is_applied_at_its_last_pass_without_step(accumulation, monkeypatch):
+    """Eager updates (no clipping): the window's last backward pass applies it, step() or
+    not (docs/semantics.md); the next window after step() trains on."""
+
+    def loop(model, opt, batch, loss_fn):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for i in range(accumulation):
+            loss_fn(model, batch(i, "cpu")).backward()
+        opt.synchronize()
+        changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+        opt.step()
+        opt.zero_grad()
+        loss_fn(model, batch(5, "cpu")).backward()  # a partial window, applied by step()
+        opt.step()
+        return changed
+
+    dev, host = _both_paths(monkeypatch, loop, accumulation_steps=accumulation)
+    assert dev[3] == host[3] == {k for k in dev[2] if ".lora_" in k}
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_nonfinite_gradient_is_skipped_and_reported_as_on_the_host_path(accumulation, monkeypatch):
+    """nonfinite="skip" with a NaN in step 2: the same weights, step counts, skipped_steps and
+    events on both paths (eager: the units from the one found on; accumulation: the window)."""
+
+    def loop(model, opt, batch, loss_fn):
+        counter = [0]
+        _nan_at(model, 1, counter)
+        for i in range(3):
+            counter[0] = i
+            for j in range(accumulation):
+                (loss_fn(model, batch(2 * i + j, "cpu")) / accumulation).backward()
+            opt.step()
+            opt.zero_grad()
+        return opt.skipped_steps, _skip_lines(model)
+
+    dev, host = _both_paths(monkeypatch, loop, accumulation_steps=accumulation)
+    assert dev[3] == host[3] and dev[3][0] == 1 and len(dev[3][1]) == 1
+    assert "step 2: the gradient of layers.2.fc1.lora_a is not finite" in dev[3][1][0]
+
+
+def test_an_exception_inside_backward_keeps_what_the_host_path_keeps(monkeypatch):
+    """An error in a hook after backward has completed blocks 3 and 2: eager updates keep
+    theirs (the host path queued them as they completed), the rest of the pass is dropped,
+    and the next step trains every block."""
+
+    def loop(model, opt, batch, loss_fn):
+        fail = [True]
+
+        def hook(grad):
+            if fail[0]:
+                fail[0] = False
+                raise RuntimeError("a hook failed")
+            return grad
+
+        def on_output(module, args, out):
+            out.register_hook(hook)  # reached once backward is done with blocks 3 and 2
+
+        for i in range(3):
+            watch = model.layers[1].register_forward_hook(on_output) if i == 1 else None
+            loss = loss_fn(model, batch(i, "cpu"))
+            if watch is not None:
+                watch.remove()
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                assert "a hook failed" in str(e) and i == 1
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+
+    _both_paths(monkeypatch, loop)
+
+
+def test_an_exception_inside_backward_under_accumulation_keeps_nothing(monkeypatch):
+    def loop(model, opt, batch, loss_fn):
+        def hook(grad):
+            raise RuntimeError("a hook failed")
+
+        loss_fn(model, batch(0, "cpu")).backward()
+        out = model(batch(1, "cpu"))
+        out.register_hook(hook)
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            out.pow(2).mean().backward()
+        opt.zero_grad()
+        for i in range(2):
+            loss_fn(model, batch(2 + i, "cpu")).backward()
+        opt.step()
+
+    _both_paths(monkeypatch, loop, accumulation_steps=2)
+
+
+def test_bf16_params_resume_within_rounding_of_their_masters(monkeypatch):
+    """Known inexactness, on both paths alike: a bf16 param's fp32 master is not in the
+    optimizer's state_dict(), so a resumed run starts its masters from the bf16 weights; the
+    weights then differ by at most two bf16 ulps, or a fifth of the lr where the updates
+    outweigh the weight (a master's low bits, carried two steps)."""
+
+    def wrapped():
+        torch.manual_seed(0)
+        model, batch, loss_fn = lora_mlp()
+        model = model.to(torch.bfloat16)
+        model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **RESIDENT)
+        return model, opt, batch, loss_fn
+
+    def steps(model, opt, batch, loss_fn, start, n):
+        for i in range(start, start + n):
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt, batch, loss_fn = wrapped()
+    assert model._trainstream_engine.plan.device_state
+    steps(model, opt, batch, loss_fn, 0, 2)
+    saved = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
+    steps(model, opt, batch, loss_fn, 2, 2)
+    resumed, ropt, _, _ = wrapped()
+    resumed.load_state_dict(saved["model"])
+    ropt.load_state_dict(saved["optim"])
+    steps(resumed, ropt, batch, loss_fn, 2, 2)
+    a, b = model.state_dict(), resumed.state_dict()
+    for k in a:
+        assert ((a[k].float() - b[k].float()).abs() <= 2**-6 * a[k].float().abs() + 0.2 * 1e-2).all(), k
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # the known inexactness, still there
 
 
 # -- on the GPU (the lead runs these on an H200) ----------------------------------------------

@@ -2,12 +2,24 @@
 
 The plan (placement.py, Plan.device_state) names the trainable slots whose whole state stays
 on the compute device: weights, the gradient, AdamW's two moments and, for a param that is
-not fp32, an fp32 master. Nothing of them crosses PCIe and no hook runs per gradient:
-autograd accumulates ``p.grad`` exactly as it does without the engine (summed over an
-accumulation window, as torch sums), and ``optimizer.step()`` updates them all at once, after
-the host path's own work, as a held update: the window's gradients, clipped by the global
-norm over host and device-state gradients together, skipped whole when a gradient is not
-finite. ``zero_grad()`` clears ``p.grad`` as torch does (the optimizer's own zero_grad).
+not fp32, an fp32 master. Nothing of them crosses PCIe and no landing machinery runs per
+gradient: autograd accumulates ``p.grad`` exactly as it does without the engine (summed over
+an accumulation window, as torch sums). The update takes the host path's timing
+(docs/semantics.md, the table of when updates apply), so that a loop trains the same on
+either path: without clipping it is queued at the end of the window's last backward pass
+(the engine's _end_pass), with max_grad_norm it is held for step(), clipped by the global
+norm over host and device-state gradients together. Either way ``p.grad`` is consumed when
+the update is queued (None afterwards, as on the host path).
+
+A gradient that is not finite skips what the host path skips: in a held window (clipping,
+accumulation) the whole update; with eager updates (neither), the unit found and every unit
+after it in the order backward completed them (`on_grad` records it, as the host path hands
+units on in that order), those before it standing. The check is lazy, as the device check of
+optimizer_mode="gpu" (nonfinite.py): ops.mark_nonfinite_ runs on the device ahead of each
+batch's kernels and sets a flag they read (skip_flag), never cleared within the update, so a
+batch found not finite and every later one write nothing; the host learns the outcome later
+(`settle`), reading the marks once the kernels have run, and takes the skipped step counts
+back. ``zero_grad()`` clears ``p.grad`` as torch does (the optimizer's own zero_grad).
 
 Invariants:
 - the moments are ``optimizer.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` on the device in the
@@ -18,16 +30,40 @@ Invariants:
   in-place edit of the param moves its version counter, and the master takes the edit
   before the next update (take_edits); the update's own writes go through ``p.data``,
   whose counter is its own;
+- an update queued behind the check is settled before the next one is queued (its step
+  counts are what the next reads);
 - on CUDA the update is the engine's AdamW kernel on the current stream (behind backward,
   ahead of the next forward: nothing else waits for it); on the CPU path the host AdamW,
-  which gives the same bits, done when step() returns.
+  which gives the same bits, done when update() returns, and settled at the next report.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import ops
+
+
+@dataclass
+class Queued:
+    """A device-state update queued behind the non-finite check, not settled yet."""
+
+    batches: list  # [(unit or None, slots)], in the order checked and updated
+    marks: list  # per batch: [(found, slots in found's order)], one per gradient dtype
+    event: object  # the end of its kernels (the backend's event; DONE on the CPU)
+    step: int  # the step it belongs to, for the events
+    grads: list  # the gradients its kernels read, held until they have run
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A settled update that the check skipped, from batch `first`'s unit on."""
+
+    first: object  # the first slot found not finite
+    units: list  # the units skipped (their names go into the events)
+    step: int
 
 
 class DeviceState:
@@ -46,6 +82,8 @@ class DeviceState:
         mine = {s.param for s in slots}
         self._carried = {p: m for p, m in getattr(optimizer, "_carried", {}).items() if p in mine}
         self._ready: set = set()  # params whose master is made and whose moments are on the device
+        self._queued: list = []  # Queued updates not settled yet, oldest first
+        self.new_pass()  # this pass's order of units (on_grad)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -124,6 +162,59 @@ class DeviceState:
         """Forget the window's gradients (a skipped or dropped window): p.grad goes to None."""
         for s in self.slots:
             s.param.grad = None
+        self.new_pass()
+
+    # -- the order backward completes units in (eager updates with the check on) -------------
+
+    def on_grad(self, slot) -> None:
+        """autograd finished `slot`'s gradient (a post-accumulate-grad hook, installed only
+        where the order decides what a non-finite gradient skips): a unit counts as
+        complete once all of its device-state params have one this pass."""
+        unit = slot.unit
+        seen = self._seen.setdefault(unit, set())  # first-gradient order: a dict keeps it
+        if slot in seen:
+            return  # a second gradient in one pass (reentrant checkpoint segments), summed by autograd
+        seen.add(slot)
+        if len(seen) == len(unit.device_state_slots):
+            self._complete.append(unit)
+
+    def new_pass(self) -> None:
+        self._seen, self._complete = {}, []
+
+    def batches(self, by_unit: bool) -> list:
+        """The slots with a gradient, as [(unit, slots)]: one batch per unit in the order the
+        host path would hand them on (complete units as they completed, then those only some
+        of whose params got a gradient, by their first), or (`by_unit` False) one batch of
+        every slot, in update order (None for its unit). The order is forgotten."""
+        with_grads = self.with_grads()
+        if not with_grads:
+            self.new_pass()
+            return []
+        if not by_unit:
+            self.new_pass()
+            return [(None, with_grads)]
+        has = set(with_grads)
+        order = list(self._complete) + [u for u in self._seen if u not in set(self._complete)]
+        order += [u for u in dict.fromkeys(s.unit for s in with_grads) if u not in set(order)]  # no hook saw them
+        self.new_pass()
+        out = []
+        for u in order:
+            slots = [s for s in u.device_state_slots if s in has]
+            if slots:
+                out.append((u, slots))
+        return out
+
+    def completed_batches(self) -> list:
+        """[(unit, slots)] of the units every device-state param of which got its gradient
+        this pass, in the order they completed (a pass that raised keeps their updates on
+        the host path). The order is forgotten."""
+        out = [
+            (u, list(u.device_state_slots))
+            for u in self._complete
+            if all(s.param.grad is not None for s in u.device_state_slots)
+        ]
+        self.new_pass()
+        return out
 
     # -- the update --------------------------------------------------------------------------
 
@@ -137,43 +228,75 @@ class DeviceState:
                 master.copy_(p.detach())
                 self._versions[p] = p._version
 
-    def update(self, slots, grad_scale: float = 1.0, check: bool = False):
-        """AdamW over `slots` from their gradients, scaled by `grad_scale` (clipping): one
-        kernel per param group and gradient dtype. `check`: the gradients' values are checked
-        on the device first (ops.mark_nonfinite_, one launch per dtype) into a flag the
-        kernels read: set, they write nothing. The host reads the flag after the launches (on
-        CUDA the one sync waits for the update, not for backward before it: the GPU never idles
-        while the update is prepared). Returns the first slot whose gradient is not finite,
-        its update skipped and every step count taken back, or None."""
+    def update(self, batches, grad_scale: float = 1.0, check: bool = False, step: int = 0) -> None:
+        """AdamW over the batches' slots from their gradients, scaled by `grad_scale`
+        (clipping), batch by batch in order: one kernel per batch, param group and gradient
+        dtype. The gradients are taken: p.grad is None afterwards. `check`: each batch's
+        gradients are checked on the device first (ops.mark_nonfinite_, one launch per
+        dtype) into one flag that its kernels and every later batch's read: set, they write
+        nothing. Nothing is read back here: the outcome is a Queued record, settled later
+        (`settle`). `step`: the step label of the events."""
+        slots = [s for _, ss in batches for s in ss]
         if not slots:
-            return None
+            return
         self._place([s for s in slots if s.param not in self._ready])
         self.take_edits(slots)
-        grads = self._grads(slots)
-        flag, found = self._mark_nonfinite(grads) if check else (None, None)
-        self.optimizer.update_device_state(self.backend.device, slots, grads, self.masters, grad_scale, flag)
-        if flag is None or not int(flag.item()):
-            return None
-        for s in slots:
-            self.optimizer.state[s.param]["step"] -= 1
-        marks = torch.cat([found[i] for i in sorted(found)]).tolist()
-        order = [j for i in sorted(found) for j in self._by_dtype[i]]
-        return slots[min(j for j, m in zip(order, marks) if m)]
-
-    def _mark_nonfinite(self, grads) -> tuple:
-        """(flag, {dtype group: found}) with ops.mark_nonfinite_ queued over `grads`, one
-        launch per gradient dtype; self._by_dtype maps each group to its gradients' indices."""
         device = self.backend.device
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        flag = torch.zeros(1, dtype=torch.int32, device=device) if check else None
+        marks, kept = [], []
+        for _, ss in batches:
+            grads = self._grads(ss)
+            kept += grads
+            if check:
+                marks.append(self._mark_nonfinite(ss, grads, flag))
+            self.optimizer.update_device_state(device, ss, grads, self.masters, grad_scale, flag)
+        for s in slots:
+            s.param.grad = None  # consumed, as the host path's gradients are
+        if check:
+            self._queued.append(Queued(batches, marks, self.backend.record(), step, kept))
+
+    def _mark_nonfinite(self, slots, grads, flag) -> list:
+        """[(found, slots)] with ops.mark_nonfinite_ queued over `grads`, one launch per
+        gradient dtype, each setting `flag` at a value that is not finite."""
         groups: dict = {}
-        for j, g in enumerate(grads):
-            groups.setdefault(g.dtype, []).append(j)
-        self._by_dtype = dict(enumerate(groups.values()))
-        found = {}
-        for i, idx in self._by_dtype.items():
-            found[i] = torch.zeros(len(idx), dtype=torch.int32, device=device)
-            ops.mark_nonfinite_([grads[j] for j in idx], found[i], flag)
-        return flag, found
+        for s, g in zip(slots, grads):
+            groups.setdefault(g.dtype, []).append((s, g))
+        out = []
+        for items in groups.values():
+            found = torch.zeros(len(items), dtype=torch.int32, device=self.backend.device)
+            ops.mark_nonfinite_([g for _, g in items], found, flag)
+            out.append((found, [s for s, _ in items]))
+        return out
+
+    def has_pending(self) -> bool:
+        return bool(self._queued)
+
+    def settle(self, wait: bool = False) -> list:
+        """Settle, oldest first, the updates queued behind the check whose kernels have run
+        (all of them if `wait`, waiting for the last). A batch whose gradient was not finite
+        and every batch after it were skipped on the device: their step counts, advanced
+        when they were queued, are taken back. Returns a Skipped per update that was."""
+        out = []
+        while self._queued and (wait or self._queued[0].event.query()):
+            q = self._queued.pop(0)
+            q.event.synchronize()
+            bad = None
+            for i, batch_marks in enumerate(q.marks):
+                for found, ss in batch_marks:
+                    hit = {s for s, m in zip(ss, found.tolist()) if m}
+                    if hit:
+                        bad = (i, next(s for s in q.batches[i][1] if s in hit))
+                        break
+                if bad is not None:
+                    break
+            if bad is None:
+                continue
+            i, first = bad
+            skipped = [s for _, ss in q.batches[i:] for s in ss]
+            for s in skipped:
+                self.optimizer.state[s.param]["step"] -= 1
+            out.append(Skipped(first, list(dict.fromkeys(s.unit for s in skipped)), q.step))
+        return out
 
     def nbytes(self) -> int:
         """Device bytes this state holds now: weights, gradients, moments, masters."""

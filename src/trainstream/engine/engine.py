@@ -104,6 +104,12 @@ def _post_accumulate(engine_ref, slot_ref, param) -> None:
         engine.on_grad(slot)
 
 
+def _device_state_grad(engine_ref, slot_ref, param) -> None:
+    engine, slot = engine_ref(), slot_ref()
+    if engine is not None and slot is not None:
+        engine.device_state.on_grad(slot)
+
+
 class Engine:
     def __init__(self, model, optimizer, plan, backend, layout, ranks=None):
         """`layout`: the model's units (layout.py), as planned; `plan`: every decision;
@@ -237,7 +243,11 @@ class Engine:
             on_device = sum(len(u.device_state_slots) for u in self.units)
             events.add(
                 f"optimizer: host AdamW, moments {moments}, {n_trainable} trainable tensors"
-                + (f" (and {on_device} in device state, updated on the device in step())" if on_device else "")
+                + (
+                    f" (and {on_device} in device state, updated on the device when the host path would update them)"
+                    if on_device
+                    else ""
+                )
             )
         for note in plan.mode_notes:
             events.add(note)
@@ -349,6 +359,13 @@ class Engine:
                         _Installed(functools.partial(_post_accumulate, me, weakref.ref(slot)))
                     )
                 )
+            if self._device_state_by_unit():  # the order backward completes units in (device_state.py)
+                for slot in unit.device_state_slots:
+                    self._handles.append(
+                        slot.param.register_post_accumulate_grad_hook(
+                            _Installed(functools.partial(_device_state_grad, me, weakref.ref(slot)))
+                        )
+                    )
         self.state_hooks.install()
         # model.to(), .double(), .half(), .cuda(), ... on the model or any submodule: each
         # module's _apply runs first, so each refuses there, before anything has changed.
@@ -608,12 +625,14 @@ class Engine:
             if self.dp is not None and self._dp_window_ends_in_backward():
                 self._apply_reduced(self.dp.drain())
                 self._dp_end_window()
+            self._device_state_pass_ends()
             self.weights.land_updates()
         except BaseException:
             queued = self.grads.describe_queued()
             if self.dp is not None:
                 self.dp.discard()
             self.grads.drop_pass()  # no half-landed state for the next pass to count
+            self.device_state.drop()  # nor device state's (recover() drops both too)
             self.events.add("the end of a backward pass raised: its gradients were dropped" + queued)
             raise
         finally:
@@ -626,6 +645,7 @@ class Engine:
         if self.grads.raised_pass():
             if self.dp is not None:
                 self.dp.discard()
+            self._device_state_pass_raised()
             self.device_state.drop()  # the window's gradients go with the host path's
             self.after_backward()
         self._report_skipped()
@@ -635,6 +655,7 @@ class Engine:
         and the window into optimizer.skipped_steps (once). A skip the device decided is known
         once its update has run: those that have are taken in here, or all of them (`wait`)."""
         self.grads.settle_device_checks(wait=wait)
+        self._settle_device_state(wait)
         while (found := self.grads.take_skipped(self.steps + 1)) is not None:
             first, units, first_report, step = found
             if first_report:
@@ -780,7 +801,7 @@ class Engine:
         self._warn_changed_hyperparameters()
         self._queue(self.grads.flush())
         pending = self.grads.take_pending()
-        on_device = self.device_state.with_grads()  # device state (device_state.py): updated below
+        on_device = self.device_state.with_grads() if self._device_state_held() else []  # updated below
         scale = 1.0
         if self.dp is not None:
             self._dp_step(pending)
@@ -834,34 +855,129 @@ class Engine:
             norms.append(self.grads.global_norm(slots).to(norms[0].device))
         return torch.linalg.vector_norm(torch.stack(norms), 2.0).cpu()
 
+    # -- device state (device_state.py): the host path's timing ---------------------------------
+
+    def _device_state_by_unit(self) -> bool:
+        """Eager updates: the host path updates each unit as backward completes it, so a
+        non-finite gradient skips the unit found and every unit after it in backward's order,
+        and a backward pass that raises keeps the updates of the units completed before it.
+        The order is recorded (device_state.on_grad) and the update goes unit by unit. Held
+        windows are applied, or skipped, whole."""
+        opts = self.opts
+        return (
+            opts.max_grad_norm is None
+            and opts.accumulation_steps == 1
+            and self.dp is None
+            and len(self.device_state) > 0
+        )
+
+    def _device_state_held(self) -> bool:
+        """step() applies the device-state window: with clipping (held for step(), as the host
+        path's), or a window step() ends before its last pass (fewer passes than
+        accumulation_steps, whose end would have applied it)."""
+        passes = self.grads.passes
+        return passes > 0 and (self.opts.max_grad_norm is not None or passes < self.opts.accumulation_steps)
+
+    def _device_state_pass_ends(self) -> None:
+        """The end of a backward pass (_end_pass): without clipping, the window's last pass
+        queues the device-state update, where the host path's eager updates are queued.
+        nonfinite="raise" checks every pass, as the host path checks each pass's gradients
+        as they land (autograd's sum carries a value that is not finite on): it raises here,
+        from loss.backward(), after queuing the units before the one found (eager updates),
+        and _end_pass drops the window."""
+        if not len(self.device_state) or self.opts.max_grad_norm is not None:
+            return  # nothing on the device, or held for step()
+        by_unit = self._device_state_by_unit()
+        last = self.grads.passes == self.opts.accumulation_steps
+        if self.opts.nonfinite == "raise":
+            batches = self.device_state.batches(by_unit)
+            bad = self.device_state.first_nonfinite([s for _, ss in batches for s in ss])
+            if bad is not None:
+                before = batches[: next(i for i, (_, ss) in enumerate(batches) if bad in ss)] if by_unit else []
+                self._update_device_state(before)
+                if before:
+                    self.events.add(f"device-state updates queued before it stand, for {[u.name for u, _ in before]}")
+                raise FloatingPointError(
+                    f"trainstream: the gradient of {bad.name} is not finite (wrap(nonfinite='raise')); "
+                    "this backward pass's gradients are dropped"
+                )
+            if last:
+                self._update_device_state(batches)
+            return
+        if last:
+            self._update_device_state(self.device_state.batches(by_unit), check=self.opts.nonfinite == "skip")
+
+    def _device_state_pass_raised(self) -> None:
+        """A backward pass raised (recover): with eager updates the host path kept the
+        updates of the units backward had completed before the exception, so device state
+        queues those units' updates now (checked as at a pass's end; with nonfinite="raise"
+        only those before a gradient not finite); the rest of the pass is dropped."""
+        if not len(self.device_state) or not self._device_state_by_unit():
+            return
+        batches = self.device_state.completed_batches()
+        if self.opts.nonfinite == "raise":
+            bad = self.device_state.first_nonfinite([s for _, ss in batches for s in ss])
+            if bad is not None:
+                batches = batches[: next(i for i, (_, ss) in enumerate(batches) if bad in ss)]
+        self._update_device_state(batches, check=self.opts.nonfinite == "skip")
+        if batches:
+            self.events.add(
+                f"device-state updates of units completed before it stand, for {[u.name for u, _ in batches]}"
+            )
+
+    def _update_device_state(self, batches, grad_scale: float = 1.0, check: bool = False) -> None:
+        """Queue the device-state update of `batches` (device_state.py); its hyper-parameters
+        noted as the host path's queued updates note them (step() warns of a change after)."""
+        if not batches:
+            return
+        self._settle_device_state(wait=True)  # the step counts the update reads (as a rule long settled)
+        for unit, slots in batches:
+            self.updates.note_hyperparameters(unit.name if unit is not None else "device state", slots)
+        self.device_state.update(batches, grad_scale, check=check, step=self.steps + 1)
+
+    def _settle_device_state(self, wait: bool = False) -> None:
+        """Device-state updates the device skipped (a gradient not finite): into the events
+        and optimizer.skipped_steps as the host path reports its skips (each update is one
+        window, counted once)."""
+        if not self.device_state.has_pending():
+            return
+        for skipped in self.device_state.settle(wait=wait):
+            self.optimizer.count_skipped_step()
+            self._device_state_skip_event(skipped.step, skipped.first, skipped.units)
+
+    def _device_state_skip_event(self, step: int, first, units) -> None:
+        self.events.add(
+            f"step {step}: the gradient of {first.name} is not finite: skipped the updates of "
+            f"{[u.name for u in units]} (nonfinite='skip'; their weights, moments and step counts are unchanged)"
+        )
+
     def _step_device_state(self, slots, grad_scale: float) -> None:
-        """step(): the device-state update, after the host path's own work. A window the host
-        path marked not finite (or the global norm did) skips it; so does a device-state
-        gradient found not finite here, counted and logged once per window as the host path
-        counts it; nonfinite="raise" raises naming it, its window dropped."""
+        """step() applies a held device-state window (_device_state_held): after the host
+        path's own work. With clipping the global norm was the check: a window the host path
+        or the norm found not finite is skipped whole (or raised for already, by
+        _nonfinite_window). A window step() ends early (accumulation) is checked on the
+        device, as at its last pass."""
         if not slots:
             return
         bad = self.grads.nonfinite
         if bad is None:
-            check = self.opts.nonfinite != "ignore" and self.opts.max_grad_norm is None  # clipping: the norm was
-            bad = self.device_state.update(slots, grad_scale, check=check)
-            if bad is None:
-                return
-            if self.opts.nonfinite == "raise":
-                self.device_state.drop()
-                self.grads.drop_pass()  # the next window starts clean
-                self.updates.end_window()
-                raise FloatingPointError(
-                    f"trainstream: the gradient of {bad.name} is not finite (wrap(nonfinite='raise')); "
-                    "this step's gradients are dropped"
-                )
+            check = self.opts.nonfinite == "skip" and self.opts.max_grad_norm is None  # clipping: the norm was
+            if self.opts.nonfinite == "raise" and self.opts.max_grad_norm is None:
+                bad = self.device_state.first_nonfinite(slots)
+                if bad is not None:
+                    self.device_state.drop()
+                    self.grads.drop_pass()  # the next window starts clean
+                    self.updates.end_window()
+                    raise FloatingPointError(
+                        f"trainstream: the gradient of {bad.name} is not finite (wrap(nonfinite='raise')); "
+                        "this step's gradients are dropped"
+                    )
+            self._update_device_state(self.device_state.batches(by_unit=False), grad_scale, check=check)
+            return
         self.device_state.drop()
         if self.grads.count_skip():
             self.optimizer.count_skipped_step()
-        self.events.add(
-            f"step {self.steps + 1}: the gradient of {bad.name} is not finite: skipped the device-state update "
-            f"of {len(slots)} tensors (nonfinite='skip'; their weights, moments and step counts are unchanged)"
-        )
+        self._device_state_skip_event(self.steps + 1, bad, list(dict.fromkeys(s.unit for s in slots)))
 
     def _nonfinite_window(self, first) -> None:
         """step() with clipping found the window's global norm not finite: `first` is the

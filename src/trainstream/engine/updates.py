@@ -58,9 +58,7 @@ class Updater:
         (clipping); returns at once."""
         slots = [s for s in unit.trainable if s.has_grad]
         if slots:
-            groups = self.optimizer.param_groups
-            for i in {self._group_of[s.param] for s in slots}:
-                self._used.setdefault(i, (_hyperparameters(groups[i]), []))[1].append(unit.name)
+            self.note_hyperparameters(unit.name, slots)
             # Numbered by when the next forward needs the unit: blocks update in backward
             # order, but block 0 (and the embeddings before it) are needed first.
             unit.priority = self.update_order.index(unit)
@@ -68,6 +66,13 @@ class Updater:
                 self._queue_on_device(unit, slots, grad_scale)
             else:
                 self._queue_on_host(unit, slots, grad_scale)
+
+    def note_hyperparameters(self, name: str, slots) -> None:
+        """An update of `slots` (named `name` in the warning) reads its groups' hyper-parameters
+        now: the device-state update (engine.py) notes them here too."""
+        groups = self.optimizer.param_groups
+        for i in {self._group_of[s.param] for s in slots}:
+            self._used.setdefault(i, (_hyperparameters(groups[i]), []))[1].append(name)
 
     def changed_hyperparameters(self) -> list:
         """(group index, name, value the queued updates used, value now, their units) for
