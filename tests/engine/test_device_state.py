@@ -500,18 +500,21 @@ def test_a_peft_lora_over_an_nf4_llama_takes_device_state(monkeypatch):
 # -- the same loop on both paths: the planner's choice changes no result -----------------------
 
 
-def _both_paths(monkeypatch, loop, dtype=None, **wrap_options):
+def _both_paths(monkeypatch, loop, dtype=None, device="cpu", **wrap_options):
     """`loop(model, opt, batch, loss_fn)` over the LoRA MLP wrapped with `wrap_options`, with
     device state and then on the host path: both runs' (model, opt, state dict, loop's
-    answer), after asserting that they end with the same weights, moments and step counts,
-    bit for bit, and that no trainable p.grad is left."""
+    answer), after asserting that they end with the same weights, moments and step counts
+    (bit for bit on the CPU path, within float rounding on CUDA, where the gradients' own
+    reductions may round apart), and that no trainable p.grad is left."""
 
     def run():
         torch.manual_seed(0)
         model, batch, loss_fn = lora_mlp()
         if dtype is not None:
             model = model.to(dtype)
-        model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **RESIDENT, **wrap_options)
+        model, opt = trainstream.wrap(model, None, device=device, lr=1e-2, offload=True, **RESIDENT, **wrap_options)
+        cpu_batch = batch
+        batch = (lambda i, _d: cpu_batch(i, device)) if device != "cpu" else batch
         answer = loop(model, opt, batch, loss_fn)
         opt.synchronize()
         return model, opt, {k: v.detach().clone() for k, v in model.state_dict().items()}, answer
@@ -522,10 +525,12 @@ def _both_paths(monkeypatch, loop, dtype=None, **wrap_options):
         _host_path(m)
         host = run()
     assert not host[0]._trainstream_engine.plan.device_state
+    same = torch.equal if device == "cpu" else (lambda a, b: max_diff({"t": a}, {"t": b}) < 1e-6)
     for k, v in dev[2].items():
-        assert torch.equal(v, host[2][k]), k
+        assert same(v, host[2][k]), k
     for a, b in zip(dev[1].state_dict()["state"].values(), host[1].state_dict()["state"].values(), strict=True):
-        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+        assert torch.equal(a["step"], b["step"])
+        assert all(same(a[k].cpu(), b[k].cpu()) for k in ("exp_avg", "exp_avg_sq"))
     for model in (dev[0], host[0]):
         assert all(p.grad is None for p in model.parameters())
     return dev, host
@@ -741,3 +746,64 @@ def test_gpu_a_nonfinite_gradient_skips_the_device_state_update():
     assert "step 2: the gradient of layers.2.fc1.lora_a is not finite" in trainstream.memory_report(model)["events"]
     cpu = _run_with_nan(RESIDENT)
     assert max_diff(cpu[1], run[1]) < 5e-5  # the same updates (matmuls round apart between devices)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["no zero_grad", "step every micro-batch", "nan skip", "nan skip accumulation"])
+def test_gpu_device_state_loops_train_as_the_host_path(case, monkeypatch):
+    """The loops of the CPU tests above on CUDA: device state's update runs at the end of
+    backward there too, with the lazy check, and ends where the host path ends."""
+    accumulation = 2 if case in ("step every micro-batch", "nan skip accumulation") else 1
+
+    def loop(model, opt, batch, loss_fn):
+        counter = [0]
+        if case.startswith("nan"):
+            _nan_at(model, 1, counter)
+        for i in range(3):
+            counter[0] = i
+            passes = accumulation if case.startswith("nan") else 1
+            for j in range(passes):
+                (loss_fn(model, batch(2 * i + j, "cuda")) / passes).backward()
+            opt.step()
+            if case != "no zero_grad":
+                opt.zero_grad()
+        return opt.skipped_steps, _skip_lines(model)
+
+    dev, host = _both_paths(monkeypatch, loop, device="cuda", accumulation_steps=accumulation)
+    assert dev[3] == host[3]
+    assert dev[3][0] == (1 if case.startswith("nan") else 0)
+
+
+@pytest.mark.gpu
+def test_gpu_the_device_state_check_waits_for_nothing_in_backward():
+    """nonfinite="skip" (the default) reads nothing back at the end of backward: with a long
+    chain of matmuls queued ahead of backward, backward() and step() return while the GPU is
+    still busy (no host sync), and the skip is known once the updates have run."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = lora_mlp()
+    model, opt = trainstream.wrap(model, None, device="cuda", lr=1e-2, offload=True, **RESIDENT)
+    engine = model._trainstream_engine
+    assert engine.plan.device_state
+    counter = [0]
+    _nan_at(model, 3, counter)
+    x = torch.randn(4096, 4096, device="cuda")
+    for i in range(4):
+        counter[0] = i
+        loss = loss_fn(model, batch(i, "cuda"))
+        if i == 3:
+            y = x
+            for _ in range(200):  # a second of GPU work ahead of backward on the same stream
+                y = torch.tanh(y @ x)
+        loss.backward()
+        opt.step()
+        if i == 3:
+            busy = torch.cuda.Event()
+            busy.record()
+            assert not busy.query()  # nothing waited for the GPU: backward's update is still queued
+            assert engine.device_state.has_pending()
+        opt.zero_grad()
+    assert opt.skipped_steps == 1  # waits for the updates in flight
+    assert not engine.device_state.has_pending()
+    assert "step 4: the gradient of layers.2.fc1.lora_a is not finite" in trainstream.memory_report(model)["events"]
+    steps = {n: int(opt.state[p]["step"]) for n, p in model.named_parameters() if p.requires_grad}
+    assert all(v == (4 if n.startswith("layers.3.") else 3) for n, v in steps.items())

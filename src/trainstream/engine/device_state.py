@@ -83,6 +83,11 @@ class DeviceState:
         self._carried = {p: m for p, m in getattr(optimizer, "_carried", {}).items() if p in mine}
         self._ready: set = set()  # params whose master is made and whose moments are on the device
         self._queued: list = []  # Queued updates not settled yet, oldest first
+        # The check's marks, one int32 per slot, in a host buffer (pinned on a GPU) made here:
+        # a pinned allocation on the autograd thread can synchronize the device, and a device
+        # buffer's read would be a copy on the current stream, behind whatever follows the
+        # update. One update at most uses it at a time: each is settled before the next.
+        self._marks = backend.host_empty((max(len(slots), 1),), torch.int32)
         self.new_pass()  # this pass's order of units (on_grad)
 
     def __len__(self) -> int:
@@ -241,29 +246,36 @@ class DeviceState:
             return
         self._place([s for s in slots if s.param not in self._ready])
         self.take_edits(slots)
+        if check and self._queued:
+            raise RuntimeError("trainstream internal: a device-state update was not settled before the next")
         device = self.backend.device
         flag = torch.zeros(1, dtype=torch.int32, device=device) if check else None
-        marks, kept = [], []
+        if check:
+            self._marks.zero_()
+        marks, kept, offset = [], [], 0
         for _, ss in batches:
             grads = self._grads(ss)
             kept += grads
             if check:
-                marks.append(self._mark_nonfinite(ss, grads, flag))
+                marks.append(self._mark_nonfinite(ss, grads, flag, offset))
+                offset += len(ss)
             self.optimizer.update_device_state(device, ss, grads, self.masters, grad_scale, flag)
         for s in slots:
             s.param.grad = None  # consumed, as the host path's gradients are
         if check:
             self._queued.append(Queued(batches, marks, self.backend.record(), step, kept))
 
-    def _mark_nonfinite(self, slots, grads, flag) -> list:
+    def _mark_nonfinite(self, slots, grads, flag, offset: int) -> list:
         """[(found, slots)] with ops.mark_nonfinite_ queued over `grads`, one launch per
-        gradient dtype, each setting `flag` at a value that is not finite."""
+        gradient dtype, each setting `flag` at a value that is not finite and marking its
+        gradients in the marks buffer from `offset` on."""
         groups: dict = {}
         for s, g in zip(slots, grads):
             groups.setdefault(g.dtype, []).append((s, g))
         out = []
         for items in groups.values():
-            found = torch.zeros(len(items), dtype=torch.int32, device=self.backend.device)
+            found = self._marks[offset : offset + len(items)]
+            offset += len(items)
             ops.mark_nonfinite_([g for _, g in items], found, flag)
             out.append((found, [s for s, _ in items]))
         return out
