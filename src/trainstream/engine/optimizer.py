@@ -33,8 +33,11 @@ class StreamedAdamW(OffloadAdamW):
     accumulation window applies the update even if ``step()`` never comes); with
     ``max_grad_norm`` every update waits for ``step()``, which needs the global norm first.
     Gradients are summed over the window's backward passes, as ``p.grad`` would be, and are
-    consumed by ``step()``; ``p.grad`` stays None (the gradients are in host memory, or with
-    ``optimizer_mode="gpu"`` held by the engine until their update has read them).
+    consumed by the update (queued in backward or by ``step()``, as above); ``p.grad`` stays
+    None (the gradients are in host memory, or with ``optimizer_mode="gpu"`` held by the
+    engine until their update has read them). Device state (a small trainable set kept on
+    the GPU, engine/device_state.py) keeps the same timing: its ``p.grad`` accumulates as
+    torch's during the window and is None once its update has taken it.
     Hyper-parameters (``lr``...) are read when an update is queued: set them before the
     window's last backward pass, as an LR scheduler stepped after ``step()`` does. For the
     same reason an update cannot be skipped once queued, so fp16 loss scaling
