@@ -606,6 +606,20 @@ def test_a_nonfinite_gradient_is_skipped_and_reported_as_on_the_host_path(accumu
     assert "step 2: the gradient of layers.2.fc1.lora_a is not finite" in dev[3][1][0]
 
 
+def test_a_backward_that_misses_the_models_outputs_trains_as_the_host_path(monkeypatch):
+    """A loss on a parameter alone (no forward): its backward is a pass all the same, begun at
+    the parameter's gradient, as the host path begins it."""
+
+    def loop(model, opt, batch, loss_fn):
+        for i in range(2):
+            model.layers[0].fc1.lora_a.pow(2).sum().backward()
+            opt.step()
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+
+    _both_paths(monkeypatch, loop)
+
+
 def test_an_exception_inside_backward_keeps_what_the_host_path_keeps(monkeypatch):
     """An error in a hook after backward has completed blocks 3 and 2: eager updates keep
     theirs (the host path queued them as they completed), the rest of the pass is dropped,

@@ -107,7 +107,7 @@ def _post_accumulate(engine_ref, slot_ref, param) -> None:
 def _device_state_grad(engine_ref, slot_ref, param) -> None:
     engine, slot = engine_ref(), slot_ref()
     if engine is not None and slot is not None:
-        engine.device_state.on_grad(slot)
+        engine.on_device_state_grad(slot)
 
 
 class Engine:
@@ -618,6 +618,14 @@ class Engine:
         if self._queue(self.grads.on_grad(slot)):
             self.weights.land_updates()
 
+    def on_device_state_grad(self, slot) -> None:
+        """autograd finished a device-state param's gradient (eager updates only: the hook
+        records backward's order of units). A backward that never reached the model's
+        outputs begins its pass here, as on_grad begins the host path's."""
+        if not self.grads.in_backward:
+            self._begin_pass()
+        self.device_state.on_grad(slot)
+
     def _end_pass(self) -> None:
         """autograd's final callback of a backward pass: the units not handed on yet go now."""
         try:
@@ -902,10 +910,11 @@ class Engine:
                     "this backward pass's gradients are dropped"
                 )
             if last:
-                self._update_device_state(batches)
+                self._update_device_state(batches, merge=True)  # checked: one launch per group will do
             return
         if last:
-            self._update_device_state(self.device_state.batches(by_unit), check=self.opts.nonfinite == "skip")
+            check = self.opts.nonfinite == "skip"
+            self._update_device_state(self.device_state.batches(by_unit), check=check, merge=not check)
 
     def _device_state_pass_raised(self) -> None:
         """A backward pass raised (recover): with eager updates the host path kept the
@@ -925,14 +934,18 @@ class Engine:
                 f"device-state updates of units completed before it stand, for {[u.name for u, _ in batches]}"
             )
 
-    def _update_device_state(self, batches, grad_scale: float = 1.0, check: bool = False) -> None:
+    def _update_device_state(self, batches, grad_scale: float = 1.0, check: bool = False, merge: bool = False) -> None:
         """Queue the device-state update of `batches` (device_state.py); its hyper-parameters
-        noted as the host path's queued updates note them (step() warns of a change after)."""
+        noted per unit as the host path's queued updates note them (step() warns of a change
+        after). `merge`: nothing is checked, so the order of the batches decides nothing and
+        they go as one (fewer launches)."""
         if not batches:
             return
         self._settle_device_state(wait=True)  # the step counts the update reads (as a rule long settled)
         for unit, slots in batches:
             self.updates.note_hyperparameters(unit.name if unit is not None else "device state", slots)
+        if merge and len(batches) > 1:
+            batches = [(None, [s for _, ss in batches for s in ss])]
         self.device_state.update(batches, grad_scale, check=check, step=self.steps + 1)
 
     def _settle_device_state(self, wait: bool = False) -> None:
