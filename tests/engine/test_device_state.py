@@ -370,15 +370,20 @@ def test_nonfinite_ignore_updates():
     assert not torch.isfinite(run[1]["layers.2.fc1.lora_a"]).all()
 
 
-def test_a_dropped_window_with_a_nonfinite_gradient_counts_as_skipped():
-    torch.manual_seed(0)
-    model, batch, loss_fn = lora_mlp()
-    model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, accumulation_steps=2, **RESIDENT)
-    _nan_at(model, 0, [0])
-    loss_fn(model, batch(0, "cpu")).backward()
-    opt.zero_grad()  # the window dropped before its step
-    assert opt.skipped_steps == 1
-    assert "not finite in the window zero_grad() dropped" in trainstream.memory_report(model)["events"]
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulation", "clip"])
+def test_a_dropped_window_with_a_nonfinite_gradient_counts_as_skipped(clip, monkeypatch):
+    """zero_grad() drops a held window before its end: counted and reported as the host path
+    counts and reports it (the same events)."""
+
+    def loop(model, opt, batch, loss_fn):
+        _nan_at(model, 0, [0])
+        loss_fn(model, batch(0, "cpu")).backward()
+        opt.zero_grad()  # the window dropped before its step
+        return opt.skipped_steps, _skip_lines(model)
+
+    dev, host = _both_paths(monkeypatch, loop, accumulation_steps=2, max_grad_norm=clip)
+    assert dev[3] == host[3] and dev[3][0] == 1
+    assert "step 1: the gradient of layers.2.fc1.lora_a is not finite: skipped the updates of" in dev[3][1][0]
 
 
 @pytest.mark.parametrize("moments", ["float32", "bfloat16"])

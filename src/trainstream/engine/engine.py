@@ -1088,20 +1088,18 @@ class Engine:
                     self.grads.skip_window(first)
 
     def _check_dropped_device_state(self) -> None:
-        """zero_grad() drops a window with device-state gradients that step() has not taken
-        (every device-state update is held): one not finite counts the window as skipped, as
-        _check_dropped_window counts a held window, once."""
+        """zero_grad() drops a window with device-state gradients no update has taken (a held
+        window: clipping, or before its last pass): one not finite counts the window as
+        skipped and is reported as _check_dropped_window reports the host path's, once."""
         if self.opts.nonfinite != "skip" or self.grads.passes == 0 or self.grads.nonfinite is not None:
             return  # no window open, or the host path found (and counted) it already
-        bad = self.device_state.first_nonfinite()
+        slots = self.device_state.with_grads()
+        bad = self.device_state.first_nonfinite(slots)
         if bad is None:
             return
         if self.grads.count_skip():
             self.optimizer.count_skipped_step()
-        self.events.add(
-            f"step {self.steps + 1}: the gradient of {bad.name} is not finite in the window zero_grad() dropped: "
-            "counted as a skipped step (nonfinite='skip'; nothing of it was applied)"
-        )
+        self._device_state_skip_event(self.steps + 1, bad, list(dict.fromkeys(s.unit for s in slots)))
 
     def _dp_check_dropped_window(self) -> None:
         """_check_dropped_window with data parallel: a held window (clipping, or fewer passes
