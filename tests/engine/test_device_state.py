@@ -446,6 +446,9 @@ def test_an_in_place_edit_of_a_bf16_param_is_taken_into_its_master(monkeypatch):
             opt.step()
             opt.zero_grad()
             if i == 0:
+                # The host path's update may still be in flight on its threads: an edit waits
+                # for it (README: synchronize() before you read or edit weights).
+                opt.synchronize()
                 with torch.no_grad():
                     model.layers[0].fc1.lora_b.mul_(0.5)  # the edit wins over the master's low bits
         return model, {k: v.clone() for k, v in model.state_dict().items()}
@@ -830,3 +833,59 @@ def test_gpu_the_device_state_check_waits_for_nothing_in_backward():
     assert "step 4: the gradient of layers.2.fc1.lora_a is not finite" in trainstream.memory_report(model)["events"]
     steps = {n: int(opt.state[p]["step"]) for n, p in model.named_parameters() if p.requires_grad}
     assert all(v == (4 if n.startswith("layers.3.") else 3) for n, v in steps.items())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(accumulation_steps=2), dict(max_grad_norm=0.05), dict(accumulation_steps=2, max_grad_norm=0.05)],
+    ids=["accumulation", "clip", "accumulation+clip"],
+)
+def test_a_held_window_of_losses_on_a_parameter_alone_trains_as_the_host_path(options, monkeypatch):
+    """A backward that never reaches the model's outputs begins its pass at a device-state
+    gradient in every mode (the host path's own hook begins it there), so step() applies it."""
+
+    def loop(model, opt, batch, loss_fn):
+        for i in range(2):
+            for _ in range(options.get("accumulation_steps", 1)):
+                model.layers[0].fc1.lora_a.pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            for _ in range(options.get("accumulation_steps", 1)):
+                loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+            opt.zero_grad()
+
+    _both_paths(monkeypatch, loop, **options)
+
+
+def _raising_on_block_1(model):
+    """A hook on block 1's output that raises once, in the next backward."""
+
+    def hook(grad):
+        raise RuntimeError("a hook failed")
+
+    return model.layers[1].register_forward_hook(lambda m, a, o: o.register_hook(hook) and None)
+
+
+@pytest.mark.parametrize("read", ["state_dict", "synchronize"])
+def test_what_a_raised_backward_completed_is_applied_before_a_checkpoint(read, monkeypatch):
+    """Eager updates: the host path queued the units backward completed before it raised; a
+    checkpoint (or synchronize(), which unwrap() calls) taken right after the exception holds
+    the same on both paths."""
+
+    def loop(model, opt, batch, loss_fn):
+        loss_fn(model, batch(0, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+        watch = _raising_on_block_1(model)
+        loss = loss_fn(model, batch(1, "cpu"))
+        watch.remove()
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            loss.backward()
+        if read == "state_dict":
+            return [int(st["step"]) for st in opt.state_dict()["state"].values()]
+        opt.synchronize()
+        return [p.grad is None for p in model.parameters() if p.requires_grad]
+
+    dev, host = _both_paths(monkeypatch, loop)
+    assert dev[3] == host[3]

@@ -82,6 +82,7 @@ class DeviceState:
         mine = {s.param for s in slots}
         self._carried = {p: m for p, m in getattr(optimizer, "_carried", {}).items() if p in mine}
         self._ready: set = set()  # params whose master is made and whose moments are on the device
+        self._counts: dict = {}  # unit -> how many device-state params it has (on_grad)
         self._queued: list = []  # Queued updates not settled yet, oldest first
         # The check's marks, one int32 per slot, in a host buffer (pinned on a GPU) made here:
         # a pinned allocation on the autograd thread can synchronize the device, and a device
@@ -180,7 +181,10 @@ class DeviceState:
         if slot in seen:
             return  # a second gradient in one pass (reentrant checkpoint segments), summed by autograd
         seen.add(slot)
-        if len(seen) == len(unit.device_state_slots):
+        count = self._counts.get(unit)
+        if count is None:  # fixed at wrap(): the slots' flags never change after it
+            count = self._counts[unit] = len(unit.device_state_slots)
+        if len(seen) == count:
             self._complete.append(unit)
 
     def new_pass(self) -> None:
@@ -262,6 +266,11 @@ class DeviceState:
             self.optimizer.update_device_state(device, ss, grads, self.masters, grad_scale, flag)
         for s in slots:
             s.param.grad = None  # consumed, as the host path's gradients are
+        if self.backend.is_cuda:
+            # Autograd made the gradients on its own streams; the kernels read them on this one.
+            stream = self.backend.compute_stream()
+            for g in kept:
+                g.record_stream(stream)
         if check:
             self._queued.append(Queued(batches, marks, self.backend.record(), step, kept))
 

@@ -359,7 +359,10 @@ class Engine:
                         _Installed(functools.partial(_post_accumulate, me, weakref.ref(slot)))
                     )
                 )
-            if self._device_state_by_unit():  # the order backward completes units in (device_state.py)
+            # Every device-state param gets a hook: it begins a pass that never reaches the
+            # model's outputs (a loss on a parameter alone), as the host path's does; with eager
+            # updates it also records the order backward completes units in (device_state.py).
+            if len(self.device_state):
                 for slot in unit.device_state_slots:
                     self._handles.append(
                         slot.param.register_post_accumulate_grad_hook(
@@ -619,12 +622,13 @@ class Engine:
             self.weights.land_updates()
 
     def on_device_state_grad(self, slot) -> None:
-        """autograd finished a device-state param's gradient (eager updates only: the hook
-        records backward's order of units). A backward that never reached the model's
-        outputs begins its pass here, as on_grad begins the host path's."""
+        """autograd finished a device-state param's gradient. A backward that never reached
+        the model's outputs begins its pass here, as on_grad begins the host path's; with
+        eager updates the hook also records backward's order of units."""
         if not self.grads.in_backward:
             self._begin_pass()
-        self.device_state.on_grad(slot)
+        if self._device_state_by_unit():
+            self.device_state.on_grad(slot)
 
     def _end_pass(self) -> None:
         """autograd's final callback of a backward pass: the units not handed on yet go now."""
@@ -1136,6 +1140,9 @@ class Engine:
 
     def synchronize(self) -> None:
         """Every queued update written on the host and, for resident units, on the device
-        (and, with the check on the device, known to have run or been skipped)."""
+        (and, with the check on the device, known to have run or been skipped). A backward
+        that raised is recovered first: the device-state updates of the units it completed
+        are queued there, where the host path queued its own during backward."""
+        self.recover()
         self.weights.synchronize_all()
         self._report_skipped(wait=True)
