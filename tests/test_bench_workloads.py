@@ -502,3 +502,23 @@ def test_the_summary_line_of_each_row():
     shown = readme.render(text, {"workloads": [_committed()]})
     assert "| 1 | GPT | 24 | 0.5 | 12 | 2.5 | torchao: 0.9 | aaaaaaa |" in shown
     assert "| 3 | small | 4 | did not train | - | - | none fits | bbbbbbb |" in shown
+
+
+def test_rows_6_and_8_save_their_memory_timeline(tmp_path):
+    pytest.importorskip("peft")
+    for n, row in wl.rows_table(quick=True, device="cpu").items():
+        for c in row["cases"]:
+            assert bool(c.get("memory_plot")) == (n in (6, 8) and c["runner"] == "trainstream"), (n, c["label"])
+    out = cases.run_case(_toy(6, "trainstream"))
+    _check_trained(out)
+    report = json.loads(json.dumps(out["memory_report"]))  # what the child process prints
+    name, note = wl._memory_plot(report, tmp_path / "workloads-machine", 6)
+    if name is None:
+        assert "matplotlib" in note
+    else:
+        assert name == "workloads-machine-row6-memory.png"
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [dict(row=6, workload="w", run="ours", runner="trainstream", memory_plot=name, memory_plot_note=note)]
+    md = tables.markdown(dict(rows=rows, checks=[], quick=False))
+    assert "Memory over the run (trainstream.plot_memory):" in md
+    assert (f"![memory]({name})" if name else note) in md

@@ -357,6 +357,10 @@ def train_case(case: dict) -> dict:
     out.update(
         load_s=load_s, wrap_s=wrap_s, trainable=sum(p.numel() for p in trainable), tokens=case["batch"] * case["seq"]
     )
+    if case.get("memory_plot"):
+        import trainstream
+
+        out["memory_report"] = trainstream.memory_report(model)  # plotted by the parent (workloads.py)
     if facts is not None:
         plan = plan_facts(model)
         out.update(plan, trained_params=facts["trained_params"], matmul_params=facts["matmul_params"])

@@ -287,6 +287,14 @@ def markdown(payload: dict) -> str:
         else ""
     )
     plot_line = f"\n\nPlot: {payload['plot_note']}" if payload.get("plot_note") else ""
+    timelines = [
+        f"- row {r['row']}, {r['run']}: "
+        + (f"![memory]({r['memory_plot']})" if r.get("memory_plot") else r["memory_plot_note"])
+        for r in rows
+        if r.get("memory_plot") or r.get("memory_plot_note")
+    ]
+    if timelines:  # plot_memory of the run: each step's peak and the planner's moves
+        plot_line += "\n\nMemory over the run (trainstream.plot_memory):\n\n" + "\n".join(timelines)
     return (
         quick
         + "Rows:\n\n"

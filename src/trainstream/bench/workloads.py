@@ -213,6 +213,7 @@ def rows_table(quick: bool = False, device: str = "cuda") -> dict[int, dict]:
                     "lora",
                     load="none",
                     wrap=dict(quantize="none"),
+                    memory_plot=True,
                 )
             ],
         ),
@@ -245,6 +246,7 @@ def rows_table(quick: bool = False, device: str = "cuda") -> dict[int, dict]:
                     "lora",
                     load="nf4",
                     wrap={},
+                    memory_plot=True,
                 )
             ],
         ),
@@ -413,6 +415,9 @@ def run(
     new, payload = [], None
     for case in cases:
         for result in _measure(case):
+            report = result.pop("memory_report", None)
+            if report is not None:  # rows 6 and 8: the run's memory timeline, beside the JSON
+                result["memory_plot"], result["memory_plot_note"] = _memory_plot(report, stem, case["row"])
             run_row = dict(
                 row=case["row"],
                 workload=table[case["row"]]["title"],
@@ -431,6 +436,19 @@ def run(
             write_result(Path(out_dir), SUITE, env, dict(payload), markdown(payload))
     payload["markdown"] = markdown(payload)
     return payload
+
+
+def _memory_plot(report: dict, stem: Path, row: int) -> tuple[str | None, str | None]:
+    """trainstream.plot_memory of a case's memory_report(), as STEM-row<N>-memory.png: its
+    file name, or None and why not (matplotlib missing)."""
+    from ..plot import plot_memory
+
+    path = stem.parent / f"{stem.name}-row{row}-memory.png"
+    try:
+        plot_memory(report, path, title=f"workloads row {row}: the planner's moves and each step's peak")
+    except ImportError as e:
+        return None, str(e).split("\n")[0]
+    return path.name, None
 
 
 def _machine() -> dict:
