@@ -167,3 +167,27 @@ def live_cuda_tensors() -> list:
     found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
     found.sort(key=lambda t: -t.untyped_storage().nbytes())
     return [(tuple(t.shape), t.dtype) for t in found[:8]]
+
+
+def run_ranks(entry, world: int, root: str, args_of_rank, join_s: float) -> list:
+    """Start `entry(*args_of_rank(r))` in a spawned process for each rank r, wait up to
+    `join_s` for each (a rank still running past it is killed: a hang fails the test, not
+    CI), and return what each saved as ROOT/rank<r>.pt (None where a rank saved nothing)."""
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=entry, args=args_of_rank(r)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(join_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    out = []
+    for r in range(world):
+        path = os.path.join(root, f"rank{r}.pt")
+        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    return out

@@ -16,8 +16,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import assert_same_bits
+from helpers import assert_same_bits, run_ranks
 from models import tiny_gpt
 
 import trainstream
@@ -110,21 +109,7 @@ def _spawn(world: int, root, fn, *args, timeout_s: float = 30) -> list:
     """Run fn(rank, world, *args) on `world` processes; each one's return value (or
     {"error": ...}). A process still running past JOIN_S is killed and reads as None."""
     root = str(root)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, root, timeout_s, fn, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    out = []
-    for r in range(world):
-        path = os.path.join(root, f"rank{r}.pt")
-        out.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-    return out
+    return run_ranks(_entry, world, root, lambda r: (r, world, root, timeout_s, fn, args), JOIN_S)
 
 
 def _ok(results: list) -> list:

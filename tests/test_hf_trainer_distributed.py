@@ -21,11 +21,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
+from helpers import run_ranks  # noqa: E402
 
 import trainstream  # noqa: E402
 from trainstream.integrations.huggingface import TrainStreamTrainer  # noqa: E402
@@ -378,23 +378,10 @@ def _entry(rank: int, world: int, root: str, timeout_s: float, fn, backend: str)
 
 def _spawn(world: int, root, fn, timeout_s: float = 60, backend: str = "gloo") -> list:
     root = str(root)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, root, timeout_s, fn, backend)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    out = []
-    for r in range(world):
-        path = os.path.join(root, f"rank{r}.pt")
-        res = torch.load(path, weights_only=False) if os.path.exists(path) else None
+    out = run_ranks(_entry, world, root, lambda r: (r, world, root, timeout_s, fn, backend), JOIN_S)
+    for r, res in enumerate(out):
         assert res is not None, f"rank {r} did not finish"
         assert "error" not in res, f"rank {r}: {res['error']}"
-        out.append(res)
     return out
 
 
