@@ -398,23 +398,17 @@ def test_resume_of_fp32_params_from_the_optimizer_state_dict_is_bit_exact(moment
         model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, moment_dtype=moments, **RESIDENT)
         return model, opt, batch, loss_fn
 
-    def steps(model, opt, batch, loss_fn, start, n):
-        for i in range(start, start + n):
-            loss_fn(model, batch(i, "cpu")).backward()
-            opt.step()
-            opt.zero_grad()
-
     model, opt, batch, loss_fn = wrapped()
     assert model._trainstream_engine.plan.device_state
-    steps(model, opt, batch, loss_fn, 0, 2)
+    _steps(model, opt, batch, loss_fn, 0, 2)
     saved = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
     st = next(iter(saved["optim"]["state"].values()))
     assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["exp_avg"].dtype == getattr(torch, moments)
-    steps(model, opt, batch, loss_fn, 2, 2)
+    _steps(model, opt, batch, loss_fn, 2, 2)
     resumed, ropt, _, _ = wrapped()
     resumed.load_state_dict(saved["model"])
     ropt.load_state_dict(saved["optim"])
-    steps(resumed, ropt, batch, loss_fn, 2, 2)
+    _steps(resumed, ropt, batch, loss_fn, 2, 2)
     for (k, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), k
     for a, b in zip(opt.state_dict()["state"].values(), ropt.state_dict()["state"].values()):
@@ -506,6 +500,14 @@ def test_a_peft_lora_over_an_nf4_llama_takes_device_state(monkeypatch):
 
 
 # -- the same loop on both paths: the planner's choice changes no result -----------------------
+
+
+def _steps(model, opt, batch, loss_fn, start: int, n: int) -> None:
+    """Training steps start .. start+n-1 of the LoRA MLP's batches."""
+    for i in range(start, start + n):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def _both_paths(monkeypatch, loop, dtype=None, device="cpu", **wrap_options):
@@ -693,21 +695,15 @@ def test_bf16_params_resume_within_rounding_of_their_masters(monkeypatch):
         model, opt = trainstream.wrap(model, None, device="cpu", lr=1e-2, offload=True, **RESIDENT)
         return model, opt, batch, loss_fn
 
-    def steps(model, opt, batch, loss_fn, start, n):
-        for i in range(start, start + n):
-            loss_fn(model, batch(i, "cpu")).backward()
-            opt.step()
-            opt.zero_grad()
-
     model, opt, batch, loss_fn = wrapped()
     assert model._trainstream_engine.plan.device_state
-    steps(model, opt, batch, loss_fn, 0, 2)
+    _steps(model, opt, batch, loss_fn, 0, 2)
     saved = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
-    steps(model, opt, batch, loss_fn, 2, 2)
+    _steps(model, opt, batch, loss_fn, 2, 2)
     resumed, ropt, _, _ = wrapped()
     resumed.load_state_dict(saved["model"])
     ropt.load_state_dict(saved["optim"])
-    steps(resumed, ropt, batch, loss_fn, 2, 2)
+    _steps(resumed, ropt, batch, loss_fn, 2, 2)
     a, b = model.state_dict(), resumed.state_dict()
     for k in a:
         assert ((a[k].float() - b[k].float()).abs() <= 2**-6 * a[k].float().abs() + 0.2 * 1e-2).all(), k

@@ -62,7 +62,7 @@ def _config(size: str):
             vocab_size=32000,
         )
     if size == "qwen2.5-7b":
-        model_type, shape = PUBLISHED[size]
+        _, shape = PUBLISHED[size]
         return transformers.Qwen2Config(**shape)
     raise ValueError(f"lora suite: size must be one of {SIZES}, got {size!r}")
 
