@@ -566,9 +566,12 @@ def test_gpu_synchronize_waits_for_the_step_kernels():
     opt = OffloadAdamW(ours.parameters(), lr=1e-2, mode="gpu")
     ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
     x, y = batches(1)[0]
-    for model, o in ((ours, opt), (theirs, ref)):
-        loss_of(model, x.cuda(), y.cuda()).backward()
-        o.step()
+    # The reference steps first and is waited for alone: only our kernels can still be queued.
+    loss_of(theirs, x.cuda(), y.cuda()).backward()
+    ref.step()
+    torch.cuda.current_stream().synchronize()
+    loss_of(ours, x.cuda(), y.cuda()).backward()
+    opt.step()
     opt.synchronize()
     assert opt._inflight == []
     with torch.cuda.stream(torch.cuda.Stream()):
