@@ -123,6 +123,19 @@ def timed_window(step, opt, steps: int) -> tuple:
     return (time.perf_counter() - t) / steps, loss
 
 
+def alternating_windows(steppers: dict, *, rounds: int, steps: int) -> dict:
+    """Seconds per step of several runs in one process, their timed windows alternating (a, b,
+    ..., a, b, ...): drift of the machine (clocks, the host's memory traffic) falls on every run
+    alike, so ratios of a few percent stay readable. `steppers` maps a name to (step, opt),
+    each already warmed up; the answer maps each name to its windows' median."""
+    times: dict = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, (step, opt) in steppers.items():
+            settle(opt)
+            times[name].append(timed_window(step, opt, steps)[0])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def median_seconds(fn, *, iters: int, warmup: int = 1, sync_cuda: bool = False) -> float:
     """Median wall time of fn() (device work is synchronized when sync_cuda is set)."""
     for _ in range(warmup):
