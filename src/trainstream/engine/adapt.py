@@ -27,7 +27,10 @@
 - Online guard, every forward pass with activation_offload="auto" (the one decision
   taken inside a pass: block_starts answers it, the engine applies it at once): before a block runs,
   if what is allocated plus the activations the rest of the pass will save (as this
-  pass's blocks have shown) would not fit, the block's activations are paged. That keeps
+  pass's blocks have shown) would not fit, the block's activations leave the device: it is
+  recomputed in backward when its measured forward takes no longer than paging its
+  activations over PCIe, or when no forward has been timed yet (the first pass: [Note:
+  recompute before timing] in planner/plan.py), and paged otherwise. That keeps
   the very first pass, and a pass that suddenly grows, from running out of memory. It
   projects the end of the forward as the plan does (each block's measured activations,
   what runs after the stack); the plan also keeps room for a block's gradients and its
@@ -56,10 +59,12 @@ from .switch import stock_bytes, why_not_stock
 
 @dataclass(frozen=True)
 class Replan:
-    """Move blocks: these weights paged and these activations paged, the others not."""
+    """Move blocks: these weights paged, these activations paged, these blocks recomputed in
+    backward; the others not."""
 
     paged: list
     act_paged: list
+    recompute: list = ()
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class Adapter:
         self.timed_passes = 0
         self.passes = 0  # training forward passes seen
         self._guarded: list = []  # blocks the guard paged in this pass (its history entry's list)
+        self._guard_recomputed: list = []  # blocks the guard chose to recompute in this pass
         self.compute_dtype = None  # the autocast dtype the first pass ran under
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
@@ -178,21 +184,24 @@ class Adapter:
         if self.compute_dtype is None and torch.is_autocast_enabled(self.backend.device.type):
             self.compute_dtype = torch.get_autocast_dtype(self.backend.device.type)
 
-    def block_starts(self, unit, fetched_bytes: int) -> bool:
+    def block_starts(self, unit, fetched_bytes: int) -> str | None:
         """Forward (grad enabled, not a recompute) of `unit` is about to run; `fetched_bytes`:
-        the weights fetched since wrap(). True: page this block's activations (the guard)."""
+        the weights fetched since wrap(). The guard's answer: "page" (this block's activations
+        go to host memory), "recompute" (its forward runs again in backward) or None."""
         now = self.allocated()
         self.sample(now)
         self._enter_alloc = now
         self._enter_fetched = fetched_bytes
         if self._timing is not None:
             self._timing[unit.block] = [self._mark(), None]
-        return now is not None and self.acts_auto and not unit.act_paged and self._guard(unit, now)
+        if now is None or not self.acts_auto or unit.act_paged or unit.recompute:
+            return None
+        return self._guard(unit, now)
 
     def block_ends(self, unit, fetched_bytes: int) -> None:
         now = self.allocated()
         self.sample(now)
-        if now is not None and self._enter_alloc is not None and not unit.act_paged:
+        if now is not None and self._enter_alloc is not None and not unit.act_paged and not unit.recompute:
             # Weights fetched during the block (its own, the next block's ahead) are not activations.
             fetched = fetched_bytes - self._enter_fetched
             grown = now - self._enter_alloc - fetched
@@ -273,6 +282,15 @@ class Adapter:
         self._timing = None
         self.timed_passes += 1
 
+    def forward_s(self, block: int) -> float | None:
+        """One forward of `block`: as timed, else the median of the blocks timed (None: none)."""
+        if block in self.block_s:
+            return self.block_s[block]
+        if not self.block_s:
+            return None
+        times = sorted(self.block_s.values())
+        return times[len(times) // 2]
+
     def compute_s(self) -> float:
         """Forward + backward of the stack (backward taken as twice the forward)."""
         if not self.block_s:
@@ -282,9 +300,10 @@ class Adapter:
 
     # -- the online guard --------------------------------------------------------------------------
 
-    def _guard(self, unit, now: int) -> bool:
-        """Page `unit`'s activations? When what is allocated `now`, the activations the rest
-        of the pass will save and what runs after the stack would pass the usable memory."""
+    def _guard(self, unit, now: int) -> str | None:
+        """Take `unit`'s activations off the device ("page" or "recompute", see _off_device)?
+        When what is allocated `now`, the activations the rest of the pass will save and what
+        runs after the stack would pass the usable memory."""
         meter = self.meter
         measured = meter.activation_bytes
         per_block = max(self._pass_act, max(measured.values(), default=0))
@@ -293,12 +312,15 @@ class Adapter:
         # The activations the rest of the pass will save: each block's measured bytes as placed
         # now, grown as much as this pass's blocks have grown over theirs (a longer sequence
         # than measured); a block not measured yet, as the largest seen. A block whose
-        # activations are paged still holds autocast's copies of its resident weights.
-        rest_units = [u for u in self.block_units[unit.block :] if not u.act_paged]
+        # activations are paged or recomputed still holds autocast's copies of its resident
+        # weights; a recomputed one, its inputs too.
+        later = self.block_units[unit.block :]
+        rest_units = [u for u in later if not u.act_paged and not u.recompute]
         rest = sum(int(activations_as_placed(meter, u, u.paged) * self._pass_growth) or per_block for u in rest_units)
         rest += sum(
-            meter.activation_cast.get(u.block, 0) for u in self.block_units[unit.block :] if u.act_paged and not u.paged
+            meter.activation_cast.get(u.block, 0) for u in later if (u.act_paged or u.recompute) and not u.paged
         )
+        rest += sum(int(meter.activation_inputs.get(u.block, 0) * self._pass_growth) for u in later if u.recompute)
         if self.after_stack_measured:
             after_stack = self.planned_after_stack()
         else:
@@ -308,28 +330,54 @@ class Adapter:
             after_stack = int(self.AFTER_STACK_SHARE * self.usable) + max(u.nbytes for u in self.block_units)
         projected = now + rest + after_stack
         if projected <= self.usable:
-            return False
-        self._guarded.append(unit.block)
-        if len(self._guarded) == 1:  # one entry per pass; the blocks after this one join its list
+            return None
+        choice, why = self._off_device(unit, per_block)
+        guarded = self._guard_recomputed if choice == "recompute" else self._guarded
+        guarded.append(unit.block)
+        if len(guarded) == 1:  # one entry per pass and choice; the blocks after this one join its list
+            what = "recomputed in backward" if choice == "recompute" else "activations paged during the pass"
             self.record(
                 "guard",
-                f"block {unit.block}: activations paged during the pass (allocated "
+                f"block {unit.block}: {what} (allocated "
                 f"{now / GiB:.2f} GiB + {len(rest_units)} blocks' activations {rest / GiB:.2f} GiB + "
                 f"{after_stack / GiB:.2f} GiB after the stack would pass {self.usable / GiB:.2f} GiB "
-                f"usable)",
+                f"usable; {why})",
                 allocated=now,
                 projected=projected,
-                blocks=self._guarded,
+                blocks=guarded,
+                choice=choice,
             )
-        return True
+        return choice
+
+    def _off_device(self, unit, per_block: int) -> tuple[str, str]:
+        """The guard's choice for a block whose activations leave the device, "recompute" or
+        "page", and why: the cheaper of its forward again and its activations' PCIe time; with no
+        forward timed yet, recompute ([Note: recompute before timing] in planner/plan.py)."""
+        forward = self.forward_s(unit.block)
+        if forward is None:
+            return "recompute", (
+                "no forward timed yet: recomputing needs no pinned host memory, paging pins it for every block"
+            )
+        acts = activations_as_placed(self.meter, unit, unit.paged) or per_block
+        paging = max(acts / self.profile.h2d_bytes_per_s, acts / self.profile.d2h_bytes_per_s)
+        numbers = f"forward {forward * 1e3:.2f} ms, paging {acts / GiB:.3f} GiB each way {paging * 1e3:.2f} ms"
+        if forward <= paging:
+            return "recompute", f"recomputing is cheaper: {numbers}"
+        return "page", f"paging is cheaper: {numbers}"
 
     def _close_guard(self) -> None:
-        """End of a pass: say how many blocks the guard paged in it, when more than one."""
+        """End of a pass: say how many blocks the guard paged or recomputed in it, when more than one."""
         if len(self._guarded) > 1:
             self.events.add(
                 f"the guard paged the activations of {len(self._guarded)} blocks in that pass: {_ranges(self._guarded)}"
             )
+        if len(self._guard_recomputed) > 1:
+            self.events.add(
+                f"the guard chose to recompute {len(self._guard_recomputed)} blocks in that pass: "
+                f"{_ranges(self._guard_recomputed)}"
+            )
         self._guarded = []
+        self._guard_recomputed = []
 
     # -- after each step -----------------------------------------------------------------------------
 
@@ -343,6 +391,8 @@ class Adapter:
             self.usable,
             act_bytes=self.meter.activation_bytes or None,
             act_cast=self.meter.activation_cast,
+            act_inputs=self.meter.activation_inputs,
+            forward_s=self.block_s,
             after_stack=self.planned_after_stack(),
             held_after_stack=self.held_after_stack,
             compute_s=self.compute_s(),
@@ -353,6 +403,9 @@ class Adapter:
     def current(self) -> tuple:
         units = self.block_units
         return [u.block for u in units if u.paged], [u.block for u in units if u.act_paged]
+
+    def recomputed(self) -> list:
+        return [u.block for u in self.block_units if u.recompute]
 
     def after_step(self, stock_allowed: str | None):
         """A step was taken: measure, and decide. Returns a Replan, a SwitchToStock or None.
@@ -389,7 +442,8 @@ class Adapter:
         if not (self.weights_auto or self.acts_auto) or not self.meter.activation_bytes:
             return None
         paged, act_paged = self.current()
-        predicted = device_bytes(self._inputs(0), set(paged), set(act_paged))
+        recompute = self.recomputed()
+        predicted = device_bytes(self._inputs(0), set(paged), set(act_paged), set(recompute))
         if observed is not None:
             # Only ever added: a plan that predicts more than was measured stays as it is
             # (moving blocks in on a smaller correction can run out of memory).
@@ -400,10 +454,13 @@ class Adapter:
         plan = make_plan(self._inputs(self.correction))
         new_paged = plan.paged if self.weights_auto else paged
         new_acts = plan.act_paged if self.acts_auto else act_paged
-        if not settling:  # the watchdog only pages more
+        new_rec = plan.recompute if self.acts_auto else recompute
+        if not settling:  # the watchdog only pages more (a block off the device stays off it)
             new_paged = sorted(set(new_paged) | set(paged))
-            new_acts = sorted(set(new_acts) | set(act_paged))
-        if (new_paged, new_acts) == (paged, act_paged):
+            off = set(new_acts) | set(new_rec)
+            new_acts = sorted(set(new_acts) | {b for b in act_paged if b not in off})
+            new_rec = sorted(set(new_rec) | {b for b in recompute if b not in off})
+        if (new_paged, new_acts, new_rec) == (paged, act_paged, recompute):
             return None
         why = "settling" if settling else "watchdog: the step's peak passed the usable memory"
         self.record(
@@ -415,18 +472,40 @@ class Adapter:
             correction=self.correction,
             paged=new_paged,
             act_paged=new_acts,
+            recompute=new_rec,
             predicted_step_s=plan.step_s,
             fits=plan.fits,
         )
+        if new_rec != recompute:
+            self.events.add(self._recompute_reason(plan, new_rec))
         if not plan.fits:
             self.record("warning", "no placement is predicted to fit; paging as much as possible")
-        elif not plan.within_limit and plan.act_paged:
+        elif not plan.within_limit and (plan.act_paged or plan.recompute):
             self.record(
                 "warning",
-                f"activation paging needed to fit adds {plan.act_slowdown:.0%} to the step, more "
+                f"activation paging and recompute needed to fit add {plan.act_slowdown:.0%} to the step, more "
                 f"than max_activation_slowdown={self.opts.max_activation_slowdown}",
             )
-        return Replan(new_paged, new_acts)
+        return Replan(new_paged, new_acts, new_rec)
+
+    def _recompute_reason(self, plan, blocks: list) -> str:
+        """The events' line for the blocks a replan recomputes, with the numbers it weighed."""
+        if not blocks:
+            return "recompute: no block is recomputed from the next step on"
+        if not self.block_s:
+            return (
+                f"recompute: blocks {_ranges(blocks)} recomputed in backward (no forward timed yet: "
+                "recomputing needs no pinned host memory; the next replans weigh measured times)"
+            )
+        forward = sum(self.forward_s(b) for b in blocks)
+        measured = self.meter.activation_bytes
+        acts = sum(measured.get(b, max(measured.values(), default=0)) for b in blocks)  # as plan_inputs counts them
+        paging = max(acts / self.profile.h2d_bytes_per_s, acts / self.profile.d2h_bytes_per_s)
+        return (
+            f"recompute: blocks {_ranges(blocks)} recomputed in backward: their forwards again "
+            f"{forward * 1e3:.1f} ms of compute, where paging their {acts / GiB:.2f} GiB of activations would take "
+            f"{paging * 1e3:.1f} ms each way over PCIe (predicted step {plan.step_s * 1e3:.1f} ms)"
+        )
 
     def _stock_decision(self, reason: str | None, observed) -> SwitchToStock | None:
         """offload='auto': switch to stock training if it fits; say why not otherwise."""
@@ -456,9 +535,11 @@ class Adapter:
     def applied(self, replan: Replan) -> None:
         self.record(
             "applied",
-            f"weights paged for blocks {replan.paged}, activations for blocks {replan.act_paged}",
+            f"weights paged for blocks {replan.paged}, activations for blocks {replan.act_paged}, "
+            f"recomputed blocks {list(replan.recompute)}",
             paged=list(replan.paged),
             act_paged=list(replan.act_paged),
+            recompute=list(replan.recompute),
         )
 
     def record(self, kind: str, message: str, **numbers) -> None:

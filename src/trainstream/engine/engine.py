@@ -29,6 +29,7 @@ import warnings
 import weakref
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..sizes import MiB
 from .activations import ActivationPager, PagedTensor
@@ -38,7 +39,7 @@ from .device_state import DeviceState
 from .distributed import DataParallel, StockGradients, agree
 from .frozen_linear import FrozenLinears
 from .grads import GradSettings, GradStreamer
-from .layout import Fetch, set_device_state
+from .layout import Fetch, set_device_state, set_recompute
 from .measure import ActivationMeter
 from .moments import MomentStager, lay_out
 from .params import WeightPager
@@ -133,6 +134,8 @@ class Engine:
         quantized = {s: (plan.quantize, plan.quant_block_size) for s in layout.quantizable if s.name in plan.quantized}
         self.weights = WeightPager(backend, self.units, self.ledger, plan.update_on_device, plan.paged, quantized)
         self.acts = ActivationPager(backend, self.ledger, self.block_units, plan.act_paged)
+        for u in self.block_units:
+            set_recompute(u, u.block in plan.recompute)
         self.grads = GradStreamer(
             backend,
             self.units,
@@ -463,18 +466,31 @@ class Engine:
         engine = self
 
         @functools.wraps(forward)
+        def recomputable(*args, **kwargs):
+            if engine._in_backward():
+                engine.enter_block(unit)  # the recompute: its weights back, as under a user's checkpoint
+            return forward(*args, **kwargs)
+
         def paged_forward(*args, **kwargs):
             engine.enter_block(unit)
-            measure = engine._start_counting()
+            # A checkpoint around the block has its own saved-tensor hooks: ours would
+            # override them (nothing recomputed, every activation kept), so a block whose
+            # activations stay put leaves them be; its weights come back with the recompute.
+            # A block whose streamed weights are all frozen Linears' saves none of them
+            # ([Note: frozen linears]) and needs no hooks of ours either.
+            foreign = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            # The planner's recompute: a checkpoint of ours, never inside someone else's, nor
+            # in backward (a forward recomputing there is already one). It keeps the block's
+            # inputs only; its RNG state is kept, so dropout recomputes the same bits.
+            recompute = unit.recompute and torch.is_grad_enabled() and not foreign and not engine._in_backward()
+            if not engine._in_backward():
+                engine.meter.count_inputs(unit, _tensors_in((args, kwargs)), engine.backend.device)
+            measure = not recompute and engine._start_counting()
             try:
-                # A checkpoint around the block has its own saved-tensor hooks: ours would
-                # override them (nothing recomputed, every activation kept), so a block whose
-                # activations stay put leaves them be; its weights come back with the recompute.
-                # A block whose streamed weights are all frozen Linears' saves none of them
-                # ([Note: frozen linears]) and needs no hooks of ours either.
-                foreign = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
                 saves_weights = unit.streamed and not foreign and not engine.linears.serves(unit)
-                if (unit.act_paged or measure or saves_weights) and torch.is_grad_enabled():
+                if recompute:
+                    out = checkpoint(recomputable, *args, use_reentrant=False, **kwargs)
+                elif (unit.act_paged or measure or saves_weights) and torch.is_grad_enabled():
                     with torch.autograd.graph.saved_tensors_hooks(functools.partial(engine.pack, unit), engine.unpack):
                         out = forward(*args, **kwargs)
                 else:
@@ -503,8 +519,11 @@ class Engine:
                     self.weights.release(done)
             self.weights.guard(unit)
             return
-        if torch.is_grad_enabled() and self.adapter.block_starts(unit, self.weights.fetched_bytes):
-            self.acts.page(unit, True)  # the online guard: this block's activations would not fit
+        choice = self.adapter.block_starts(unit, self.weights.fetched_bytes) if torch.is_grad_enabled() else None
+        if choice == "page":  # the online guard: this block's activations would not fit
+            self.acts.page(unit, True)
+        elif choice == "recompute":  # the guard again: recomputed in backward instead
+            set_recompute(unit, True)
         self.acts.drop(unit)
         self.weights.guard(unit)
         nxt = unit.block + 1
@@ -1052,7 +1071,9 @@ class Engine:
         self.synchronize()
         moved = self.weights.repage({u for u in self.block_units if (u.block in decision.paged) != u.paged})
         for u in self.block_units:
+            set_recompute(u, False)  # before paging: a block moves between the two
             self.acts.page(u, u.block in decision.act_paged)
+            set_recompute(u, u.block in decision.recompute)
         if moved:
             self.state_hooks.remove()
             self.state_hooks.install()

@@ -100,6 +100,9 @@ class Unit:
     slots: list
     paged: bool = False  # weights live in host memory and are fetched for each use
     act_paged: bool = False  # saved activations go to host memory during forward
+    # Forward under torch.utils.checkpoint (non-reentrant): only the block's inputs are kept,
+    # its forward runs again in backward. Never set together with act_paged.
+    recompute: bool = False
     # Updates of this unit's weights that may still be running: host optimizer jobs, or
     # DeviceUpdates (optimizer_mode="gpu").
     updates: list = field(default_factory=list)
@@ -407,6 +410,14 @@ def set_device_state(units: list, names) -> None:
         for s in u.slots:
             s.device_state = s.trainable and s.name in names
         u.__dict__.pop("trainable", None)
+
+
+def set_recompute(unit: Unit, on: bool) -> None:
+    """Recompute `unit`'s forward in backward from its next forward on (the plan, a replan, the
+    online guard); a block's activations are paged or recomputed, never both."""
+    if on and unit.act_paged:
+        raise RuntimeError(f"trainstream internal: {unit.name} would page and recompute its activations")
+    unit.recompute = on
 
 
 @dataclass(eq=False)

@@ -5,7 +5,9 @@ its tensors for backward (the saved-tensor pack hook), once per storage, with th
 weights as placed: under bf16 autocast a resident block's count includes autocast's copies
 of its trainable weights (`activation_cast`), which a paged block does not make, so a
 paged block's count adds the copies it would have made (cast_bytes) and either placement
-is comparable.
+is comparable. A block recomputed in backward saves nothing of its own in forward (the
+checkpoint's hooks take the place of ours): its count is what an earlier pass measured, and
+what it keeps is its inputs, counted for every block (`activation_inputs`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class ActivationMeter:
         self.resident_storages = resident_storages  # device storages of resident weights: not activations
         self.activation_bytes: dict = {}  # block -> largest count of the measured passes
         self.activation_cast: dict = {}  # block -> of that, autocast's copies of its weights
+        self.activation_inputs: dict = {}  # block -> bytes of its input tensors on the device (largest)
         self._passes = 0
         self.measuring = False  # this forward pass counts activations
         self._counting: dict | None = None  # storage pointer -> (weak ref, bytes), in the block running now
@@ -99,6 +102,24 @@ class ActivationMeter:
         self._counted = 0
         self._counted_cast = 0
         return True
+
+    def count_inputs(self, unit, tensors, device) -> None:
+        """The tensors a block's forward is called with, in a measured pass: what a checkpoint
+        around the block keeps until its backward (each storage once, weights not counted)."""
+        if not self.measuring:
+            return
+        seen, total = set(), 0
+        for t in tensors:
+            if t.device != device:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in seen or ptr in self.resident_storages:
+                continue
+            seen.add(ptr)
+            total += storage.nbytes()
+        if total > self.activation_inputs.get(unit.block, -1):
+            self.activation_inputs[unit.block] = total
 
     def count(self, t: torch.Tensor, unit) -> None:
         """A tensor the running block saves (not a weight the engine fetched)."""

@@ -28,6 +28,7 @@ class Placement:
     paged: list  # block indices whose weights live in host memory
     act_paged: list  # block indices whose saved activations are paged
     notes: list = field(default_factory=list)
+    recompute: list = field(default_factory=list)  # blocks recomputed in backward (never also in act_paged)
 
 
 def _first(fraction: float, n: int) -> list:
@@ -82,6 +83,8 @@ def plan_inputs(
     *,
     act_bytes: dict | None = None,
     act_cast: dict | None = None,
+    act_inputs: dict | None = None,
+    forward_s: dict | None = None,
     after_stack: int = 0,
     held_after_stack: int = 0,
     compute_s: float = 0.0,
@@ -91,6 +94,9 @@ def plan_inputs(
     """The planner's view of this model on this machine. `act_bytes`: saved activations per
     block with its weights resident (None before the first pass: a share of the memory is
     held back for them instead), `act_cast`: of those, autocast's copies of the weights;
+    `act_inputs`: each block's input bytes (what it keeps when recomputed), `forward_s`: each
+    block's measured forward (a block not timed is taken as the median of those timed; none
+    timed: None, see [Note: recompute before timing] in planner/plan.py);
     `after_stack`: what the head and the loss add at the end of the forward, and
     `held_after_stack` what of it backward still finds held (both measured);
     `correction`: measured peak minus predicted, from the adapter."""
@@ -105,8 +111,11 @@ def plan_inputs(
             for s in u.pageable_slots
         )
 
-    acts, casts = act_bytes or {}, act_cast or {}
+    acts, casts, inputs, times = act_bytes or {}, act_cast or {}, act_inputs or {}, forward_s or {}
     fallback = max(acts.values(), default=0)  # a block not measured (no copies counted for it)
+    input_fallback = max(inputs.values(), default=0)
+    timed = sorted(times.values())
+    time_fallback = timed[len(timed) // 2] if timed else None
     blocks = [
         BlockBytes(
             sum(s.nbytes for s in u.pageable_slots),
@@ -115,6 +124,8 @@ def plan_inputs(
             acts.get(u.block, fallback),
             u.block not in unpageable,
             casts.get(u.block, 0),
+            inputs.get(u.block, input_fallback),
+            times.get(u.block, time_fallback),
         )
         for u in block_units
     ]
@@ -159,6 +170,9 @@ def plan_inputs(
             if opts.activation_offload != "auto"
             else ()
         ),
+        # An explicit activation_offload fixes every block's activations (paged or kept);
+        # recomputing is the planner's choice under "auto" only.
+        recompute=opts.activation_offload == "auto",
         after_stack_bytes=after_stack,
         held_after_stack_bytes=held_after_stack,
     )
@@ -185,7 +199,8 @@ def choose(opts, block_units, outside_units, unpageable: list, profile, model_by
         if opts.activation_offload == "auto":
             notes.append(
                 "activation_offload='auto': activations stay on the device until the first forward pass "
-                "measures them; a block whose activations would not fit is paged as the pass goes"
+                "measures them; a block whose activations would not fit is recomputed in backward (or paged, "
+                "when the measured times say paging is cheaper) as the pass goes"
             )
     return Placement(sorted(paged), sorted(act), notes)
 
@@ -475,6 +490,7 @@ class Plan:
     # (device_state.py), and the events that explain the choice.
     device_state: frozenset = frozenset()
     device_state_notes: tuple = ()
+    recompute: tuple = ()  # block indices recomputed in backward (never also in act_paged)
 
     @property
     def notes(self) -> tuple:
@@ -537,7 +553,8 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
             fit, why = None, f"its {_device_state_gib(model.units, 4)} would not fit ({'; '.join(e.problems)})"
         if fit is not None:
             more = len(fit.placement.paged) - len(base.placement.paged)
-            more_acts = len(fit.placement.act_paged) - len(base.placement.act_paged)
+            more_acts = len(fit.placement.act_paged) + len(fit.placement.recompute)
+            more_acts -= len(base.placement.act_paged) + len(base.placement.recompute)
             if more > 0 or more_acts > 0:
                 why = (
                     f"its VRAM would page {max(more, 0)} more blocks' weights and {max(more_acts, 0)} more "
@@ -561,6 +578,7 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
         for u in model.block_units:  # the trial's flags back to the placement kept
             u.paged = u.block in base.placement.paged
             u.act_paged = u.block in base.placement.act_paged
+            u.recompute = u.block in base.placement.recompute
     base.device_state_notes = [f"device state: not used, the trainable set keeps the host path: {why}"]
     return base
 
@@ -576,6 +594,7 @@ def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _F
     for u in block_units:
         u.paged = u.block in placement.paged
         u.act_paged = u.block in placement.act_paged
+        u.recompute = u.block in placement.recompute
     units = block_units + outside_units
     moment_notes = []
     moment_dtype = torch.float32 if opts.moment_dtype == "auto" else opts.moment_dtype
@@ -701,7 +720,7 @@ def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, lis
 
 def _trial(model):
     """A copy of the layout's units and slots to try placements and formats on: the params
-    are shared, the fields planning writes (paged, act_paged, quant_format) are its own."""
+    are shared, the fields planning writes (paged, act_paged, recompute, quant_format) are its own."""
     copies = {}
 
     def unit_copy(u):
@@ -731,6 +750,7 @@ def plan_run(opts, model, profile, backend) -> Plan:
     return Plan(
         paged=tuple(fit.placement.paged),
         act_paged=tuple(fit.placement.act_paged),
+        recompute=tuple(fit.placement.recompute),
         quantize=fmt,
         quantized=frozenset(s.name for s in model.quantizable) if fmt else frozenset(),
         quant_block_size=opts.quant_block_size,

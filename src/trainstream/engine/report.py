@@ -69,6 +69,8 @@ def build_report(engine) -> dict:
             "paged_blocks": [u.block for u in blocks if u.paged],
             "resident_blocks": [u.block for u in blocks if not u.paged],
             "activation_paged_blocks": [u.block for u in blocks if u.act_paged],
+            # Blocks whose forward runs again in backward (only their inputs kept), never also paged.
+            "recompute_blocks": [u.block for u in blocks if u.recompute],
             "quantize": quant["format"],
         },
         "plan": {
@@ -88,7 +90,11 @@ def build_report(engine) -> dict:
             "profile": dataclasses.asdict(engine.profile),
             "history": list(engine.history),
             # The placement wrap() applied, before any move in history.
-            "placement_at_wrap": {"paged": list(engine.plan.paged), "act_paged": list(engine.plan.act_paged)},
+            "placement_at_wrap": {
+                "paged": list(engine.plan.paged),
+                "act_paged": list(engine.plan.act_paged),
+                "recompute": list(engine.plan.recompute),
+            },
             # Saved activations per block (bytes, largest of the first passes), measured.
             "activation_bytes_per_block": dict(engine.activation_bytes),
         },

@@ -1,4 +1,5 @@
-"""The plan: which blocks page their weights and which page their saved activations.
+"""The plan: which blocks page their weights, and for each block whether its saved activations
+stay on the device, are paged to host memory, or are recomputed in backward.
 
 A pure function of byte counts and rates, so it is tested table by table without a GPU.
 
@@ -25,6 +26,10 @@ host-to-device bytes over the measured bandwidth, device-to-host bytes likewise,
 host AdamW). A paged block crosses twice per step (forward and backward), in the dtype it
 computes in; a resident block's trainable weights cross once (the update's push). Saved
 activations of a paged block cross once each way. Gradients cross out once.
+A recomputed block (torch.utils.checkpoint around its forward) keeps only its inputs
+(`input_bytes`) from its forward to its backward, moves nothing over PCIe, and runs its
+forward once more in backward: its `forward_s` is added to the compute time. When it is
+recomputed, its activations are back on the device whole, above what the blocks before it keep.
 
 The choice: among the placements that fit, the fastest; of equally fast ones, the one
 that pages the fewest blocks' activations, then the fewest blocks' weights. Activation
@@ -33,6 +38,17 @@ placement without it; when nothing fits within that limit,
 the fastest placement that fits is taken and the plan says so (the alternative is running
 out of memory). Blocks are paged from the front of the stack: the first blocks' saved
 activations are held the longest (from their forward to the end of backward).
+
+Recomputation (`recompute=True`: activation_offload="auto"): of the first k blocks whose
+activations leave the device, each is paged or recomputed; the blocks whose paging costs the
+most PCIe time per second of their recompute are recomputed first, and every split of the k
+is tried, so the cost model picks per block. The limit above counts the recompute as it counts
+paging. At equal times, keeping comes first, then recomputing (no pinned memory, no host
+work). [Note: recompute before timing] A block whose forward has not been timed yet
+(`forward_s` None: the first step) has no recompute cost to weigh: every block leaving the
+device is then recomputed, since paging's first pass also pins fresh host memory for each
+block's activations (far slower than the PCIe copy itself); the replan after the first timed
+step decides per block with measured times.
 """
 
 from __future__ import annotations
@@ -50,6 +66,8 @@ class BlockBytes:
     act_bytes: int = 0  # saved activations of one forward pass, weights resident (measured; 0 when unknown)
     pageable: bool = True  # False: shares a parameter with the outside (tied weights)
     cast_bytes: int = 0  # of act_bytes: autocast's copies of the weights, held while they are resident
+    input_bytes: int = 0  # what the block keeps when recomputed: its inputs (measured; 0 when unknown)
+    forward_s: float | None = None  # one forward of the block (measured; None before it is timed)
 
 
 @dataclass
@@ -69,6 +87,7 @@ class PlanInputs:
     activations: str = "auto"  # "auto", or "fixed": keep `fixed_act_paged`
     fixed_paged: tuple = ()
     fixed_act_paged: tuple = ()
+    recompute: bool = False  # blocks may be recomputed instead of paged (activations "auto" only)
     after_stack_bytes: int = 0  # what the head and the loss add at the end of the forward (measured)
     held_after_stack_bytes: int = 0  # of that, still held when backward reaches the stack (measured)
 
@@ -85,27 +104,34 @@ class BlockPlan:
     act_slowdown: float  # predicted, of the activation paging chosen
     within_limit: bool  # act_slowdown <= max_activation_slowdown
     terms: dict = field(default_factory=dict)  # the four times of the chosen placement
+    recompute: list = field(default_factory=list)  # blocks recomputed in backward (never also in act_paged)
 
     def describe(self, usable: int) -> str:
         t = self.terms
         text = (
-            f"{len(self.paged)} blocks' weights paged, {len(self.act_paged)} blocks' activations paged; "
+            f"{len(self.paged)} blocks' weights paged, {len(self.act_paged)} blocks' activations paged, "
+            f"{len(self.recompute)} blocks recomputed; "
             f"device {self.device_bytes / GiB:.2f} of {usable / GiB:.2f} GiB usable; predicted step "
             f"{self.step_s * 1e3:.1f} ms (compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
             f"out {t['d2h'] * 1e3:.1f}, host AdamW {t['adamw'] * 1e3:.1f})"
         )
-        if self.act_paged:
-            text += f", activation paging adds {self.act_slowdown:.0%}"
+        if self.recompute:
+            text += f" (recompute {t.get('recompute', 0.0) * 1e3:.1f} of the compute)"
+        if self.act_paged or self.recompute:
+            text += f", activation {'paging' if not self.recompute else 'paging and recompute'} adds {self.act_slowdown:.0%}"
         return text
 
 
-def activation_peak(inp: PlanInputs, act_paged) -> int:
+def activation_peak(inp: PlanInputs, act_paged, recompute=frozenset()) -> int:
     """Device bytes of saved activations at their peak (see the module docstring); autocast's
     copies of resident weights are counted with the weights."""
     b, depth = inp.blocks, inp.prefetch_depth
-    kept = fetched = 0  # kept: the not-paged activations of the blocks before block i
+    kept = fetched = 0  # kept: what the blocks before block i hold until backward reaches them
     for i, x in enumerate(b):
-        if i in act_paged:
+        if i in recompute:
+            fetched = max(fetched, kept + x.act_bytes - x.cast_bytes)  # recomputed in backward
+            kept += x.input_bytes
+        elif i in act_paged:
             window = sum(b[j].act_bytes for j in range(max(i - depth, 0), i + 1) if j in act_paged)
             fetched = max(fetched, kept + window)
         else:
@@ -114,13 +140,56 @@ def activation_peak(inp: PlanInputs, act_paged) -> int:
     return max(kept + inp.after_stack_bytes, backward)
 
 
-def device_bytes(inp: PlanInputs, paged, act_paged) -> int:
+def device_bytes(inp: PlanInputs, paged, act_paged, recompute=()) -> int:
     b = inp.blocks
     need = inp.fixed_bytes
     need += sum(x.weight_bytes + x.cast_bytes for i, x in enumerate(b) if i not in paged)
     if paged:
         need += 2 * max(b[i].crossing_bytes for i in paged)
-    return need + activation_peak(inp, set(act_paged))
+    return need + activation_peak(inp, set(act_paged), set(recompute))
+
+
+def paging_s(inp: PlanInputs, x: BlockBytes) -> float:
+    """PCIe time of paging one block's activations: out in forward, in for backward (the two
+    directions overlap each other and compute; this is what they add to the busier link)."""
+    return max(x.act_bytes / inp.h2d_bytes_per_s, x.act_bytes / inp.d2h_bytes_per_s)
+
+
+def _recompute_first(inp: PlanInputs, chosen: list) -> list:
+    """`chosen` in the order they are recomputed rather than paged: the most PCIe time per
+    second of recompute first (stable: the front of the stack first among equals)."""
+    b = inp.blocks
+    return sorted(chosen, key=lambda i: -paging_s(inp, b[i]) / max(b[i].forward_s or 0.0, 1e-12))
+
+
+class _ActOption:
+    """One activation policy: the blocks paged and the blocks recomputed (the rest kept)."""
+
+    def __init__(self, inp: PlanInputs, paged: list, recompute: list):
+        b = inp.blocks
+        self.chosen, self.recompute = sorted(paged), sorted(recompute)
+        self.moved = sum(b[i].act_bytes for i in paged)  # PCIe bytes each way per step
+        self.compute = sum(b[i].forward_s or 0.0 for i in recompute)  # forward time added in backward
+        self.peak = activation_peak(inp, set(paged), set(recompute))
+
+
+def _act_options(inp: PlanInputs) -> list:
+    """The activation policies to try (see the module docstring)."""
+    if inp.activations == "fixed":
+        return [_ActOption(inp, list(inp.fixed_act_paged), [])]
+    n, options = len(inp.blocks), []
+    untimed = any(x.forward_s is None for x in inp.blocks)
+    for k in range(n + 1):
+        leaving = list(range(k))
+        if not inp.recompute:
+            options.append(_ActOption(inp, leaving, []))
+            continue
+        if untimed:  # [Note: recompute before timing]
+            options.append(_ActOption(inp, [], leaving))
+            continue
+        order = _recompute_first(inp, leaving)
+        options.extend(_ActOption(inp, order[r:], order[:r]) for r in range(k + 1))
+    return options
 
 
 class _Option:
@@ -155,17 +224,15 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
         size=lambda x: x.weight_bytes + x.cast_bytes,
         crossing=lambda x: x.crossing_bytes,
     )
-    act_opts = _options(b, inp.fixed_act_paged, inp.activations, list(range(len(b))), lambda x: x.act_bytes)
+    act_opts = _act_options(inp)  # each with its peak, once per option, not per pair
     all_weights = sum(x.weight_bytes + x.cast_bytes for x in b)
-    for a in act_opts:
-        a.peak = activation_peak(inp, set(a.chosen))  # once per option, not per pair
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
     best, best_key, smallest = None, None, None
     for w in weight_opts:
         for a in act_opts:
             need = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight + a.peak
             terms = {
-                "compute": inp.compute_s,
+                "compute": inp.compute_s + a.compute,
                 "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
                 "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s,
                 "adamw": inp.adamw_s,
@@ -185,10 +252,20 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
             if not fits:
                 continue
             # Within the slowdown limit first; then faster (to 0.1 ms); then fewer blocks'
-            # activations paged (their copies cost host work the model does not count, where
-            # weights paged in bf16 under autocast cost none); then fewer blocks' weights paged.
-            key = (not within, round(step * 1e3, 1), len(a.chosen), len(w.chosen))
+            # activations moved off the device (kept first), and of those fewer paged (their
+            # copies cost host work and pinned memory the model does not count, where weights
+            # paged in bf16 under autocast cost none); then fewer blocks' weights paged.
+            key = (
+                not within,
+                round(step * 1e3, 1),
+                len(a.chosen) + len(a.recompute),
+                len(a.chosen),
+                len(w.chosen),
+            )
             if best_key is None or key < best_key:
                 best_key, best = key, (need, w, a, terms, step, slowdown, within)
     need, w, a, terms, step, slowdown, within = best if best is not None else smallest
-    return BlockPlan(list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms)
+    terms = dict(terms, recompute=a.compute)
+    return BlockPlan(
+        list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms, list(a.recompute)
+    )
