@@ -2,6 +2,8 @@
 op accepts a ValueError, each naming the op and the argument, before anything reaches the
 native module. The bounds of threads and block_size are the public options'."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -302,3 +304,71 @@ def test_quantized_weight_checks_its_parts(change, error, match):
     parts.update(change)
     with pytest.raises(error, match=rf"^QuantizedWeight: {match}"):
         QuantizedWeight(**parts)
+
+
+# -- quantize's out= buffers --------------------------------------------------------------------
+
+
+def _quantize_out(quantize, n=100, block_size=64):
+    """Buffers of the right layout for quantize(x of n values, block_size, out=...)."""
+    codes, absmax = quantize(torch.randn(n), block_size)
+    return torch.empty_like(codes), torch.empty_like(absmax)
+
+
+@pytest.mark.parametrize("quantize", QUANTIZE)
+@pytest.mark.parametrize(
+    "which, make, what",
+    [
+        (0, lambda t: t[:-1], "one code too few"),
+        (0, lambda t: torch.empty(t.numel() + 1, dtype=t.dtype), "one code too many"),
+        (0, lambda t: torch.empty(t.numel(), dtype=torch.int16), "another code dtype"),
+        (0, lambda t: torch.empty(t.numel() * 2, dtype=t.dtype)[::2], "strided codes"),
+        (0, lambda t: torch.empty(t.numel(), dtype=t.dtype, device="meta"), "codes on another device"),
+        (1, lambda t: t[:-1], "one scale too few"),
+        (1, lambda t: torch.empty(t.numel(), dtype=torch.float64), "float64 scales"),
+        (1, lambda t: torch.empty(t.numel() * 2)[::2], "strided scales"),
+        (1, lambda t: torch.empty(t.numel(), device="meta"), "scales on another device"),
+    ],
+)
+def test_quantize_out_names_the_buffer_with_the_wrong_layout_and_writes_nothing(quantize, which, make, what):
+    out = list(_quantize_out(quantize))
+    out[which] = make(out[which])
+    other = out[1 - which].fill_(3)
+    name = ("out[0] (codes)", "out[1] (absmax)")[which]
+    with pytest.raises(ValueError, match=rf"^{quantize.__name__}: {re.escape(name)} must be a contiguous "):
+        quantize(torch.randn(100), 64, out=tuple(out))
+    assert torch.all(other == 3), what
+
+
+@pytest.mark.parametrize("quantize", QUANTIZE)
+def test_quantize_out_must_be_a_pair_of_tensors(quantize):
+    codes, absmax = _quantize_out(quantize)
+    x = torch.randn(100)
+    for out in (codes, (codes,), (codes, absmax, absmax), "out"):
+        with pytest.raises(TypeError, match=rf"^{quantize.__name__}: out must be a \(codes, absmax\) tuple"):
+            quantize(x, out=out)
+    with pytest.raises(TypeError, match=rf"^{quantize.__name__}: out\[1\] \(absmax\) must be a torch.Tensor"):
+        quantize(x, out=(codes, [0.0, 0.0]))
+    with pytest.raises(TypeError, match=rf"^{quantize.__name__}: out\[0\] \(codes\) must be a torch.Tensor"):
+        quantize(x, out=(np.zeros(codes.numel()), absmax))
+
+
+@pytest.mark.parametrize("quantize", QUANTIZE)
+def test_quantize_out_refuses_buffers_over_each_other_or_over_the_input(quantize):
+    codes, absmax = _quantize_out(quantize, n=128)
+    raw = torch.zeros(4096, dtype=torch.uint8)
+    over = raw[: codes.numel()].view(codes.dtype), raw[8 : 8 + 4 * absmax.numel()].view(torch.float32)
+    with pytest.raises(ValueError, match=rf"^{quantize.__name__}: out\[0\] \(codes\) must not overlap the memory"):
+        quantize(torch.randn(128), out=over)
+    x = torch.randn(128)
+    on_x = x.view(torch.uint8)[: codes.numel()].view(codes.dtype)
+    with pytest.raises(ValueError, match=rf"^{quantize.__name__}: out\[0\] \(codes\) must not overlap the memory of x"):
+        quantize(x, out=(on_x, absmax))
+    assert torch.all(raw == 0)
+
+
+def test_quantized_weight_quantize_checks_out_as_the_op():
+    w = torch.randn(16, 8)
+    codes, absmax = _quantize_out(ops.quantize_int8, n=128)
+    with pytest.raises(ValueError, match=r"^quantize_int8: out\[1\] \(absmax\) must be a contiguous torch.float32"):
+        QuantizedWeight.quantize(w, "int8", 64, out=(codes, absmax[:1]))

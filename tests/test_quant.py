@@ -399,3 +399,93 @@ def test_quantized_weight_moves_between_host_and_gpu():
     g = q.to("cuda", non_blocking=True)
     assert g.device.type == "cuda"
     assert_same_bits(g.dequantize().cpu(), q.dequantize())
+
+
+# -- quantize into given buffers (out=) ---------------------------------------------------------
+
+
+def _views_of_one_buffer(fmt, n, block_size, dtype_fill=0xA5):
+    """(codes, absmax) for `n` values as views of one byte buffer filled with garbage, the
+    way the engine carves them from its host transfer memory: the quantizer must write every
+    code and scale itself."""
+    codes_n = -(-n // 2) if fmt == "nf4" else n
+    code_dtype = torch.uint8 if fmt == "nf4" else torch.int8
+    blocks = -(-n // block_size)
+    start = -(-codes_n // 64) * 64
+    buf = torch.full((start + 4 * blocks,), dtype_fill, dtype=torch.uint8)
+    return buf[:codes_n].view(code_dtype), buf[start:].view(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, block_size", [(1, 64), (333, 64), (4096 * 3 + 17, 64), (10_000, 4096), (257, 2)])
+def test_quantize_into_given_buffers_gives_the_codes_of_the_allocating_form(fmt, dtype, n, block_size):
+    quantize = FORMATS[fmt][0]
+    x = sample(n, dtype, seed=n).view(1, n)
+    want_codes, want_absmax = quantize(x, block_size)
+    codes, absmax = _views_of_one_buffer(fmt, n, block_size)
+    got = quantize(x, block_size, out=(codes, absmax))
+    assert got[0] is codes and got[1] is absmax
+    assert_same_bits(codes, want_codes)
+    assert_same_bits(absmax, want_absmax)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_into_a_strided_input_quantizes_its_values(fmt):
+    quantize = FORMATS[fmt][0]
+    x = sample(64 * 40, torch.bfloat16).view(40, 64).t()  # not contiguous: read through a copy
+    want = quantize(x.contiguous())
+    out = _views_of_one_buffer(fmt, x.numel(), 64)
+    quantize(x, out=out)
+    assert_same_bits(out[0], want[0])
+    assert_same_bits(out[1], want[1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_weight_built_into_given_buffers_holds_them(fmt):
+    w = sample(96 * 10, torch.bfloat16).view(96, 10)
+    codes, absmax = _views_of_one_buffer(fmt, w.numel(), 64)
+    q = QuantizedWeight.quantize(w, fmt, 64, out=(codes, absmax))
+    assert q.codes is codes and q.absmax is absmax
+    ref = QuantizedWeight.quantize(w, fmt, 64)
+    assert_same_bits(q.codes, ref.codes)
+    assert_same_bits(q.dequantize(), ref.dequantize())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_opcheck_quantize_out(fmt):
+    x = sample(333, torch.bfloat16)
+    codes, absmax = getattr(ops, f"quantize_{fmt}")(x, 64)
+    torch.library.opcheck(
+        getattr(torch.ops.trainstream, f"quantize_{fmt}_out").default,
+        (x, 64, torch.empty_like(codes), torch.empty_like(absmax)),
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_traced_quantize_into_takes_the_registered_op(fmt):
+    quantize = FORMATS[fmt][0]
+    x = sample(640, torch.float32)
+    want = quantize(x)
+
+    def into(x, codes, absmax):
+        quantize(x, 64, out=(codes, absmax))
+        return codes, absmax
+
+    codes, absmax = torch.empty_like(want[0]), torch.empty_like(want[1])
+    torch.compile(into, backend="eager", fullgraph=True)(x, codes, absmax)
+    assert_same_bits(codes, want[0])
+    assert_same_bits(absmax, want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_quantize_into_given_buffers_gives_the_codes_of_the_allocating_form(fmt):
+    quantize = FORMATS[fmt][0]
+    x = sample(4096 * 5 + 3, torch.bfloat16).cuda()
+    want_codes, want_absmax = quantize(x)
+    codes, absmax = torch.full_like(want_codes, 7), torch.full_like(want_absmax, 7.0)
+    quantize(x, out=(codes, absmax))
+    torch.cuda.synchronize()
+    assert_same_bits(codes.cpu(), want_codes.cpu())
+    assert_same_bits(absmax.cpu(), want_absmax.cpu())

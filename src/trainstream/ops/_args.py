@@ -49,6 +49,19 @@ def integers(op: str, name: str, value, n: int, low: int | None = None) -> list[
     return out
 
 
+def out_buffer(op: str, name: str, value: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.device) -> None:
+    """A tensor an op writes `numel` elements of `dtype` into at its address: contiguous,
+    of exactly that dtype and element count, on `device` (any shape of that many
+    elements). Anything else is a ValueError naming `name`: the native side would write
+    past its end, between its elements, or read its bytes as another type."""
+    if value.dtype != dtype or value.numel() != numel or value.device != device or not value.is_contiguous():
+        raise ValueError(
+            f"{op}: {name} must be a contiguous {dtype} tensor of {numel} elements on {device}, got "
+            f"{'a' if value.is_contiguous() else 'a non-contiguous'} {value.dtype} tensor of {value.numel()} "
+            f"elements on {value.device}"
+        )
+
+
 def real(op: str, name: str, value) -> float:
     """A real number (not a bool), as a Python float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

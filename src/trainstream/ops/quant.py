@@ -31,6 +31,7 @@ dispatcher's layers (see ``_direct``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -214,6 +215,15 @@ def _make_ops(fmt: int):
             x.new_empty((n + block_size - 1) // block_size, dtype=torch.float32),
         )
 
+    @torch.library.custom_op(f"trainstream::quantize_{name}_out", mutates_args=("codes", "absmax"))
+    def quantize_out_op(x: torch.Tensor, block_size: int, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+        _refuse_overlap(f"quantize_{name}", x, codes, absmax)
+        _run(False, fmt, x.contiguous(), codes, absmax, block_size)
+
+    @quantize_out_op.register_fake
+    def _(x, block_size, codes, absmax):
+        return None
+
     @torch.library.custom_op(f"trainstream::dequantize_{name}", mutates_args=())
     def dequantize_op(
         codes: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, block_size: int
@@ -232,7 +242,7 @@ def _make_ops(fmt: int):
     def _(codes, absmax, block_size, out):
         return None
 
-    return quantize_op, dequantize_op, dequantize_out_op
+    return quantize_op, dequantize_op, dequantize_out_op, quantize_out_op
 
 
 _nf4_ops = _make_ops(NF4)
@@ -247,13 +257,54 @@ def _check_values(op: str, x) -> None:
         raise ValueError(f"{op}: x must be a CPU or CUDA tensor, got {x.device}")
 
 
-def _quantize(fmt: int, x: torch.Tensor, block_size: int):
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, end) of the bytes a contiguous tensor's elements occupy."""
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _refuse_overlap(op: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+    """Quantize writes the codes and scales while it reads x: no two of them may share bytes.
+    Reads addresses, so only real tensors are checked (the registered op checks when it runs)."""
+    spans = {"out[0] (codes)": _byte_span(codes), "out[1] (absmax)": _byte_span(absmax)}
+    if x.is_contiguous():  # a strided x is read through a contiguous copy of its own
+        spans["x"] = _byte_span(x)
+    for (name, (s0, s1)), (other, (o0, o1)) in itertools.combinations(spans.items(), 2):
+        if s0 < o1 and o0 < s1:
+            raise ValueError(f"{op}: {name} must not overlap the memory of {other}")
+
+
+def check_quantize_out(op: str, fmt: int, out, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`out` for quantize's results: a (codes, absmax) pair laid out as quantize makes them
+    for `x` (codes: the format's code dtype, absmax: float32, one per block; each contiguous
+    with exactly that many elements, on x's device). The native op writes that many codes
+    and scales at their addresses, so a smaller or strided buffer would be written past its
+    end or between its elements. Overlap is _refuse_overlap's."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"{op}: out must be a (codes, absmax) tuple of two tensors, got {type(out).__name__}")
+    codes = _args.tensor(op, "out[0] (codes)", out[0])
+    absmax = _args.tensor(op, "out[1] (absmax)", out[1])
+    n = x.numel()
+    _args.out_buffer(op, "out[0] (codes)", codes, _code_dtype(fmt), code_numel(fmt, n), x.device)
+    _args.out_buffer(op, "out[1] (absmax)", absmax, torch.float32, -(-n // block_size), x.device)
+    return codes, absmax
+
+
+def _quantize(fmt: int, x: torch.Tensor, block_size: int, out=None):
     op = f"quantize_{_FORMAT_NAMES[fmt]}"
     _check_values(op, x)
     block_size = check_block_size(block_size, op)
-    if _direct(x):
-        return _quantize_impl(fmt, x, block_size)
-    return (_nf4_ops if fmt == NF4 else _int8_ops)[0](x, block_size)
+    ops = _nf4_ops if fmt == NF4 else _int8_ops
+    if out is None:
+        if _direct(x):
+            return _quantize_impl(fmt, x, block_size)
+        return ops[0](x, block_size)
+    codes, absmax = check_quantize_out(op, fmt, out, x, block_size)
+    if _direct(x, codes, absmax):
+        _refuse_overlap(op, x, codes, absmax)
+        _run(False, fmt, x.contiguous(), codes, absmax, block_size)
+    else:
+        ops[3](x, block_size, codes, absmax)
+    return codes, absmax
 
 
 def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
@@ -347,9 +398,10 @@ def dequantize_many_trusted(
         _dequantize(fmt, c, a, out.shape, out.dtype, block_size, out)
 
 
-def quantize_nf4(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (float32 / bfloat16 / float16, any shape) -> (packed uint8[ceil(n/2)], absmax float32[ceil(n/block_size)])."""
-    return _quantize(NF4, x, block_size)
+def quantize_nf4(x: torch.Tensor, block_size: int = 64, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32 / bfloat16 / float16, any shape) -> (packed uint8[ceil(n/2)], absmax float32[ceil(n/block_size)]).
+    `out`: a (packed, absmax) pair of that layout on x's device to write them into (returned)."""
+    return _quantize(NF4, x, block_size, out)
 
 
 def dequantize_nf4(
@@ -364,9 +416,10 @@ def dequantize_nf4(
     return _dequantize(NF4, packed, absmax, shape, dtype, block_size, out)
 
 
-def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (float32 / bfloat16 / float16, any shape) -> (codes int8[n], absmax float32[ceil(n/block_size)])."""
-    return _quantize(INT8, x, block_size)
+def quantize_int8(x: torch.Tensor, block_size: int = 64, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32 / bfloat16 / float16, any shape) -> (codes int8[n], absmax float32[ceil(n/block_size)]).
+    `out`: a (codes, absmax) pair of that layout on x's device to write them into (returned)."""
+    return _quantize(INT8, x, block_size, out)
 
 
 def dequantize_int8(

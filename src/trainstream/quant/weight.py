@@ -57,10 +57,13 @@ class QuantizedWeight:
         self.format = format
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, format: str = "nf4", block_size: int = 64) -> QuantizedWeight:
+    def quantize(cls, weight: torch.Tensor, format: str = "nf4", block_size: int = 64, *, out=None) -> QuantizedWeight:
+        """`weight` as `format` codes. `out`: a (codes, absmax) pair on the weight's device,
+        laid out as quantize makes them (ops.quantize_nf4's `out`), which the codes are
+        written into and which the result then holds (the engine's host transfer memory)."""
         _check_format(format)
         quantize = qops.quantize_nf4 if format == "nf4" else qops.quantize_int8
-        codes, absmax = quantize(weight.detach(), block_size)
+        codes, absmax = quantize(weight.detach(), block_size, out=out)
         return cls(codes, absmax, weight.shape, weight.dtype, format, block_size)
 
     def dequantize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
