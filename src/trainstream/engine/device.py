@@ -11,6 +11,7 @@ decisions) then runs unchanged in CI, where there is no GPU.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
 
 import torch
@@ -204,10 +205,21 @@ class HostArena:
     """Transfer memory for the engine's host buffers, pinned once at wrap() and carved into
     tensors. Pinning costs about a second per GiB, so it happens once, not per step. The
     caching host allocator rounds each request up to a power of two, so the arena asks for
-    power-of-two pieces (the largest that the remaining need fills): the only waste is a
-    piece's tail when the next tensor does not fit in it."""
+    power-of-two pieces (the largest that the remaining need fills, at most MAX_PIECE unless
+    one tensor needs more): the only waste is a piece's tail when the next tensor does not
+    fit in it.
+
+    [Note: pinning ahead] Pinning is the kernel locking (and zeroing) pages, on one thread;
+    at wrap() the quantizer and the copies that fill the pieces run meanwhile. Told the
+    sizes of the tensors it will hand out (pinning_ahead), the arena knows every piece it
+    will ask for, and a thread of its own pins them in order while take() fills those
+    before; take() waits only for a piece not pinned yet. MAX_PIECE bounds the first piece,
+    the one nothing overlaps. The thread never outlives pinning_ahead's block: it is joined
+    when the block ends, also when the block raises, and an error it met is raised from the
+    take() that needed its piece (or at the block's end)."""
 
     ALIGN = 64
+    MAX_PIECE = 256 << 20
 
     def __init__(self, backend: Backend, nbytes: int):
         self.backend = backend
@@ -215,6 +227,7 @@ class HostArena:
         self.pieces: list = []
         self._piece = None
         self._used = 0
+        self._pinner = None  # _Pinner while pinning_ahead
 
     @staticmethod
     def size_of(numel: int, dtype: torch.dtype) -> int:
@@ -225,10 +238,50 @@ class HostArena:
     def reserved(self) -> int:
         return sum(p.numel() for p in self.pieces)
 
+    @classmethod
+    def piece_size(cls, remaining: int, need: int) -> int:
+        """The piece to ask for when a tensor of `need` bytes does not fit in the current one
+        and `remaining` bytes are still to be handed out."""
+        floor_pow2 = 1 << (max(remaining, 1).bit_length() - 1)
+        return max(min(floor_pow2, cls.MAX_PIECE), 1 << (need - 1).bit_length())
+
+    @classmethod
+    def piece_sizes(cls, remaining: int, sizes) -> list:
+        """Every piece take() asks for when it hands out tensors of `sizes` bytes (size_of
+        each) in that order, `remaining` bytes still to be handed out: take()'s own rule."""
+        pieces, free = [], 0
+        for n in sizes:
+            if not pieces or n > free:
+                pieces.append(cls.piece_size(remaining, n))
+                free = pieces[-1]
+            free -= n
+            remaining -= n
+        return pieces
+
+    @contextlib.contextmanager
+    def pinning_ahead(self, sizes):
+        """Within the block, the pieces for takes of `sizes` bytes (size_of each, in the
+        order the block takes them) are pinned ahead by a thread ([Note: pinning ahead])."""
+        if self._pinner is not None or self.pieces:
+            raise RuntimeError("trainstream: the host arena pins ahead once, before its first take")
+        sizes = list(sizes)
+        if sum(sizes) > self.remaining:
+            raise RuntimeError("trainstream: host arena asked to pin ahead for more than it holds (a sizing bug)")
+        pinner = self._pinner = _Pinner(self.backend, self.piece_sizes(self.remaining, sizes))
+        pinner.start()
+        try:
+            yield self
+        finally:
+            self._pinner = None
+            pinner.stop()
+        pinner.raise_error()
+
     def _new_piece(self, need: int) -> None:
-        floor_pow2 = 1 << (max(self.remaining, 1).bit_length() - 1)
-        size = max(floor_pow2, 1 << (need - 1).bit_length())
-        self._piece = self.backend.host_empty((size,), torch.uint8)
+        size = self.piece_size(self.remaining, need)
+        if self._pinner is not None:
+            self._piece = self._pinner.piece(len(self.pieces), size)
+        else:
+            self._piece = self.backend.host_empty((size,), torch.uint8)
         self.pieces.append(self._piece)
         self._used = 0
 
@@ -245,3 +298,54 @@ class HostArena:
         self._used += n
         self.remaining -= n
         return region.view(dtype).view(shape)
+
+
+class _Pinner(threading.Thread):
+    """HostArena's thread that pins its pieces ahead, in order ([Note: pinning ahead])."""
+
+    def __init__(self, backend: Backend, sizes: list):
+        super().__init__(name="trainstream-arena-pinner", daemon=True)
+        self.backend = backend
+        self.sizes = sizes
+        self._pieces: list = []  # pinned so far, in order
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._changed = threading.Condition()
+
+    def run(self) -> None:
+        try:
+            for size in self.sizes:
+                with self._changed:
+                    if self._stopping:
+                        return
+                piece = self.backend.host_empty((size,), torch.uint8)  # the GIL is released while it pins
+                with self._changed:
+                    self._pieces.append(piece)
+                    self._changed.notify_all()
+        except BaseException as error:  # handed to the waiting take() or the block's end
+            with self._changed:
+                self._error = error
+                self._changed.notify_all()
+
+    def piece(self, k: int, size: int) -> torch.Tensor:
+        """Piece `k` once pinned; it must be `size` bytes (the takes are the ones announced)."""
+        if k >= len(self.sizes) or self.sizes[k] != size:
+            raise RuntimeError(
+                f"trainstream: host arena piece {k} of {size} bytes was not among those pinned ahead (a sizing bug)"
+            )
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._pieces) > k or self._error is not None)
+            if len(self._pieces) > k:
+                return self._pieces[k]
+            error = self._error
+        raise error
+
+    def stop(self) -> None:
+        """No more pieces: the one being pinned finishes, then the thread ends (joined)."""
+        with self._changed:
+            self._stopping = True
+        self.join()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error

@@ -104,32 +104,16 @@ class WeightPager:
         layout = {s: host_buffers(s, u.paged, stage) for u in self.units for s in u.slots}
         total = arena_bytes(self.units, stage)
         self.arena = HostArena(backend, total)
-        for unit in self.units:
-            for s in unit.slots:
-                data = s.param.data
-                if s.quant_format is not None:
-                    self._place_quantized(s, unit.paged, layout[s])
-                    continue
-                for kind, dtype, _ in layout[s]:
-                    buf = self.arena.take(data.shape, dtype)
-                    if kind == "master":
-                        buf.copy_(data)
-                        s.host[torch.float32] = buf
-                    elif kind == "copy":
-                        buf.copy_(data)
-                        s.host[s.dtype] = buf
-                    elif kind == "stage":
-                        s.stage_region = buf
+        # the pieces are pinned by the arena's thread while the loop quantizes and copies
+        # into those before ([Note: pinning ahead]); every take below is in this list, in order
+        takes = [HostArena.size_of(numel, dtype) for u in self.units for s in u.slots for _, dtype, numel in layout[s]]
+        with self.arena.pinning_ahead(takes):
+            for unit in self.units:
+                for s in unit.slots:
+                    if s.quant_format is not None:
+                        self._place_quantized(s, unit.paged, layout[s])
                     else:
-                        s.spare = buf
-                if unit.paged and not s.device_state:  # a device-state slot stays on the device, paged unit or not
-                    s.placeholder = self._readable_placeholder(s)
-                    s.param.data = s.placeholder
-                else:
-                    if data.device != backend.device:
-                        s.param.data = data.to(backend.device)
-                    self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
-                s.version = s.param._version
+                        self._place_plain(s, unit.paged, layout[s])
         # Quantized codes made on the device were written on the compute stream; the copy-in
         # stream dequantizes them.
         backend.follow_compute(backend.copy_in)
@@ -143,6 +127,32 @@ class WeightPager:
             f"host transfer memory: {total / GiB:.2f} GiB needed, {self.arena.reserved / GiB:.2f} GiB "
             f"{'pinned' if backend.is_cuda else 'allocated'} in {len(self.arena.pieces)} pieces{unreadable}"
         )
+
+    def _place_plain(self, s, paged: bool, buffers) -> None:
+        """A weight kept as it is: its host buffers filled from it; on the device (resident)
+        or replaced by its placeholder (paged)."""
+        backend = self.backend
+        data = s.param.data
+        for kind, dtype, _ in buffers:
+            buf = self.arena.take(data.shape, dtype)
+            if kind == "master":
+                buf.copy_(data)
+                s.host[torch.float32] = buf
+            elif kind == "copy":
+                buf.copy_(data)
+                s.host[s.dtype] = buf
+            elif kind == "stage":
+                s.stage_region = buf
+            else:
+                s.spare = buf
+        if paged and not s.device_state:  # a device-state slot stays on the device, paged unit or not
+            s.placeholder = self._readable_placeholder(s)
+            s.param.data = s.placeholder
+        else:
+            if data.device != backend.device:
+                s.param.data = data.to(backend.device)
+            self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+        s.version = s.param._version
 
     def placed(self) -> None:
         """wrap() succeeded: the model's tensors from before place() may go."""
@@ -167,16 +177,20 @@ class WeightPager:
         transfer memory (paged unit) or on the device (resident), and give the param a
         placeholder: the weight is dequantized for each use. A parameter that arrived holding
         codes (quant.stored: quantize_model, load_model) hands them over as they are."""
+        held = {kind: self.arena.take((numel,), dtype) for kind, dtype, numel in buffers} if paged else None
         if codes_of(s.param) is not None:
             q = take_codes(s.param)
+        elif paged and s.param.device == held["codes"].device:
+            # the quantizer writes straight into the transfer memory: no second copy of the codes
+            out = (held["codes"], held["absmax"])
+            q = QuantizedWeight.quantize(s.param.data, s.quant_format, s.quant_block, out=out)
         else:
             q = QuantizedWeight.quantize(s.param.data, s.quant_format, s.quant_block)
-        if paged:
-            held = {kind: self.arena.take((numel,), dtype) for kind, dtype, numel in buffers}
+        if paged and q.codes is not held["codes"]:
             held["codes"].copy_(q.codes)
             held["absmax"].copy_(q.absmax)
             q = q._with(held["codes"], held["absmax"])
-        else:
+        elif not paged:
             q = q.to(self.backend.device)
         s.quant = q
         s.placeholder = _placeholder(s, self.backend.device)

@@ -1,0 +1,320 @@
+"""What wrap() does to place the weights, at the cost it must: frozen weights quantized
+straight into the host transfer memory (no copy of the codes), and the arena's pieces
+pinned by a thread of its own while they are filled ([Note: pinning ahead] in
+engine/device.py), with the same pieces and tensors as the arena that pins on demand, and
+no thread left behind, whether wrap() succeeds or fails."""
+
+import threading
+
+import pytest
+import torch
+from helpers import PAGED, assert_same_bits
+from models import tiny_gpt
+
+import trainstream
+from trainstream.api import _engine_of
+from trainstream.engine import device
+from trainstream.engine.device import Backend, HostArena
+from trainstream.ops import quant as qops
+from trainstream.quant import QuantizedWeight
+
+PINNER = "trainstream-arena-pinner"
+CPU = Backend(torch.device("cpu"))
+
+
+def _pinners() -> list:
+    return [t for t in threading.enumerate() if t.name == PINNER]
+
+
+def _frozen_gpt():
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    for name, p in model.named_parameters():
+        if name.startswith("layers.") and name.endswith(("qkv.weight", "fc.weight", "out.weight")):
+            p.requires_grad_(False)
+    return model, batch, loss_fn
+
+
+def _wrap(model, **options):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return trainstream.wrap(model, opt, device="cpu", offload=True, **dict(PAGED, **options))
+
+
+# -- quantized straight into the arena --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_paged_frozen_weights_are_quantized_into_the_arena_itself(fmt, monkeypatch):
+    model, _, _ = _frozen_gpt()
+    originals = {p: p.detach().clone() for p in model.parameters() if not p.requires_grad}
+    written = []  # codes addresses the quantizer wrote to
+    run = qops._run
+
+    def spy(dequantize, fmt_code, values, codes, absmax, block_size):
+        if not dequantize:
+            written.append(codes.data_ptr())
+        return run(dequantize, fmt_code, values, codes, absmax, block_size)
+
+    monkeypatch.setattr(qops, "_run", spy)
+    model, _ = _wrap(model, quantize=fmt)
+    engine = _engine_of(model)
+    pieces = [(p.data_ptr(), p.data_ptr() + p.numel()) for p in engine.weights.arena.pieces]
+    quantized = [s for u in engine.block_units for s in u.slots if s.quant is not None]
+    assert quantized and all(u.paged for u in engine.block_units)
+    for s in quantized:
+        ptr = s.quant.codes.data_ptr()
+        assert ptr in written, s.name  # the quantizer's own output, not a copy of it
+        assert any(lo <= ptr < hi for lo, hi in pieces), s.name
+        want = QuantizedWeight.quantize(originals[s.param], fmt)
+        assert_same_bits(s.quant.codes, want.codes)
+        assert_same_bits(s.quant.absmax, want.absmax)
+
+
+# -- the arena pinning ahead ------------------------------------------------------------------------
+
+# (numel, dtype) of the takes: sizes below, at and above a (shrunk) MAX_PIECE, so that tails,
+# new pieces and a piece larger than MAX_PIECE all occur
+TAKES = [(300, torch.float32), (17, torch.uint8), (1000, torch.bfloat16), (5000, torch.float32), (1, torch.int8)] * 4
+TAKES += [(40_000, torch.uint8), (3, torch.float32), (2048, torch.float32)]
+
+
+def _sizes(takes):
+    return [HostArena.size_of(n, dtype) for n, dtype in takes]
+
+
+def _carve(arena, takes):
+    """Take every tensor: each as (piece index, byte offset in it, shape, dtype)."""
+    out = []
+    for n, dtype in takes:
+        t = arena.take((n,), dtype)
+        k = next(i for i, p in enumerate(arena.pieces) if p.data_ptr() <= t.data_ptr() < p.data_ptr() + p.numel())
+        out.append((k, t.data_ptr() - arena.pieces[k].data_ptr(), tuple(t.shape), t.dtype))
+    return out
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(HostArena, "MAX_PIECE", 8192)
+
+
+def test_pinning_ahead_hands_out_the_pieces_and_tensors_of_the_arena_pinning_on_demand(small_pieces):
+    total = sum(_sizes(TAKES))
+    on_demand = HostArena(CPU, total)
+    want = _carve(on_demand, TAKES)
+    ahead = HostArena(CPU, total)
+    with ahead.pinning_ahead(_sizes(TAKES)):
+        got = _carve(ahead, TAKES)
+    assert got == want
+    assert [p.numel() for p in ahead.pieces] == [p.numel() for p in on_demand.pieces]
+    assert [p.numel() for p in on_demand.pieces] == HostArena.piece_sizes(total, _sizes(TAKES))
+    assert ahead.remaining == 0 and not _pinners()
+
+
+def test_pieces_are_powers_of_two_at_most_max_piece_unless_one_tensor_needs_more(small_pieces):
+    total = sum(_sizes(TAKES))
+    arena = HostArena(CPU, total)
+    with arena.pinning_ahead(_sizes(TAKES)):
+        carved = _carve(arena, TAKES)
+    sizes = [p.numel() for p in arena.pieces]
+    assert all(s & (s - 1) == 0 for s in sizes)
+    assert max(sizes) == 1 << (40_000 - 1).bit_length()
+    for k, size in enumerate(sizes):  # above MAX_PIECE only as the power of two of a larger tensor
+        opener = next(HostArena.size_of(shape[0], dtype) for i, _, shape, dtype in carved if i == k)
+        assert size <= HostArena.MAX_PIECE or size == 1 << (opener - 1).bit_length(), k
+    # waste only at a piece's tail, where the tensor that opened the next piece did not fit
+    for k in range(len(sizes) - 1):
+        end = max(offset + HostArena.size_of(shape[0], dtype) for i, offset, shape, dtype in carved if i == k)
+        first_next = next(HostArena.size_of(shape[0], dtype) for i, _, shape, dtype in carved if i == k + 1)
+        assert first_next > sizes[k] - end, k
+
+
+def test_the_first_piece_is_at_most_max_piece_so_filling_starts_early():
+    # 3 GiB of 16 MiB tensors: pieces of MAX_PIECE each, not one 2 GiB piece first
+    sizes = HostArena.piece_sizes(3 << 30, [16 << 20] * 192)
+    assert sizes == [HostArena.MAX_PIECE] * ((3 << 30) // HostArena.MAX_PIECE)
+
+
+class _GatedBackend(Backend):
+    """A CPU backend whose host_empty pins its first piece at once and waits for `gate`
+    before each later one: the pinning thread is still alive while the block runs."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.gate, self.calls = threading.Event(), 0
+
+    def host_empty(self, shape, dtype):
+        self.calls += 1
+        if self.calls > 1:
+            assert self.gate.wait(timeout=60)
+        return super().host_empty(shape, dtype)
+
+
+def test_the_pinning_thread_is_joined_when_the_block_raises(small_pieces):
+    backend = _GatedBackend()
+    arena = HostArena(backend, sum(_sizes(TAKES)))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        with arena.pinning_ahead(_sizes(TAKES)):
+            arena.take((300,), torch.float32)
+            assert _pinners()  # pinning the second piece
+            backend.gate.set()
+            raise RuntimeError("injected failure")
+    assert not _pinners()
+
+
+class _FailingBackend(Backend):
+    """A CPU backend whose host_empty fails at its `at`-th call (0-based)."""
+
+    def __init__(self, at: int):
+        super().__init__(torch.device("cpu"))
+        self.at, self.calls = at, 0
+
+    def host_empty(self, shape, dtype):
+        self.calls += 1
+        if self.calls > self.at:
+            raise MemoryError("injected pinning failure")
+        return super().host_empty(shape, dtype)
+
+
+def test_a_pinning_failure_is_raised_from_the_take_that_needs_the_piece(small_pieces):
+    sizes = _sizes(TAKES)
+    pieces = HostArena.piece_sizes(sum(sizes), sizes)
+    assert len(pieces) > 2
+    arena = HostArena(_FailingBackend(at=2), sum(sizes))
+    taken = 0
+    with pytest.raises(MemoryError, match="injected pinning failure"):
+        with arena.pinning_ahead(sizes):
+            for n, dtype in TAKES:
+                arena.take((n,), dtype)
+                taken += 1
+    assert len(arena.pieces) == 2 and not _pinners()
+    # every take the two pinned pieces hold went; the first one that needed a third raised
+    fit = max(i for i in range(len(sizes) + 1) if len(HostArena.piece_sizes(sum(sizes), sizes[:i])) <= 2)
+    assert taken == fit
+
+
+def test_a_pinning_failure_no_take_reached_is_raised_at_the_blocks_end(small_pieces):
+    sizes = _sizes(TAKES)
+    arena = HostArena(_FailingBackend(at=1), sum(sizes))
+    with pytest.raises(MemoryError, match="injected pinning failure"):
+        with arena.pinning_ahead(sizes):
+            arena.take((300,), torch.float32)  # only the first piece is used
+    assert not _pinners()
+
+
+def test_pinning_ahead_refuses_more_than_the_arena_holds_and_a_second_time():
+    arena = HostArena(CPU, 128)
+    with pytest.raises(RuntimeError, match="more than it holds"):
+        with arena.pinning_ahead([64, 128]):
+            pass
+    with arena.pinning_ahead([64]):
+        arena.take((16,), torch.float32)
+    with pytest.raises(RuntimeError, match="pins ahead once"):
+        with arena.pinning_ahead([64]):
+            pass
+    assert not _pinners()
+
+
+def test_a_take_that_was_not_announced_is_a_sizing_bug(small_pieces):
+    arena = HostArena(CPU, 1 << 20)
+    with pytest.raises(RuntimeError, match="not among those pinned ahead"):
+        with arena.pinning_ahead([64]):
+            arena.take((16,), torch.float32)
+            arena.take((100_000,), torch.uint8)  # needs a second piece nobody announced
+    assert not _pinners()
+
+
+# -- wrap() ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_wrap_leaves_no_pinning_thread_behind(fmt):
+    model, batch, loss_fn = _frozen_gpt()
+    model, opt = _wrap(model, **({"quantize": fmt} if fmt else {}))
+    assert not _pinners()
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()
+    trainstream.unwrap(model)
+
+
+def _state(model) -> dict:
+    return {n: (p.untyped_storage().data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fmt", [None, "nf4"])
+def test_a_pinning_failure_refuses_wrap_and_leaves_the_model_as_it_was(fmt, monkeypatch):
+    model, _, _ = _frozen_gpt()
+    before = _state(model)
+    host_empty = Backend.host_empty
+
+    def failing_in_the_pinner(self, shape, dtype):
+        if threading.current_thread().name == PINNER:
+            raise MemoryError("injected pinning failure")
+        return host_empty(self, shape, dtype)
+
+    monkeypatch.setattr(Backend, "host_empty", failing_in_the_pinner)
+    with pytest.raises(MemoryError, match="injected pinning failure"):
+        _wrap(model, **({"quantize": fmt} if fmt else {}))
+    assert not _pinners() and not hasattr(model, "_trainstream_engine")
+    after = _state(model)
+    assert after.keys() == before.keys()
+    for name, (ptr, values) in before.items():
+        assert after[name][0] == ptr, name
+        assert torch.equal(after[name][1], values), name
+
+
+def test_a_take_refused_midway_joins_the_thread(monkeypatch):
+    take = HostArena.take
+    calls = []
+
+    def failing(self, shape, dtype):
+        calls.append(None)
+        if len(calls) == 5:
+            raise RuntimeError("injected failure")
+        return take(self, shape, dtype)
+
+    monkeypatch.setattr(HostArena, "take", failing)
+    model, _, _ = _frozen_gpt()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _wrap(model, quantize="int8")
+    assert not _pinners()
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_pieces_pinned_ahead_are_pinned(small_pieces):
+    backend = Backend(torch.device("cuda"))
+    arena = HostArena(backend, sum(_sizes(TAKES)))
+    with arena.pinning_ahead(_sizes(TAKES)):
+        taken = [arena.take((n,), dtype) for n, dtype in TAKES]
+    assert len(arena.pieces) > 2 and all(p.is_pinned() for p in arena.pieces)
+    assert all(t.is_pinned() for t in taken)
+    assert not _pinners()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_cuda_paged_quantized_codes_are_pinned_and_the_run_trains(fmt):
+    model, batch, loss_fn = _frozen_gpt()
+    originals = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, device="cuda", offload=True, quantize=fmt, **PAGED)
+    engine = _engine_of(model)
+    assert all(p.is_pinned() for p in engine.weights.arena.pieces) and not _pinners()
+    quantized = [s for u in engine.block_units for s in u.slots if s.quant is not None]
+    assert quantized
+    for s in quantized:
+        assert s.quant.codes.is_pinned() and s.quant.absmax.is_pinned()
+        want = QuantizedWeight.quantize(originals[s.name], fmt)
+        assert_same_bits(s.quant.codes, want.codes)
+    loss = loss_fn(model, batch(0, "cuda"))
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss).item()
+
+
+def test_the_pinner_module_names_its_thread():
+    # the tests above find the thread by this name
+    assert device._Pinner(CPU, []).name == PINNER
