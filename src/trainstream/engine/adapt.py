@@ -30,7 +30,8 @@
   pass's blocks have shown) would not fit, the block's activations leave the device: it is
   recomputed in backward when its measured forward takes no longer than paging its
   activations over PCIe, or when no forward has been timed yet (the first pass: [Note:
-  recompute before timing] in planner/plan.py), and paged otherwise. That keeps
+  recompute before timing] in planner/plan.py), and paged otherwise, or when recomputing
+  would keep as much (its inputs are as large as its activations). That keeps
   the very first pass, and a pass that suddenly grows, from running out of memory. It
   projects the end of the forward as the plan does (each block's measured activations,
   what runs after the stack); the plan also keeps room for a block's gradients and its
@@ -353,12 +354,15 @@ class Adapter:
         """The guard's choice for a block whose activations leave the device, "recompute" or
         "page", and why: the cheaper of its forward again and its activations' PCIe time; with no
         forward timed yet, recompute ([Note: recompute before timing] in planner/plan.py)."""
+        acts = activations_as_placed(self.meter, unit, unit.paged) or per_block
+        inputs = self.meter.activation_inputs.get(unit.block)
+        if inputs is not None and inputs >= acts - self.meter.activation_cast.get(unit.block, 0):
+            return "page", f"recomputing would keep as much: its inputs are {inputs / GiB:.3f} GiB"
         forward = self.forward_s(unit.block)
         if forward is None:
             return "recompute", (
                 "no forward timed yet: recomputing needs no pinned host memory, paging pins it for every block"
             )
-        acts = activations_as_placed(self.meter, unit, unit.paged) or per_block
         paging = max(acts / self.profile.h2d_bytes_per_s, acts / self.profile.d2h_bytes_per_s)
         numbers = f"forward {forward * 1e3:.2f} ms, paging {acts / GiB:.3f} GiB each way {paging * 1e3:.2f} ms"
         if forward <= paging:

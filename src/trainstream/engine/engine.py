@@ -60,6 +60,18 @@ class SavedWeight:
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
 
 
+def _checkpoints_itself(forward) -> bool:
+    """Does the block of this bound forward checkpoint its own forward? Hugging Face's layers
+    under gradient_checkpointing_enable() do (GradientCheckpointingLayer wraps `forward`, so
+    the checkpoint runs inside the engine's block forward, where no hook of it is seen yet)."""
+    block = getattr(forward, "__self__", None)
+    return (
+        isinstance(block, torch.nn.Module)
+        and getattr(block, "gradient_checkpointing", False) is True
+        and block.training
+    )
+
+
 def _tensors_in(out):
     if isinstance(out, torch.Tensor):
         yield out
@@ -472,6 +484,8 @@ class Engine:
             return forward(*args, **kwargs)
 
         def paged_forward(*args, **kwargs):
+            if not engine._in_backward():  # before the guard, which reads them
+                engine.meter.count_inputs(unit, _tensors_in((args, kwargs)), engine.backend.device)
             engine.enter_block(unit)
             # A checkpoint around the block has its own saved-tensor hooks: ours would
             # override them (nothing recomputed, every activation kept), so a block whose
@@ -482,9 +496,13 @@ class Engine:
             # The planner's recompute: a checkpoint of ours, never inside someone else's, nor
             # in backward (a forward recomputing there is already one). It keeps the block's
             # inputs only; its RNG state is kept, so dropout recomputes the same bits.
-            recompute = unit.recompute and torch.is_grad_enabled() and not foreign and not engine._in_backward()
-            if not engine._in_backward():
-                engine.meter.count_inputs(unit, _tensors_in((args, kwargs)), engine.backend.device)
+            recompute = (
+                unit.recompute
+                and torch.is_grad_enabled()
+                and not foreign
+                and not _checkpoints_itself(forward)
+                and not engine._in_backward()
+            )
             measure = not recompute and engine._start_counting()
             try:
                 saves_weights = unit.streamed and not foreign and not engine.linears.serves(unit)

@@ -46,7 +46,8 @@ is tried, so the cost model picks per block. The limit above counts the recomput
 paging. At equal times, keeping comes first, then recomputing (no pinned memory, no host
 work). [Note: recompute before timing] A block whose forward has not been timed yet
 (`forward_s` None: the first step) has no recompute cost to weigh: every block leaving the
-device is then recomputed, since paging's first pass also pins fresh host memory for each
+device is then recomputed where that keeps less than its activations (its inputs are
+smaller: `recompute_frees`; the others are paged), since paging's first pass also pins fresh host memory for each
 block's activations (far slower than the PCIe copy itself); the replan after the first timed
 step decides per block with measured times.
 """
@@ -155,6 +156,12 @@ def paging_s(inp: PlanInputs, x: BlockBytes) -> float:
     return max(x.act_bytes / inp.h2d_bytes_per_s, x.act_bytes / inp.d2h_bytes_per_s)
 
 
+def recompute_frees(x: BlockBytes) -> bool:
+    """Does recomputing the block keep less than keeping its activations? (Not when what it
+    saves is its inputs, as a lone Linear's.)"""
+    return x.input_bytes < x.act_bytes - x.cast_bytes
+
+
 def _recompute_first(inp: PlanInputs, chosen: list) -> list:
     """`chosen` in the order they are recomputed rather than paged: the most PCIe time per
     second of recompute first (stable: the front of the stack first among equals)."""
@@ -185,7 +192,8 @@ def _act_options(inp: PlanInputs) -> list:
             options.append(_ActOption(inp, leaving, []))
             continue
         if untimed:  # [Note: recompute before timing]
-            options.append(_ActOption(inp, [], leaving))
+            frees = [i for i in leaving if recompute_frees(inp.blocks[i])]
+            options.append(_ActOption(inp, [i for i in leaving if i not in frees], frees))
             continue
         order = _recompute_first(inp, leaving)
         options.extend(_ActOption(inp, order[r:], order[:r]) for r in range(k + 1))
@@ -239,7 +247,7 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
             }
             step = max(terms.values())
             base = max(
-                terms["compute"],
+                inp.compute_s,  # without recompute: the same weight placement keeping every activation
                 (h2d_resident + w.moved) / inp.h2d_bytes_per_s,
                 inp.grad_bytes / inp.d2h_bytes_per_s,
                 inp.adamw_s,

@@ -1,0 +1,405 @@
+"""Recomputation as the planner's choice beside activation paging: per block, keep its saved
+activations, page them, or recompute its forward in backward (torch.utils.checkpoint,
+non-reentrant, around the block). The plan's cost model on tables of numbers; the engine's
+recompute bit for bit against the same run keeping every activation; the online guard."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from helpers import RESIDENT, assert_same_bits, machine, max_diff, train
+from models import MODELS, tiny_gpt, tiny_mlp
+
+import trainstream
+from trainstream import api
+from trainstream.engine.adapt import Adapter
+from trainstream.planner import BlockBytes, PlanInputs, device_bytes, make_plan
+
+# -- the plan ------------------------------------------------------------------------------------
+
+# Four blocks whose weights stay resident (100 bytes each), each saving 200 bytes of
+# activations and called with 20 bytes of inputs; links of 1000 bytes/s; a forward of 50 ms.
+BLOCK = dict(weight_bytes=100, crossing_bytes=50, push_bytes=100, act_bytes=200, input_bytes=20, pageable=False)
+
+
+def inputs(usable, *, compute=0.5, forward_s=0.05, link=1000.0, **kw):
+    base = dict(
+        blocks=[BlockBytes(forward_s=forward_s, **BLOCK) for _ in range(4)],
+        fixed_bytes=0,
+        usable_bytes=usable,
+        h2d_bytes_per_s=link,
+        d2h_bytes_per_s=link,
+        adamw_s=0.01,
+        grad_bytes=400,
+        outside_push_bytes=0,
+        compute_s=compute,
+        recompute=True,
+    )
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+def chosen(plan) -> tuple:
+    return plan.act_paged, plan.recompute
+
+
+def test_a_block_whose_paging_costs_more_pcie_time_than_its_recompute_is_recomputed():
+    # 400 of weights + 800 of activations in 1050: one block's activations must leave. Paged,
+    # its 200 bytes each way on top of the 400 pushed and landed make the links 0.6 s, 20%
+    # over the 0.5 s compute; recomputed, the compute grows by its 50 ms forward only (10%).
+    inp = inputs(1050)
+    plan = make_plan(inp)
+    assert chosen(plan) == ([], [0]) and plan.fits and plan.within_limit
+    assert plan.terms["compute"] == pytest.approx(0.55) and plan.terms["recompute"] == pytest.approx(0.05)
+    # It keeps its inputs until backward; its activations come back whole when it recomputes.
+    assert plan.device_bytes == device_bytes(inp, set(), set(), {0}) == 400 + 20 + 3 * 200
+    assert "1 blocks recomputed" in plan.describe(1050)
+
+
+def test_a_block_whose_paging_is_cheap_is_paged():
+    # Links ten times faster: paging the block hides under the compute, where its recompute
+    # would add 50 ms to it.
+    plan = make_plan(inputs(1050, link=10_000.0))
+    assert chosen(plan) == ([0], []) and plan.step_s == pytest.approx(0.5)
+
+
+def test_a_block_that_fits_is_kept():
+    plan = make_plan(inputs(10_000, link=1.0, forward_s=0.0))  # however cheap the others would be
+    assert chosen(plan) == ([], []) and plan.device_bytes == 400 + 800
+
+
+def test_the_plan_picks_per_block_among_the_policies_that_fit():
+    # 900 usable: two blocks must leave. The links hide one block's paging under the 0.7 s
+    # compute (0.6 s), not two (0.8 s); recomputing both adds 100 ms. One of each: 0.75 s.
+    inp = inputs(900, compute=0.7)
+    plan = make_plan(inp)
+    assert chosen(plan) == ([1], [0]) and plan.step_s == pytest.approx(0.75)
+    assert plan.device_bytes == device_bytes(inp, set(), {1}, {0}) <= 900
+
+
+def test_a_block_not_timed_yet_is_recomputed_rather_than_paged():
+    # [Note: recompute before timing]: with no forward timed, what leaves the device recomputes,
+    # even on links fast enough to hide the paging.
+    plan = make_plan(inputs(1050, link=10_000.0, forward_s=None))
+    assert chosen(plan) == ([], [0])
+
+
+def test_recompute_is_the_auto_policys_only():
+    # An explicit activation_offload fixes the activations: the plan pages exactly those, and
+    # recomputes none (as with recompute=False, which plan_inputs sets then).
+    plan = make_plan(inputs(1050, recompute=False))
+    assert chosen(plan) == ([0], [])
+    model, batch, loss_fn = tiny_mlp()
+    model, _ = trainstream.wrap(model, None, device="cpu", offload=True, activation_offload=False)
+    assert model._trainstream_engine.adapter._inputs(0).recompute is False
+    model, batch, loss_fn = tiny_mlp()
+    model, _ = trainstream.wrap(model, None, device="cpu", offload=True, activation_offload="auto")
+    assert model._trainstream_engine.adapter._inputs(0).recompute is True
+
+
+# -- the engine's recompute, bit for bit ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def planned_recompute(monkeypatch, blocks):
+    """wrap() plans `blocks` recomputed (the plan_run of wrap() returns them in the plan); no
+    replan moves them (the CPU backend measures no peak, so only the settling replans would)."""
+    real = api.plan_run
+
+    def plan_run(opts, layout, profile, backend):
+        plan = real(opts, layout, profile, backend)
+        return dataclasses.replace(plan, recompute=tuple(b for b in blocks if b not in plan.act_paged))
+
+    with monkeypatch.context() as m:
+        m.setattr(api, "plan_run", plan_run)
+        m.setattr(Adapter, "SETTLE_STEPS", 0)
+        yield
+
+
+def counting_forwards(factory, counts: list):
+    """`factory` whose blocks count their forwards, recomputes included: a pre-hook on each
+    block's first leaf module (the engine recomputes the block's own forward, not its call)."""
+
+    def build():
+        model, batch, loss_fn = factory()
+        for name, module in model.named_modules():
+            block = _block_of(model, name)
+            if block is not None and name == block[0] + "." + _first_leaf(block[1]):
+                module.register_forward_pre_hook(lambda m, a: counts.append(1))
+        return model, batch, loss_fn
+
+    return build
+
+
+def _block_of(model, name: str):
+    """(path, module) of the numbered block `name` lies in (its first numbered part), or None."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            path = ".".join(parts[: i + 1])
+            return path, model.get_submodule(path)
+    return None
+
+
+def _first_leaf(block) -> str:
+    return next(n for n, m in block.named_modules() if n and not list(m.children()))
+
+
+AUTO_ACTS = dict(activation_offload="auto")
+
+
+def _peft_llama(dropout=0.0):
+    """A tiny Llama with peft's LoRA (dropout `dropout`) on every block Linear, the base frozen."""
+    peft = pytest.importorskip("peft")
+    base = MODELS["llama"]
+
+    def build():
+        model, batch, loss_fn = base()
+        config = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=dropout,
+            bias="none",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
+        return peft.get_peft_model(model, config), batch, loss_fn
+
+    return build
+
+
+CASES = {
+    # name: (train()'s model name, wrap options, factory, autocast)
+    "gpt resident": ("gpt", dict(param_offload=False), None, None),
+    "gpt paged": ("gpt", dict(param_offload=True), None, None),
+    "gpt bf16 autocast paged": ("gpt", dict(param_offload=[0, 2]), None, torch.bfloat16),
+    "llama nf4 lora dropout": ("llama", dict(param_offload=False, quantize="nf4"), _peft_llama(dropout=0.1), None),
+    "llama int8 lora paged": ("llama", dict(param_offload=True, quantize="int8"), _peft_llama(), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_recomputed_blocks_train_as_kept_ones_bit_for_bit(case, monkeypatch):
+    name, options, factory, autocast = CASES[case]
+    factory = factory or MODELS[name]
+    n_blocks = 4 if name == "gpt" else 3
+    steps = 3
+    kept_counts, recomputed_counts = [], []
+    with planned_recompute(monkeypatch, []):
+        kept = train(
+            name,
+            dict(AUTO_ACTS, **options),
+            steps=steps,
+            autocast=autocast,
+            model_factory=counting_forwards(factory, kept_counts),
+        )
+    with planned_recompute(monkeypatch, [0, 2]):
+        recomputed = train(
+            name,
+            dict(AUTO_ACTS, **options),
+            steps=steps,
+            autocast=autocast,
+            model_factory=counting_forwards(factory, recomputed_counts),
+        )
+    assert trainstream.memory_report(recomputed[2][0])["params"]["recompute_blocks"] == [0, 2]
+    assert trainstream.memory_report(kept[2][0])["params"]["recompute_blocks"] == []
+    # Blocks 0 and 2 ran their forward again in backward, every step; no other block did.
+    assert len(kept_counts) == steps * n_blocks and len(recomputed_counts) == steps * (n_blocks + 2)
+    assert_same_bits(kept, recomputed)
+
+
+def test_recomputed_blocks_train_as_stock_torch():
+    stock = train("gpt", None, steps=4)
+    with pytest.MonkeyPatch.context() as m, planned_recompute(m, [0, 1, 2, 3]):
+        recomputed = train("gpt", dict(AUTO_ACTS, param_offload=False), steps=4)
+    assert trainstream.memory_report(recomputed[2][0])["params"]["recompute_blocks"] == [0, 1, 2, 3]
+    assert max_diff(stock[1], recomputed[1]) < 5e-5
+
+
+def test_a_users_own_checkpointing_is_never_wrapped_again(monkeypatch):
+    # HF's gradient_checkpointing_enable() checkpoints each decoder layer's call; the engine's
+    # block forward then runs inside it, and a block the plan recomputes is not checkpointed a
+    # second time: one forward, one recompute per block and step, the same bits as without it.
+    def checkpointed():
+        model, batch, loss_fn = _peft_llama(dropout=0.1)()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return model, batch, loss_fn
+
+    from trainstream.engine import engine as engine_module
+
+    counts, plain_counts, ours = [], [], []
+    checkpoint = engine_module.checkpoint
+    monkeypatch.setattr(engine_module, "checkpoint", lambda *a, **k: ours.append(1) or checkpoint(*a, **k))
+    with planned_recompute(monkeypatch, [0, 1, 2]):
+        theirs = train(
+            "llama",
+            dict(AUTO_ACTS, param_offload=False),
+            steps=3,
+            model_factory=counting_forwards(checkpointed, counts),
+        )
+    plain = train("llama", RESIDENT, steps=3, model_factory=counting_forwards(_peft_llama(dropout=0.1), plain_counts))
+    assert len(counts) == 3 * 3 * 2 and len(plain_counts) == 3 * 3
+    assert ours == []  # the engine's checkpoint never ran inside theirs
+    assert_same_bits(plain, theirs)
+
+
+# -- the online guard ------------------------------------------------------------------------------------
+
+
+class FakeDevice:
+    """Device memory as the adapter reads it (allocated and its peak): fixed at `now`."""
+
+    def __init__(self, adapter, now):
+        self.now = self.peak = now
+        adapter.allocated = lambda: self.now
+        adapter.device_peak = lambda: self.peak
+
+
+@pytest.mark.parametrize("forward_s, settled", [(1e-9, "recompute"), (10.0, "page")])
+def test_the_first_pass_guard_recomputes_and_the_settled_plan_weighs_measured_times(forward_s, settled, monkeypatch):
+    # A card with room for few blocks' activations: the first pass has timed no forward, so
+    # the guard recomputes the blocks that do not fit (a GPT block keeps 16 KiB of inputs where
+    # it saves 258 KiB). The replans after the timed passes weigh each block's forward
+    # (simulated: too quick to matter, or far slower than paging over the 25 GB/s links)
+    # against paging its activations, and keep the cheaper. No choice changes a bit.
+    def timed(adapter):
+        if adapter._timing:
+            adapter.block_s = {b: forward_s for b in adapter._timing}
+            adapter.timed_passes += 1
+        adapter._timing = None
+
+    monkeypatch.setattr(Adapter, "_collect_times", timed)
+    resident = train("gpt", RESIDENT, steps=5)
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    model, opt = trainstream.wrap(
+        model,
+        opt,
+        device="cpu",
+        offload=True,
+        param_offload=False,
+        activation_offload="auto",
+        profile=machine(vram_gib=8 / 1024),
+    )
+    adapter = model._trainstream_engine.adapter
+    FakeDevice(adapter, adapter.usable - 3 * 8192)
+    losses, first_pass = [], None
+    for i in range(5):
+        loss = loss_fn(model, batch(i, "cpu"))
+        if i == 0:
+            first_pass = trainstream.memory_report(model)["params"]
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert first_pass["recompute_blocks"] == [1, 2, 3] and first_pass["activation_paged_blocks"] == []
+    report = trainstream.memory_report(model)
+    guard = [h for h in report["plan"]["history"] if h["kind"] == "guard" and h["step"] == 0]
+    assert len(guard) == 1 and guard[0]["choice"] == "recompute" and guard[0]["blocks"] == [1, 2, 3]
+    assert "no forward timed yet" in guard[0]["message"]
+    assert "the guard chose to recompute 3 blocks in that pass: 1-3" in report["events"]
+    params = report["params"]
+    if settled == "recompute":
+        assert params["recompute_blocks"] and params["activation_paged_blocks"] == []
+        assert "recompute: blocks 0-" in report["events"] and "recomputing is cheaper" in report["events"]
+    else:
+        assert params["activation_paged_blocks"] and params["recompute_blocks"] == []
+        assert "recompute: no block is recomputed" in report["events"] and "paging is cheaper" in report["events"]
+    assert_same_bits(resident, (losses, {k: v.clone() for k, v in model.state_dict().items()}))
+
+
+def test_the_guard_pages_a_block_whose_recompute_would_keep_as_much():
+    # A lone Linear saves its input: recomputing it would keep that same input.
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload=True, param_offload=False, activation_offload="auto", profile=machine()
+    )
+    engine = model._trainstream_engine
+    loss_fn(model, batch(0, "cpu")).backward()
+    choice, why = engine.adapter._off_device(engine.block_units[1], engine.activation_bytes[1])
+    assert choice == "page" and "recomputing would keep as much" in why
+
+
+def test_the_guard_pages_a_block_whose_measured_forward_costs_more_than_paging():
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload=True, param_offload=False, activation_offload="auto", profile=machine()
+    )
+    engine = model._trainstream_engine
+    adapter = engine.adapter
+    for i in range(2):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    unit = engine.block_units[1]
+    acts = engine.activation_bytes[1]
+    paging = acts / 25e9
+    adapter.block_s = {b: 2 * paging for b in range(4)}
+    assert adapter._off_device(unit, acts)[0] == "page"
+    adapter.block_s = {b: paging / 2 for b in range(4)}
+    choice, why = adapter._off_device(unit, acts)
+    assert choice == "recompute" and "recomputing is cheaper" in why
+
+
+# -- on the GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_a_capped_llama_recomputes_with_the_uncapped_engines_bits():
+    """A small Llama under a per-process cap that its activations do not fit: the guard and
+    the settled plan take blocks off the device; the bits are those of the engine uncapped."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=512,
+            max_position_embeddings=2048,
+        )
+        model = transformers.LlamaForCausalLM(config)
+        model.config.use_cache = False
+        return model
+
+    ids = [torch.randint(0, 512, (8, 1024), generator=torch.Generator().manual_seed(i)) for i in range(5)]
+
+    def run(cap_bytes):
+        model = llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        total = torch.cuda.get_device_properties(0).total_memory
+        if cap_bytes:
+            torch.cuda.set_per_process_memory_fraction(cap_bytes / total)
+        try:
+            model, opt = trainstream.wrap(model, opt, device="cuda", offload=True, param_offload=False)
+            for x in ids:
+                x = x.cuda()
+                model(input_ids=x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            report = trainstream.memory_report(model)
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            trainstream.unwrap(model)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        del model, opt
+        torch.cuda.empty_cache()
+        return state, report
+
+    free, free_report = run(None)
+    assert free_report["params"]["recompute_blocks"] == []
+    # The uncapped run's measured activations, and a cap that holds the weights, the optimizer's
+    # device share and about a third of them.
+    acts = sum(free_report["plan"]["activation_bytes_per_block"].values())
+    capped, report = run(int(torch.cuda.max_memory_allocated() - 2 * acts // 3))
+    assert report["params"]["recompute_blocks"] or report["params"]["activation_paged_blocks"]
+    assert any(h.get("choice") == "recompute" for h in report["plan"]["history"] if h["kind"] == "guard")
+    for k in free:
+        assert torch.equal(free[k], capped[k]), k
