@@ -16,14 +16,16 @@ def test_the_7b_rows_run_only_in_the_full_suite():
     full = lora.cases(quick=False)
     big = [c for c in full if c["size"] == "qwen2.5-7b"]
     assert {c["runner"] for c in big} == {"stock", "bnb", "trainstream"}
-    assert [c.get("compute_only", False) for c in big].count(True) == 1
+    # The compute bound, and the same with every block recomputed (the capped row's recompute).
+    assert [c.get("compute_only", False) for c in big].count(True) == 2
+    assert [c.get("checkpointing", False) for c in big if c.get("compute_only")] == [False, True]
     assert all(c.get("cap_gib") == lora.CAP_GIB for c in big if not c.get("compute_only"))
     with pytest.raises(ValueError, match="size must be one of"):
         lora._config("13b")
 
 
 def _row(model, runner, run, **values):
-    return dict(model=model, runner=runner, run=run, compute_only="compute bound" in run, **values)
+    return dict(model=model, runner=runner, run=run, compute_only="forward + backward only" in run, **values)
 
 
 def test_the_checks_read_the_targets_from_the_rows():
@@ -48,6 +50,34 @@ def test_the_checks_read_the_targets_from_the_rows():
     assert {c["model"] for c in lora._checks(rows)} == {"3b", "qwen2.5-7b"}
     # A row that did not run (out of memory) gives no check, and nothing fails.
     assert lora._checks([_row("3b", "stock", "stock", oom=True)]) == []
+
+
+def test_the_capped_rows_compute_bound_counts_the_blocks_it_recomputes():
+    # Recomputing all 28 blocks added 0.2 s to the 0.5 s compute; the capped run recomputed 14
+    # of them: its compute bound is 0.6 s, above its 0.3 s of PCIe.
+    compute = _row("qwen2.5-7b", "stock", "7B: forward + backward only, uncapped (the compute bound)", s_per_step=0.5)
+    recomputed = _row(
+        "qwen2.5-7b",
+        "stock",
+        "7B: forward + backward only, every block recomputed (gradient checkpointing), uncapped",
+        s_per_step=0.7,
+    )
+    ours = _row(
+        "qwen2.5-7b",
+        "trainstream",
+        "7B: TrainStream",
+        s_per_step=0.72,
+        pcie_s=0.3,
+        wrap_s=1.0,
+        first_step_s=1.0,
+        recompute_blocks=14,
+        blocks=28,
+    )
+    bound = next(c for c in lora._checks([compute, recomputed, ours]) if c["check"].startswith("under the cap"))
+    assert bound["value"] == pytest.approx(0.72 / 0.6) and "with 14 of 28 blocks recomputed" in bound["check"]
+    # Without the recomputed row the bound is the plain compute, and the label says so.
+    bound = next(c for c in lora._checks([compute, ours]) if c["check"].startswith("under the cap"))
+    assert bound["value"] == pytest.approx(0.72 / 0.5) and "recompute not measured" in bound["check"]
 
 
 def test_a_case_past_its_timeout_is_an_error_row_not_a_crash():
