@@ -318,3 +318,50 @@ def test_cuda_paged_quantized_codes_are_pinned_and_the_run_trains(fmt):
 def test_the_pinner_module_names_its_thread():
     # the tests above find the thread by this name
     assert device._Pinner(CPU, []).name == PINNER
+
+
+# -- the model walked once ----------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.LayerNorm(dim))
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+
+
+class _Tied(torch.nn.Module):
+    """Three blocks; the head is tied to block 1's `out` weight; a root parameter; a nested
+    module outside the blocks; block 2 reuses block 0's LayerNorm (shared between blocks)."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.blocks = torch.nn.ModuleList(_Block(dim) for _ in range(3))
+        self.blocks[2].inner[1] = self.blocks[0].inner[1]
+        self.tail = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(dim, 2))
+        self.head = torch.nn.Linear(dim, dim, bias=False)
+        self.head.weight = self.blocks[1].out.weight
+
+
+def test_build_units_names_owners_and_finds_blocks_shared_with_the_outside():
+    from trainstream.engine.layout import build_units
+
+    model = _Tied()
+    trainable = {model.tail[1].weight}
+    blocks, outside, shared = build_units(model, list(model.blocks), trainable)
+    assert shared == [1]  # block 1's out.weight is the head's weight
+    assert [[s.name for s in u.slots] for u in blocks] == [
+        ["blocks.0.inner.0.weight", "blocks.0.inner.0.bias", "blocks.0.inner.1.weight", "blocks.0.inner.1.bias"]
+        + ["blocks.0.out.weight"],
+        ["blocks.1.inner.0.weight", "blocks.1.inner.0.bias", "blocks.1.inner.1.weight", "blocks.1.inner.1.bias"]
+        + ["blocks.1.out.weight"],
+        ["blocks.2.inner.0.weight", "blocks.2.inner.0.bias", "blocks.2.out.weight"],  # its LayerNorm is block 0's
+    ]
+    assert [(u.name, [s.name for s in u.slots]) for u in outside] == [
+        ("<root>", ["scale"]),
+        ("tail.1", ["tail.1.weight", "tail.1.bias"]),
+    ]
+    assert [s.trainable for s in outside[1].slots] == [True, False]
+    assert [s.is_linear for s in blocks[0].slots] == [True, True, False, False, True]
+    assert all(s.unit is u for u in blocks + outside for s in u.slots)

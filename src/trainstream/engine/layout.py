@@ -163,11 +163,20 @@ class Unit:
         return sum(s.full_nbytes for s in self.streamed_slots)
 
 
-def _owner_names(model: torch.nn.Module) -> dict:
+def _own_parameters(model: torch.nn.Module) -> list:
+    """(name, module, [(name, parameter) registered on it]) for every module of `model` in
+    module order: one walk, which build_units reads twice."""
+    return [
+        (mod_name, module, [(n, p) for n, p in module._parameters.items() if p is not None])
+        for mod_name, module in model.named_modules()
+    ]
+
+
+def _owner_names(own: list) -> dict:
     """Each parameter -> (owning module, qualified name), first owner in module order."""
     owners = {}
-    for mod_name, module in model.named_modules():
-        for p_name, p in module.named_parameters(recurse=False):
+    for mod_name, module, params in own:
+        for p_name, p in params:
             owners.setdefault(p, (module, f"{mod_name}.{p_name}" if mod_name else p_name))
     return owners
 
@@ -176,16 +185,20 @@ def build_units(model: torch.nn.Module, blocks: list, trainable: set) -> tuple[l
     """Units for the blocks (in order) and for the modules outside them, plus notes for
     the events log. A block that shares a parameter with anything outside it (tied weights)
     is marked unpageable in its note and in the returned list of indices."""
-    owners = _owner_names(model)
+    # One walk of the model and one of each block: a 7B model has tens of thousands of
+    # (module, parameter) pairs, and walking a block per pair cost a quarter second.
+    own = _own_parameters(model)
+    owners = _owner_names(own)
     block_of = {}
     for i, block in enumerate(blocks):
         for p in block.parameters():
             block_of.setdefault(p, i)
+    inside = [{id(m) for m in block.modules()} for block in blocks]  # the models keep every module alive
     shared = set()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
+    for _, module, params in own:
+        for _, p in params:
             i = block_of.get(p)
-            if i is not None and not any(module is m for m in blocks[i].modules()):
+            if i is not None and id(module) not in inside[i]:
                 shared.add(i)
 
     def slot(p):
@@ -196,14 +209,14 @@ def build_units(model: torch.nn.Module, blocks: list, trainable: set) -> tuple[l
     for i, block in enumerate(blocks):
         slots = [slot(p) for p in dict.fromkeys(block.parameters()) if block_of[p] == i]
         block_units.append(Unit(f"block {i}", i, slots))
+    name_of = {id(m): n for n, m, _ in own}  # named_modules() names each module once, first name
     outside_units, by_owner = [], {}
     for p, (module, _) in owners.items():
         if p in block_of:
             continue
         unit = by_owner.get(id(module))
         if unit is None:
-            name = next(n for n, m in model.named_modules() if m is module) or "<root>"
-            unit = by_owner[id(module)] = Unit(name, None, [])
+            unit = by_owner[id(module)] = Unit(name_of[id(module)] or "<root>", None, [])
             outside_units.append(unit)
         unit.slots.append(slot(p))
     for unit in block_units + outside_units:
