@@ -234,6 +234,11 @@ class GradStreamer:
         self.ledger.add(event, nbytes)  # the device gradients are freed once copied
         for slot, *_ in batch:
             self._landed(slot, event)
+        # The copies are queued: the device gradients go. The list they waited in is emptied,
+        # not only let go of, so that their memory never depends on what else still holds
+        # that list (a shallow copy of the unit kept alive by a reference cycle held every
+        # unit's first batch until the cyclic GC ran: up to the whole model's gradients).
+        batch.clear()
         return self.poll()
 
     def _squares_to_host(self, unit, slots: list, grads: list) -> list:

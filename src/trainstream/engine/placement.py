@@ -723,12 +723,23 @@ def _trial(model):
     are shared, the fields planning writes (paged, act_paged, recompute, quant_format) are its own."""
     copies = {}
 
+    def own_containers(obj) -> None:
+        # copy.copy shares the original's lists and dicts, which the engine later fills in
+        # place (a unit's waiting gradients, update handles, checks, paged activations; a
+        # slot's host buffers), and a trial lives until the cyclic GC frees it (unit <-> its
+        # slots): a shared list held the first batch of gradients of every unit until then.
+        for key, value in vars(obj).items():
+            if isinstance(value, (list, dict, set)):
+                setattr(obj, key, copy.copy(value))
+
     def unit_copy(u):
         c = copy.copy(u)
         c.__dict__.pop("trainable", None)  # a cached view of the original's slots
+        own_containers(c)
         c.slots = []
         for s in u.slots:
             copies[s] = sc = copy.copy(s)
+            own_containers(sc)
             sc.unit = c
             c.slots.append(sc)
         return c
