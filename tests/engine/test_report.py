@@ -15,6 +15,7 @@ def test_memory_report_explains_the_plan():
         "paged_blocks": [1, 3],
         "resident_blocks": [0, 2],
         "activation_paged_blocks": [0, 1],
+        "recompute_blocks": [],
         "quantize": "none",
     }
     assert "block stack 'layers': 4 x Block" in report["events"]

@@ -128,15 +128,21 @@ def activation_peak(inp: PlanInputs, act_paged, recompute=frozenset()) -> int:
     copies of resident weights are counted with the weights."""
     b, depth = inp.blocks, inp.prefetch_depth
     kept = fetched = 0  # kept: what the blocks before block i hold until backward reaches them
+    # (Plain comparisons, not max(): the search calls this for every activation policy.)
     for i, x in enumerate(b):
         if i in recompute:
-            fetched = max(fetched, kept + x.act_bytes - x.cast_bytes)  # recomputed in backward
+            here = kept + x.act_bytes - x.cast_bytes  # recomputed in backward
             kept += x.input_bytes
         elif i in act_paged:
-            window = sum(b[j].act_bytes for j in range(max(i - depth, 0), i + 1) if j in act_paged)
-            fetched = max(fetched, kept + window)
+            here = kept
+            for j in range(i - depth if i > depth else 0, i + 1):
+                if j in act_paged:
+                    here += b[j].act_bytes
         else:
             kept += x.act_bytes - x.cast_bytes
+            continue
+        if here > fetched:
+            fetched = here
     backward = fetched + inp.held_after_stack_bytes if fetched else 0
     return max(kept + inp.after_stack_bytes, backward)
 
@@ -235,45 +241,44 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
     act_opts = _act_options(inp)  # each with its peak, once per option, not per pair
     all_weights = sum(x.weight_bytes + x.cast_bytes for x in b)
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
+    h2d_rate, d2h_rate, limit = inp.h2d_bytes_per_s, inp.d2h_bytes_per_s, inp.max_activation_slowdown + 1e-9
+    grads_out = inp.grad_bytes / d2h_rate
+    # Per option, what the pair loop adds up (the loop runs over every pair: kept to plain floats).
+    acts = [
+        (a, a.peak, inp.compute_s + a.compute, a.moved, (inp.grad_bytes + a.moved) / d2h_rate, len(a.chosen))
+        for a in act_opts
+    ]
     best, best_key, smallest = None, None, None
     for w in weight_opts:
-        for a in act_opts:
-            need = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight + a.peak
-            terms = {
-                "compute": inp.compute_s + a.compute,
-                "h2d": (h2d_resident + w.moved + a.moved) / inp.h2d_bytes_per_s,
-                "d2h": (inp.grad_bytes + a.moved) / inp.d2h_bytes_per_s,
-                "adamw": inp.adamw_s,
-            }
-            step = max(terms.values())
-            base = max(
-                inp.compute_s,  # without recompute: the same weight placement keeping every activation
-                (h2d_resident + w.moved) / inp.h2d_bytes_per_s,
-                inp.grad_bytes / inp.d2h_bytes_per_s,
-                inp.adamw_s,
-            )
+        held = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight
+        h2d_weights = h2d_resident + w.moved
+        # Without recompute or activation paging: the same weight placement keeping every activation.
+        base = max(inp.compute_s, h2d_weights / h2d_rate, grads_out, inp.adamw_s)
+        n_paged = len(w.chosen)
+        for a, peak, compute, moved, d2h, n_acts in acts:
+            need = held + peak
+            step = max(compute, (h2d_weights + moved) / h2d_rate, d2h, inp.adamw_s)
             slowdown = step / base - 1.0 if base > 0 else 0.0
-            fits = need <= inp.usable_bytes
-            within = slowdown <= inp.max_activation_slowdown + 1e-9
+            within = slowdown <= limit
             if smallest is None or need < smallest[0]:
-                smallest = (need, w, a, terms, step, slowdown, within)
-            if not fits:
+                smallest = (need, w, a, step, slowdown, within)
+            if need > inp.usable_bytes:
                 continue
             # Within the slowdown limit first; then faster (to 0.1 ms); then fewer blocks'
             # activations moved off the device (kept first), and of those fewer paged (their
             # copies cost host work and pinned memory the model does not count, where weights
             # paged in bf16 under autocast cost none); then fewer blocks' weights paged.
-            key = (
-                not within,
-                round(step * 1e3, 1),
-                len(a.chosen) + len(a.recompute),
-                len(a.chosen),
-                len(w.chosen),
-            )
+            key = (not within, round(step * 1e3, 1), n_acts + len(a.recompute), n_acts, n_paged)
             if best_key is None or key < best_key:
-                best_key, best = key, (need, w, a, terms, step, slowdown, within)
-    need, w, a, terms, step, slowdown, within = best if best is not None else smallest
-    terms = dict(terms, recompute=a.compute)
+                best_key, best = key, (need, w, a, step, slowdown, within)
+    need, w, a, step, slowdown, within = best if best is not None else smallest
+    terms = {
+        "compute": inp.compute_s + a.compute,
+        "h2d": (h2d_resident + w.moved + a.moved) / h2d_rate,
+        "d2h": (inp.grad_bytes + a.moved) / d2h_rate,
+        "adamw": inp.adamw_s,
+        "recompute": a.compute,
+    }
     return BlockPlan(
         list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms, list(a.recompute)
     )
