@@ -1073,6 +1073,7 @@ class Engine:
             self.unwrap()
             for unit in self.block_units:
                 self.acts.page(unit, False)
+                set_recompute(unit, False)
             self.optimizer.switch_to_stock(self.opts.max_grad_norm)
             self.mode = "stock"
             if self.dp is not None:  # DDP's part from here on: gradients averaged over the ranks
