@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .device import HostSlabs
+
 
 class PagedStorage:
     __slots__ = ("host", "d2h_event", "device_copy", "h2d_event", "ref", "version", "nbytes", "ahead")
@@ -50,6 +52,7 @@ class ActivationPager:
         for u in block_units:
             u.act_paged = u.block in act_paged
         self._recent: dict = {}  # storage pointer -> PagedStorage, this forward pass
+        self.slabs = HostSlabs(backend)  # the pinned host copies ([Note: activation slabs])
         self.paged_bytes = 0  # bytes copied out since wrap (for the report)
 
     def pack(self, t: torch.Tensor, unit):
@@ -60,7 +63,7 @@ class ActivationPager:
             backend = self.backend
             src = _bytes_of(storage, t.device)
             self.ledger.make_room(src.numel())
-            host = backend.host_empty(src.shape, torch.uint8)
+            host = self.slabs.take(src.numel())
             backend.follow_compute(backend.copy_out)  # outside the stream context: compute is the current stream
             with backend.on(backend.copy_out):
                 host.copy_(src, non_blocking=True)
@@ -124,3 +127,4 @@ class ActivationPager:
 
     def new_pass(self) -> None:
         self._recent.clear()
+        self.slabs.new_pass()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import deque
 
 import torch
@@ -298,6 +299,78 @@ class HostArena:
         self._used += n
         self.remaining -= n
         return region.view(dtype).view(shape)
+
+
+class HostSlabs:
+    """Pinned host memory for paged activations: pieces carved exactly (64-byte aligned),
+    one region per storage, and carved again from the start by each pass.
+
+    [Note: activation slabs] Asking the caching host allocator for one buffer per storage
+    pins each request rounded up to a power of two (a 7B model's MLP activations: 78 MB in a
+    128 MiB buffer), with a fresh page-locking call for every one the first pass makes. Here
+    a pass carves its storages from power-of-two pieces, each into the first piece carved
+    this pass that still has room for it (first fit), else into a piece of its own: one free
+    from earlier passes, or a new one, a quarter of the pool so far, from MIN_PIECE up to
+    MAX_PIECE, or the storage's own power of two if larger. The waste is what no later
+    storage fitted into and the last piece's unused end. A piece is carved again only once no
+    region of it is held (autograd let go of every saved tensor in it: a graph kept for a
+    second backward keeps its pieces), so the pool grows to what the passes hold at once and
+    never shrinks. A piece carved again may still be read by copies to the device queued
+    before: the first copy into it this pass waits (on the GPU) for every copy the copy-in
+    stream had queued when the pass began."""
+
+    ALIGN = 64
+    MIN_PIECE = 1 << 20
+    MAX_PIECE = HostArena.MAX_PIECE
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.pieces: list = []
+        self._held: list = []  # per piece: weak references to the regions carved from it
+        self._free: list = []  # pieces no region of which is held, this pass has not carved yet
+        self._used: dict = {}  # piece -> bytes carved from it this pass, in the order carved
+        self._fence = None  # copy-in's work when this pass began, until a reused piece is carved
+
+    @property
+    def reserved(self) -> int:
+        return sum(p.numel() for p in self.pieces)
+
+    def new_pass(self) -> None:
+        """A pass begins: every piece none of whose regions is held may be carved again."""
+        self._free = [k for k, held in enumerate(self._held) if all(r() is None for r in held)]
+        for k in self._free:
+            self._held[k] = []
+        self._used = {}
+        self._fence = self.backend.record(self.backend.copy_in) if self._free else None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of pinned memory (uint8), apart from every other region still held."""
+        n = max(-(-nbytes // self.ALIGN) * self.ALIGN, self.ALIGN)
+        k = next((k for k, used in self._used.items() if self.pieces[k].numel() - used >= n), None)
+        if k is None:
+            k = self._open_piece(n)
+        start = self._used[k]
+        region = self.pieces[k][start : start + nbytes]
+        self._used[k] = start + n
+        self._held[k].append(weakref.ref(region))
+        return region
+
+    def _open_piece(self, n: int) -> int:
+        """A piece of at least `n` bytes to carve this pass: a free one, else a new one."""
+        k = next((k for k in self._free if self.pieces[k].numel() >= n), None)
+        if k is not None:
+            self._free.remove(k)
+            if self._fence is not None:
+                self.backend.wait(self._fence, self.backend.copy_out)
+                self._fence = None
+        else:
+            grown = min(self.MAX_PIECE, max(self.MIN_PIECE, self.reserved // 4))
+            size = max(1 << (grown - 1).bit_length(), 1 << (n - 1).bit_length())
+            self.pieces.append(self.backend.host_empty((size,), torch.uint8))
+            self._held.append([])
+            k = len(self.pieces) - 1
+        self._used[k] = 0
+        return k
 
 
 class _Pinner(threading.Thread):
