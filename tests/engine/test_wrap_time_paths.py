@@ -13,7 +13,6 @@ from models import tiny_gpt
 
 import trainstream
 from trainstream.api import _engine_of
-from trainstream.engine import device
 from trainstream.engine.device import Backend, HostArena
 from trainstream.ops import quant as qops
 from trainstream.quant import QuantizedWeight
@@ -313,11 +312,6 @@ def test_cuda_paged_quantized_codes_are_pinned_and_the_run_trains(fmt):
     opt.step()
     torch.cuda.synchronize()
     assert torch.isfinite(loss).item()
-
-
-def test_the_pinner_module_names_its_thread():
-    # the tests above find the thread by this name
-    assert device._Pinner(CPU, []).name == PINNER
 
 
 # -- the model walked once ----------------------------------------------------------------------------
