@@ -100,7 +100,7 @@ def test_memory_report_holds_the_peak_each_step_measured():
 def test_the_moves_are_labelled_with_the_blocks_they_moved():
     model, _ = run_with_moves()
     report = trainstream.memory_report(model)
-    assert report["plan"]["placement_at_wrap"] == {"paged": [0, 1, 2, 3], "act_paged": []}
+    assert report["plan"]["placement_at_wrap"] == {"paged": [0, 1, 2, 3], "act_paged": [], "recompute": []}
     moves = planner_moves(report)
     assert [(step, kind) for step, kind, _ in moves] == [
         (1, "replan"),
