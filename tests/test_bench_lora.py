@@ -85,3 +85,31 @@ def test_a_case_past_its_timeout_is_an_error_row_not_a_crash():
 
     result, error = case_in_subprocess("trainstream.bench.lora", {"sleep": True}, timeout=0.01)
     assert result is None and error.endswith("[timed out after 0.01 s]")
+
+
+def test_the_step_time_checks_read_the_same_process_medians_where_they_ran():
+    rows = [
+        _row("3b", "stock", "stock", s_per_step=0.2, peak_GiB=17.0),
+        _row("3b", "bnb", "bnb", s_per_step=0.3, peak_GiB=13.0),
+        _row("3b", "trainstream", "TrainStream, NF4 base, weights resident", s_per_step=0.21, peak_GiB=12.0),
+        _row("3b", "trainstream", "TrainStream, int8 base, weights resident", s_per_step=0.22, peak_GiB=12.5),
+        _row(
+            "3b",
+            "interleaved",
+            "weights resident, one process",
+            s_per_step_by_run={"stock": 0.18, "bitsandbytes": 0.27, "NF4": 0.19, "int8": 0.2},
+        ),
+    ]
+    values = {c["check"]: c["value"] for c in lora._checks(rows)}
+    where = " (one process, windows alternating)"
+    assert values["NF4 resident: step / stock bf16 LoRA" + where] == pytest.approx(0.19 / 0.18)
+    assert values["NF4 resident: bitsandbytes QLoRA step / ours" + where] == pytest.approx(0.27 / 0.19)
+    assert values["int8 resident: step / NF4 resident" + where] == pytest.approx(0.2 / 0.19)
+    # The peak still comes from the runs' own processes.
+    assert values["NF4 resident: peak GiB (bitsandbytes' peak)"] == 12.0
+    md = lora.markdown(rows, lora._checks(rows), quick=False)
+    assert "windows alternating" in md and "| NF4 | 0.19 |" in md
+    # The case runs the four resident runners under the names the checks read.
+    (case,) = [c for c in lora.cases(quick=False) if c.get("interleaved")]
+    assert tuple(case["runs"]) == lora.INTERLEAVED
+    assert {r["runner"] for r in case["runs"].values()} == {"stock", "bnb", "trainstream"}
