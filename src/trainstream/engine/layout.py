@@ -248,16 +248,22 @@ def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
     return need
 
 
-def arena_bytes(units: list, stage: bool = True) -> int:
-    """Transfer memory (pinned on a GPU machine) the engine carves its host buffers from."""
+def arena_sizes(units: list, stage: bool = True) -> list:
+    """The bytes (HostArena.size_of) of every host buffer of `units`, in the order the pager
+    takes them from its arena (params.place)."""
     from .device import HostArena
 
-    return sum(
+    return [
         HostArena.size_of(numel, dtype)
         for u in units
         for s in u.slots
         for _, dtype, numel in host_buffers(s, u.paged, stage)
-    )
+    ]
+
+
+def arena_bytes(units: list, stage: bool = True) -> int:
+    """Transfer memory (pinned on a GPU machine) the engine carves its host buffers from."""
+    return sum(arena_sizes(units, stage))
 
 
 QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -51,7 +51,7 @@ from ..quant.weight import QuantizedWeight
 from ..sizes import GiB
 from .device import DeviceUpdate, HostArena
 from .landing import Lander
-from .layout import Fetch, arena_bytes, host_buffers, set_quantization
+from .layout import Fetch, arena_sizes, host_buffers, set_quantization
 
 
 def _autocast_dtype(device_type: str):
@@ -102,11 +102,11 @@ class WeightPager:
         # Python attributes (codes that quant.stored hands over are one), kept until placed().
         self._before = [(s.param, s.param.data, dict(vars(s.param))) for u in self.units for s in u.slots]
         layout = {s: host_buffers(s, u.paged, stage) for u in self.units for s in u.slots}
-        total = arena_bytes(self.units, stage)
-        self.arena = HostArena(backend, total)
         # the pieces are pinned by the arena's thread while the loop quantizes and copies
         # into those before ([Note: pinning ahead]); every take below is in this list, in order
-        takes = [HostArena.size_of(numel, dtype) for u in self.units for s in u.slots for _, dtype, numel in layout[s]]
+        takes = arena_sizes(self.units, stage)
+        total = sum(takes)
+        self.arena = HostArena(backend, total)
         with self.arena.pinning_ahead(takes):
             for unit in self.units:
                 for s in unit.slots:

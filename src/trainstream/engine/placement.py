@@ -345,11 +345,15 @@ def check_fits(
     pinned_bytes: int,
     device_grads: bool = False,
     quantize_hint: str = "",
+    pinned_needed: int | None = None,
 ) -> dict:
     """Host, pinned and device bytes this placement needs; MemoryError with the numbers
     when they exceed what the profile says the machine has (check_memory=True).
+    `pinned_bytes`: what the host arenas pin (their pieces), of which `pinned_needed` hold
+    tensors (default: all); the rest, the pieces' unused tails, is host memory too.
     `quantize_hint`: a quantize setting that would shrink the frozen weights, to suggest."""
     host = host_bytes(opts, units, moment_bytes, device_grads)
+    host["unused ends of pinned pieces"] = pinned_bytes - (pinned_bytes if pinned_needed is None else pinned_needed)
     resident = sum(s.nbytes for u in units if not u.paged for s in u.pageable_slots)
     largest_paged = max([sum(s.nbytes for s in u.pageable_slots) for u in units if u.paged] or [0])
     device = {
@@ -609,7 +613,7 @@ def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _F
     # accumulated gradient sums (which the kernel maps) are carved from one arena, pinned on
     # a GPU; on the CPU backend the arena is plain memory and the same layout runs in CI.
     from .device import HostArena
-    from .layout import arena_bytes
+    from .layout import arena_sizes
 
     sums = opts.accumulation_steps > 1
     mapped_bytes = (
@@ -622,6 +626,8 @@ def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _F
         else 0
     )
     device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
+    weight_takes = arena_sizes(units, stage=not device_grads)
+    moment_takes = _moment_arena_sizes(opts, units, moment_dtype, profile, sums) if update_on_device else []
     budget = check_fits(
         opts,
         units,
@@ -630,13 +636,33 @@ def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _F
         profile,
         model.on_device,
         moment_dtype.itemsize,
-        arena_bytes(units, stage=not device_grads) + mapped_bytes,
+        HostArena.pinned_for(weight_takes) + HostArena.pinned_for(moment_takes),
         device_grads,
         quantize_hint,
+        pinned_needed=sum(weight_takes) + sum(moment_takes),
     )
     return _Fit(
         placement, moment_dtype, update_on_device, budget, mapped_bytes, moment_notes, [mode_note] if mode_note else []
     )
+
+
+def _moment_arena_sizes(opts, units, moment_dtype, profile, sums: bool) -> list:
+    """The takes of the device update's arena (engine._lay_out_moments), in its order: the
+    moment regions as moments.lay_out carves them, then the accumulation sums."""
+    from .device import HostArena
+    from .moments import lay_out
+
+    inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
+    sizes = []
+
+    def record(shape, dtype):
+        sizes.append(HostArena.size_of(shape[0], dtype))
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    lay_out(units, moment_dtype, region_limit(inflight), copy_limit(inflight), record)
+    if sums:
+        sizes += [HostArena.size_of(s.param.numel(), torch.float32) for u in units for s in u.trainable]
+    return sizes
 
 
 def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, list, str | None]:
