@@ -9,14 +9,16 @@ import types
 
 import pytest
 import torch
-from helpers import PAGED, assert_same_bits
+from helpers import PAGED, assert_same_bits, machine_bytes
 from models import tiny_gpt
 
 import trainstream
+from trainstream import options
 from trainstream.api import _engine_of
 from trainstream.engine.device import Backend, HostArena
 from trainstream.engine.layout import arena_sizes
 from trainstream.engine.moments import copy_limit, lay_out, region_limit
+from trainstream.engine.placement import plan_run
 from trainstream.ops import quant as qops
 from trainstream.quant import QuantizedWeight
 
@@ -209,14 +211,44 @@ def _meta_empty(shape, dtype):
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def test_the_planner_counts_the_arenas_pieces_not_only_the_tensors_in_them():
-    model, _, _ = _frozen_gpt()
-    model, _ = _wrap(model)
-    engine = _engine_of(model)
-    arena = engine.weights.arena
-    needed = sum(arena_sizes(engine.weights.units))  # host mode: landing buffers too
-    assert arena.reserved > needed  # the tails are not empty here, so the count is seen
-    assert engine.budget["host"]["unused ends of pinned pieces"] == arena.reserved - needed
+def _plan_layout():
+    """A ModelLayout of meta tensors: 4 blocks of a 1024x1024 weight and a bias, a head."""
+    from trainstream.engine.layout import ModelLayout, Slot, Unit
+
+    def slot(name, shape):
+        return Slot(torch.nn.Parameter(torch.empty(shape, device="meta")), name, torch.float32, True, True)
+
+    blocks = [
+        Unit(f"block {i}", i, [slot(f"l{i}.weight", (1024, 1024)), slot(f"l{i}.bias", (1024,))]) for i in range(4)
+    ]
+    head = Unit("head", None, [slot("head.weight", (1024, 1024))])
+    for u in [*blocks, head]:
+        for s in u.slots:
+            s.unit = u
+    return ModelLayout(blocks, [head], [], [], [], 0)
+
+
+def _plan_on(is_cuda, pinned_bytes):
+    backend = Backend(torch.device("cpu"))
+    backend.is_cuda = is_cuda  # the planner reads only this of the backend here
+    layout = _plan_layout()
+    opts = options.parse(dict(param_offload=True, activation_offload=False, moment_dtype="float32"))
+    return layout, plan_run(opts, layout, machine_bytes(1 << 40, pinned_bytes=pinned_bytes), backend)
+
+
+def test_the_planner_counts_what_the_arena_pins_not_only_the_tensors_in_it():
+    layout, plan = _plan_on(True, 1 << 40)
+    assert list(plan.paged) == [0, 1, 2, 3]
+    for u in layout.block_units:  # as the engine applies the plan
+        u.paged = True
+    takes = arena_sizes(layout.units)
+    pinned = HostArena.pinned_for(takes)
+    assert pinned > sum(takes)  # this layout leaves tails: the count is seen
+    assert plan.budget["pinned"] == pinned
+    assert plan.budget["host"]["unused ends of pinned pieces"] == pinned - sum(takes)
+    with pytest.raises(trainstream.DoesNotFit, match="pinned memory"):
+        _plan_on(True, (pinned + sum(takes)) // 2)  # holds the tensors, not the pieces
+    assert _plan_on(False, 1 << 40)[1].budget["host"]["unused ends of pinned pieces"] == 0  # never touched
 
 
 class _GatedBackend(Backend):

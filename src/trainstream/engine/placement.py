@@ -350,10 +350,12 @@ def check_fits(
     """Host, pinned and device bytes this placement needs; MemoryError with the numbers
     when they exceed what the profile says the machine has (check_memory=True).
     `pinned_bytes`: what the host arenas pin (their pieces), of which `pinned_needed` hold
-    tensors (default: all); the rest, the pieces' unused tails, is host memory too.
+    tensors (default: all); on a GPU the rest, the pieces' unused tails, is locked host
+    memory too (on the CPU backend no page of a tail is ever touched, so none is resident).
     `quantize_hint`: a quantize setting that would shrink the frozen weights, to suggest."""
     host = host_bytes(opts, units, moment_bytes, device_grads)
-    host["unused ends of pinned pieces"] = pinned_bytes - (pinned_bytes if pinned_needed is None else pinned_needed)
+    unused = pinned_bytes - (pinned_bytes if pinned_needed is None else pinned_needed)
+    host["unused ends of pinned pieces"] = unused if backend.is_cuda else 0
     resident = sum(s.nbytes for u in units if not u.paged for s in u.pageable_slots)
     largest_paged = max([sum(s.nbytes for s in u.pageable_slots) for u in units if u.paged] or [0])
     device = {
