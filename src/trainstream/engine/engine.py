@@ -445,6 +445,7 @@ class Engine:
         for unit in self.block_units:
             if unit.streamed and unit.fetch is not Fetch.RELEASED:
                 self.weights.release(unit)  # left over from a forward without backward
+            self.acts.drop(unit)  # so too its storages (a graph still alive holds its own), before the pass
         self.acts.new_pass()
         self.meter.new_pass()
         if torch.is_grad_enabled():
