@@ -110,16 +110,20 @@ def test_a_storage_goes_to_the_first_piece_with_room_and_a_free_piece_too_small_
 # -- the engine's paging through it ---------------------------------------------------------------------
 
 
-def _run(options, steps=3, hold_two=False):
+def _run(options, steps=3, hold_two=False, dropped_graph=False):
     """tiny_gpt for `steps` steps; with `hold_two`, two forwards are held and then both go
     back in one backward (the first graph's saved tensors are held during the second
-    forward). Losses, final state and the engine's slabs (None unwrapped)."""
+    forward); with `dropped_graph`, each step begins with a forward under grad whose graph
+    is dropped unused (an eval loss computed without no_grad). Losses, final state and the
+    slabs' reserved bytes after each step."""
     torch.manual_seed(0)
     model, batch, loss_fn = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **options)
     losses, reserved = [], []
     for step in range(steps):
+        if dropped_graph:
+            losses.append(loss_fn(model, batch(100 + step, "cpu")).item())  # its graph goes at once
         if hold_two:
             a = loss_fn(model, batch(2 * step, "cpu"))
             b = loss_fn(model, batch(2 * step + 1, "cpu"))
@@ -145,6 +149,29 @@ def test_paged_activations_through_the_slabs_are_bit_exact(hold_two):
     for k in resident[1]:
         assert_same_bits(resident[1][k], paged[1][k])
     assert paged[2][0] > 0 and paged[2] == [paged[2][0]] * len(paged[2])  # pinned in the first step only
+
+
+def test_a_forward_whose_graph_is_dropped_leaves_the_pool_as_it_was():
+    # The dropped graph's storages stayed in their blocks' lists until the next forward
+    # reached each block, after the pass had begun: their pieces looked held, and the pool
+    # doubled for good.
+    plain = _run(PAGED)
+    resident, paged = _run(RESIDENT, dropped_graph=True), _run(PAGED, dropped_graph=True)
+    assert paged[2] == plain[2]
+    assert resident[0] == paged[0]
+    for k in resident[1]:
+        assert_same_bits(resident[1][k], paged[1][k])
+
+
+def test_the_pager_reports_the_slabs_reserved_bytes():
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **PAGED)
+    pager = _engine_of(model).acts
+    assert pager.slab_bytes == 0
+    loss_fn(model, batch(0, "cpu")).backward()
+    assert pager.slab_bytes == sum(p.numel() for p in pager.slabs.pieces) > 0
 
 
 def test_the_slabs_reused_too_early_would_show(monkeypatch):

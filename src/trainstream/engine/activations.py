@@ -55,6 +55,11 @@ class ActivationPager:
         self.slabs = HostSlabs(backend)  # the pinned host copies ([Note: activation slabs])
         self.paged_bytes = 0  # bytes copied out since wrap (for the report)
 
+    @property
+    def slab_bytes(self) -> int:
+        """Host memory the slabs hold (pinned on a GPU), carved or not."""
+        return self.slabs.reserved
+
     def pack(self, t: torch.Tensor, unit):
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -126,5 +131,7 @@ class ActivationPager:
         unit.acts = []
 
     def new_pass(self) -> None:
+        """A pass begins. Call drop() first for every unit whose storages no pass still
+        needs: a storage in a unit's list holds its slab region, so its piece looks held."""
         self._recent.clear()
         self.slabs.new_pass()
