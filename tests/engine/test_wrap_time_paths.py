@@ -340,6 +340,47 @@ def test_a_take_that_was_not_announced_is_a_sizing_bug(small_pieces):
     assert not _pinners()
 
 
+def test_a_pinning_thread_that_never_started_leaves_takes_pinning_on_demand(monkeypatch):
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    arena = HostArena(CPU, 1 << 20)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        with arena.pinning_ahead([1 << 20]):
+            pass
+    monkeypatch.undo()
+    # a take waiting on the thread that never ran would wait forever: here it pins its own piece
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(arena.take((1 << 20,), torch.uint8)), daemon=True)
+    taker.start()
+    taker.join(timeout=60)
+    assert not taker.is_alive() and taken[0].numel() == 1 << 20
+
+
+def test_the_pinning_thread_makes_the_engines_gpu_current_before_it_pins(monkeypatch):
+    # A fresh thread's current device is 0: pinned there, with GPU 0's context alive, the
+    # memory maps onto cuda:0 only and an engine on cuda:1 could not read its paged weights.
+    calls = []
+
+    class CudaLike(Backend):
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+            self.is_cuda, self._index = True, 1  # all the pinning thread reads of a GPU backend
+
+        def host_empty(self, shape, dtype):
+            calls.append(("pin", threading.current_thread().name))
+            return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    arena = HostArena(CudaLike(), 3 << 20)
+    with arena.pinning_ahead([1 << 20] * 3):
+        for _ in range(3):
+            arena.take((1 << 20,), torch.uint8)
+    assert calls[0] == ("set_device", 1)
+    assert calls[1:] == [("pin", PINNER)] * len(arena.pieces)
+
+
 # -- wrap() ----------------------------------------------------------------------------------------
 
 
@@ -408,6 +449,26 @@ def test_cuda_pieces_pinned_ahead_are_pinned(small_pieces):
     assert len(arena.pieces) > 2 and all(p.is_pinned() for p in arena.pieces)
     assert all(t.is_pinned() for t in taken)
     assert not _pinners()
+
+
+@pytest.mark.gpu
+def test_cuda_paged_weights_stay_readable_on_a_second_gpu_while_gpu_0_has_a_context():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.zeros(1, device="cuda:0")  # GPU 0's primary context exists
+    torch.cuda.set_device(1)
+    try:
+        torch.manual_seed(0)
+        model, _, _ = tiny_gpt()
+        model = model.to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = trainstream.wrap(model, opt, device="cuda:1", offload=True, **PAGED)
+        engine = _engine_of(model)
+        assert engine.weights.arena.pieces and all(p.is_pinned() for p in engine.weights.arena.pieces)
+        assert engine.weights.unreadable == []
+        trainstream.unwrap(model)
+    finally:
+        torch.cuda.set_device(0)
 
 
 @pytest.mark.gpu

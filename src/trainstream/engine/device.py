@@ -281,8 +281,9 @@ class HostArena:
         sizes = list(sizes)
         if sum(sizes) > self.remaining:
             raise RuntimeError("trainstream: host arena asked to pin ahead for more than it holds (a sizing bug)")
-        pinner = self._pinner = _Pinner(self.backend, self.piece_sizes(self.remaining, sizes))
-        pinner.start()
+        pinner = _Pinner(self.backend, self.piece_sizes(self.remaining, sizes))
+        pinner.start()  # set only once started: a take() of an arena whose thread never ran pins on demand
+        self._pinner = pinner
         try:
             yield self
         finally:
@@ -400,6 +401,11 @@ class _Pinner(threading.Thread):
 
     def run(self) -> None:
         try:
+            if self.backend.is_cuda:
+                # A fresh thread's current device is 0: with a context there, pinned memory
+                # would be registered with GPU 0's context and mapped (read in place by a
+                # paged weight's placeholder) only on cuda:0, not on the engine's GPU
+                torch.cuda.set_device(self.backend._index)
             for size in self.sizes:
                 with self._changed:
                     if self._stopping:
