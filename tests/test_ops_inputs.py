@@ -367,6 +367,32 @@ def test_quantize_out_refuses_buffers_over_each_other_or_over_the_input(quantize
     assert torch.all(raw == 0)
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["direct", "registered op"])
+@pytest.mark.parametrize("quantize", QUANTIZE)
+def test_quantize_out_refuses_buffers_inside_a_strided_inputs_extent(quantize, registered):
+    # x is every other float of `store`: the codes on the floats between x's own would not
+    # be read (x goes through a contiguous copy) but would still overwrite the caller's x
+    store = torch.randn(4096)
+    x = store[::2]
+    before = store.clone()
+    codes, absmax = _quantize_out(quantize, n=x.numel())
+    inside = store.view(torch.uint8)[1024 : 1024 + codes.numel()].view(codes.dtype)
+    op = getattr(torch.ops.trainstream, f"{quantize.__name__}_out")
+    with pytest.raises(ValueError, match=rf"^{quantize.__name__}: out\[0\] \(codes\) must not overlap the memory of x"):
+        if registered:
+            op(x, 64, inside, absmax)
+        else:
+            quantize(x, 64, out=(inside, absmax))
+    assert torch.equal(store, before)
+    # a buffer right after x's last element is not x's: accepted
+    store = torch.randn(4096 + 64)
+    x = store[:4095:2]  # 2048 values, the last one the float at 4094
+    want = quantize(x.clone())
+    absmax = store[4095 : 4095 + want[1].numel()]
+    quantize(x, 64, out=(codes, absmax))
+    assert torch.equal(codes, want[0]) and torch.equal(absmax, want[1])
+
+
 def test_quantized_weight_quantize_checks_out_as_the_op():
     w = torch.randn(16, 8)
     codes, absmax = _quantize_out(ops.quantize_int8, n=128)

@@ -7,6 +7,7 @@ import torch
 from helpers import assert_same_bits
 
 from trainstream import QuantizedWeight, ops
+from trainstream.ops import quant as qops
 from trainstream.ops import reference
 
 FORMATS = {
@@ -450,6 +451,28 @@ def test_quantized_weight_built_into_given_buffers_holds_them(fmt):
     ref = QuantizedWeight.quantize(w, fmt, 64)
     assert_same_bits(q.codes, ref.codes)
     assert_same_bits(q.dequantize(), ref.dequantize())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_writes_into_given_buffers_move_their_version_counters(fmt):
+    # The native op writes through addresses: without the counters moving, autograd would
+    # use a saved buffer overwritten after it was saved and raise nothing.
+    quantize, dequantize = FORMATS[fmt][:2]
+    codes, absmax = quantize(sample(256, torch.float32))
+    w = torch.ones(absmax.numel(), requires_grad=True)
+    y = (w * absmax).sum()  # saves absmax for w's gradient
+    quantize(sample(256, torch.float32, seed=1) * 10, out=(codes, absmax))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    out = torch.empty(16, 16)
+    for write in (
+        lambda: dequantize(codes, absmax, (16, 16), torch.float32, out=out),
+        lambda: QuantizedWeight.quantize(sample(256, torch.float32).view(16, 16), fmt).dequantize_into(out),
+        lambda: qops.dequantize_many(fmt, [codes], [absmax], [out]),
+    ):
+        version = out._version
+        write()
+        assert out._version > version
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -258,16 +258,21 @@ def _check_values(op: str, x) -> None:
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, end) of the bytes a contiguous tensor's elements occupy."""
-    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    """[first, end) of the bytes from a tensor's first element to the end of its last (the
+    whole extent of a strided one, the gaps between its elements included: torch's strides
+    are never negative)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _refuse_overlap(op: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """Quantize writes the codes and scales while it reads x: no two of them may share bytes.
-    Reads addresses, so only real tensors are checked (the registered op checks when it runs)."""
-    spans = {"out[0] (codes)": _byte_span(codes), "out[1] (absmax)": _byte_span(absmax)}
-    if x.is_contiguous():  # a strided x is read through a contiguous copy of its own
-        spans["x"] = _byte_span(x)
+    A strided x is read through a contiguous copy, but the writes would still change the
+    caller's x: its whole extent counts. Reads addresses, so only real tensors are checked
+    (the registered op checks when it runs)."""
+    spans = {"out[0] (codes)": _byte_span(codes), "out[1] (absmax)": _byte_span(absmax), "x": _byte_span(x)}
     for (name, (s0, s1)), (other, (o0, o1)) in itertools.combinations(spans.items(), 2):
         if s0 < o1 and o0 < s1:
             raise ValueError(f"{op}: {name} must not overlap the memory of {other}")
@@ -302,6 +307,9 @@ def _quantize(fmt: int, x: torch.Tensor, block_size: int, out=None):
     if _direct(x, codes, absmax):
         _refuse_overlap(op, x, codes, absmax)
         _run(False, fmt, x.contiguous(), codes, absmax, block_size)
+        # the native op writes through addresses: autograd learns of it from the version
+        # counters, as it does from the registered op (which declares its writes)
+        torch.autograd.graph.increment_version((codes, absmax))
     else:
         ops[3](x, block_size, codes, absmax)
     return codes, absmax
@@ -324,6 +332,7 @@ def _dequantize(fmt: int, codes, absmax, shape, dtype, block_size, out):
     check_out(op, out, torch.Size(shape), codes.device, dtype)
     if _direct(codes, absmax, out):
         _run(True, fmt, out, codes, absmax, block_size)
+        torch.autograd.graph.increment_version(out)  # as the registered op's declared write does
     else:
         ops[2](codes, absmax, block_size, out)
     return out
@@ -340,6 +349,7 @@ def dequantize_trusted(
     fmt = NF4 if format == "nf4" else INT8
     if _direct(codes, absmax, out):
         _run(True, fmt, out, codes, absmax, block_size)
+        torch.autograd.graph.increment_version(out)  # as the registered op's declared write does
     else:
         _dequantize(fmt, codes, absmax, out.shape, out.dtype, block_size, out)
 
@@ -393,6 +403,7 @@ def dequantize_many_trusted(
     fmt = NF4 if format == "nf4" else INT8
     if _direct(*codes, *absmax, *outs):
         _run_many(fmt, codes, absmax, outs, block_size)
+        torch.autograd.graph.increment_version(outs)  # as the registered op's declared writes do
         return
     for c, a, out in zip(codes, absmax, outs):
         _dequantize(fmt, c, a, out.shape, out.dtype, block_size, out)
