@@ -109,6 +109,7 @@ class Adapter:
     SETTLE_STEPS = 3
     SWITCH_AFTER = 2
     TIMED_PASSES = 2
+    SETTLED_MARGIN = 0.1  # a settled block's mode changes only for a plan predicted this much faster
     AFTER_STACK_SHARE = 0.4  # of the usable memory, kept by the first pass's guard for what runs after the stack
 
     def __init__(self, backend, opts, block_units, outside_units, meter, profile, unpageable, on_device, events):
@@ -147,6 +148,7 @@ class Adapter:
         self.passes = 0  # training forward passes seen
         self._guarded: list = []  # blocks the guard paged in this pass (its history entry's list)
         self._guard_recomputed: list = []  # blocks the guard chose to recompute in this pass
+        self.settled_modes: dict = {}  # block -> "page" / "recompute", as replans on timed forwards chose
         self.compute_dtype = None  # the autocast dtype the first pass ran under
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
@@ -193,11 +195,17 @@ class Adapter:
         self.sample(now)
         self._enter_alloc = now
         self._enter_fetched = fetched_bytes
-        if self._timing is not None:
-            self._timing[unit.block] = [self._mark(), None]
         if now is None or not self.acts_auto or unit.act_paged or unit.recompute:
             return None
         return self._guard(unit, now)
+
+    def forward_begins(self, unit) -> None:
+        """`unit`'s weights are there (the compute stream waits for their copy and update
+        before this point): its forward's time starts here, recomputed in backward or not. A
+        wait for weights is PCIe time, which the plan counts apart; counted as compute too, it
+        would hide activation paging's PCIe time under a compute that is not there."""
+        if self._timing is not None:
+            self._timing[unit.block] = [self._mark(), None]
 
     def block_ends(self, unit, fetched_bytes: int) -> None:
         now = self.allocated()
@@ -385,8 +393,10 @@ class Adapter:
 
     # -- after each step -----------------------------------------------------------------------------
 
-    def _inputs(self, correction: int):
-        return plan_inputs(
+    def _inputs(self, correction: int, settled: bool = True):
+        """The planner's inputs from what was measured; `settled`: with the modes replans on
+        timed forwards chose ([Note: settled modes] in planner/plan.py)."""
+        inputs = plan_inputs(
             self.opts,
             self.block_units,
             self.outside_units,
@@ -403,6 +413,22 @@ class Adapter:
             correction=correction,
             compute_dtype=self.compute_dtype,
         )
+        if settled:
+            inputs.settled = dict(self.settled_modes)
+        return inputs
+
+    def _plan(self):
+        """The plan for the next steps. Blocks keep the modes replans on timed forwards chose
+        ([Note: settled modes] in planner/plan.py), unless that costs the fit, or the plan
+        free to choose again is faster by more than SETTLED_MARGIN: the times a choice is
+        measured under move a little with it (its waits, its copies), and never undo it."""
+        held = make_plan(self._inputs(self.correction))
+        if not self.settled_modes:
+            return held
+        free = make_plan(self._inputs(self.correction, settled=False))
+        if not held.fits or (free.fits and free.step_s < (1.0 - self.SETTLED_MARGIN) * held.step_s):
+            return free
+        return held
 
     def current(self) -> tuple:
         units = self.block_units
@@ -455,7 +481,7 @@ class Adapter:
         settling = self.steps <= self.SETTLE_STEPS
         if not settling and (observed is None or observed <= self.usable):
             return None
-        plan = make_plan(self._inputs(self.correction))
+        plan = self._plan()
         new_paged = plan.paged if self.weights_auto else paged
         new_acts = plan.act_paged if self.acts_auto else act_paged
         new_rec = plan.recompute if self.acts_auto else recompute
@@ -464,6 +490,9 @@ class Adapter:
             off = set(new_acts) | set(new_rec)
             new_acts = sorted(set(new_acts) | {b for b in act_paged if b not in off})
             new_rec = sorted(set(new_rec) | {b for b in recompute if b not in off})
+        if self.acts_auto and self.block_s:  # a choice on timed forwards: kept from now on
+            self.settled_modes.update({b: "page" for b in new_acts})
+            self.settled_modes.update({b: "recompute" for b in new_rec})
         if (new_paged, new_acts, new_rec) == (paged, act_paged, recompute):
             return None
         why = "settling" if settling else "watchdog: the step's peak passed the usable memory"

@@ -545,6 +545,8 @@ class Engine:
             set_recompute(unit, True)
         self.acts.drop(unit)
         self.weights.guard(unit)
+        if torch.is_grad_enabled():
+            self.adapter.forward_begins(unit)
         nxt = unit.block + 1
         if nxt < len(self.block_units) and self.block_units[nxt].streamed:
             self.weights.fetch(self.block_units[nxt], ahead=True)

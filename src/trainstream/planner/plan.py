@@ -43,8 +43,11 @@ Recomputation (`recompute=True`: activation_offload="auto"): of the first k bloc
 activations leave the device, each is paged or recomputed; the blocks whose paging costs the
 most PCIe time per second of their recompute are recomputed first, and every split of the k
 is tried, so the cost model picks per block. The limit above counts the recompute as it counts
-paging. At equal times, keeping comes first, then recomputing (no pinned memory, no host
-work). [Note: recompute before timing] A block whose forward has not been timed yet
+paging. [Note: settled modes] A block whose mode (paged or recomputed) a replan on timed
+forwards chose keeps it when it leaves the device again (`settled`): the times that choice is
+then measured under (its waits, its copies) must not undo it, so the plan cannot flip back
+and forth between the two from step to step. At equal times, keeping comes first, then
+recomputing (no pinned memory, no host work). [Note: recompute before timing] A block whose forward has not been timed yet
 (`forward_s` None: the first step) has no recompute cost to weigh: every block leaving the
 device is then recomputed where that keeps less than its activations (its inputs are
 smaller: `recompute_frees`; the others are paged), since paging's first pass also pins fresh host memory for each
@@ -91,6 +94,9 @@ class PlanInputs:
     recompute: bool = False  # blocks may be recomputed instead of paged (activations "auto" only)
     after_stack_bytes: int = 0  # what the head and the loss add at the end of the forward (measured)
     held_after_stack_bytes: int = 0  # of that, still held when backward reaches the stack (measured)
+    # block -> "page" or "recompute": how it leaves the device, if it does, as a replan on timed
+    # forwards chose it ([Note: settled modes]); the search decides only the other blocks' modes.
+    settled: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -201,8 +207,11 @@ def _act_options(inp: PlanInputs) -> list:
             frees = [i for i in leaving if recompute_frees(inp.blocks[i])]
             options.append(_ActOption(inp, [i for i in leaving if i not in frees], frees))
             continue
-        order = _recompute_first(inp, leaving)
-        options.extend(_ActOption(inp, order[r:], order[:r]) for r in range(k + 1))
+        held = inp.settled
+        paged = [i for i in leaving if held.get(i) == "page"]
+        recomputed = [i for i in leaving if held.get(i) == "recompute"]
+        free = [i for i in _recompute_first(inp, leaving) if i not in held]
+        options.extend(_ActOption(inp, paged + free[r:], recomputed + free[:r]) for r in range(len(free) + 1))
     return options
 
 
