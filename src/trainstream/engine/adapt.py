@@ -149,6 +149,8 @@ class Adapter:
         self._guarded: list = []  # blocks the guard paged in this pass (its history entry's list)
         self._guard_recomputed: list = []  # blocks the guard chose to recompute in this pass
         self.settled_modes: dict = {}  # block -> "page" / "recompute", as replans on timed forwards chose
+        self.backward_bytes: dict = {}  # block -> what its backward allocated beside its activations (largest)
+        self._backward_mark = None  # (unit, allocated, peak counter, fetched bytes) as its backward began
         self.compute_dtype = None  # the autocast dtype the first pass ran under
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
@@ -267,6 +269,45 @@ class Adapter:
             if self._fwd_end is not None and self._bwd_start is not None:
                 freed = max(self._fwd_end - self._bwd_start, 0)
             self.after_stack_bound = rise + freed
+
+    def block_backward_starts(self, unit, fetched_bytes: int) -> None:
+        """Backward has reached `unit` (the block after it done, its memory let go): the block
+        before closes its measure, this one opens its own."""
+        self._close_backward_block(fetched_bytes)
+        now, peak = self.allocated(), self.device_peak()
+        if now is not None:
+            self._backward_mark = (unit, now, peak, fetched_bytes)
+
+    def backward_ends(self, fetched_bytes: int) -> None:
+        """The backward pass is done: the last block's measure closes (what runs after it, the
+        optimizer's step, the next pass, is not its backward)."""
+        self._close_backward_block(fetched_bytes)
+
+    def _close_backward_block(self, fetched_bytes: int | None = None) -> None:
+        """If the device's peak rose during the marked block's backward, the rise above what
+        was allocated as it began is that backward's: its recompute (when recomputed), its
+        gradients, and the next block's weights and paged activations coming in (taken off).
+        Under an earlier peak nothing is learnt, nor for a block whose own paged activations
+        arrive around the mark. What is left is the plan's backward_bytes for the block (the
+        weight gradients are counted there already: one block's, in the fixed part)."""
+        mark, self._backward_mark = self._backward_mark, None
+        if mark is None:
+            return
+        unit, start, peak_then, fetched_then = mark
+        peak = self.device_peak()
+        if peak is None or peak <= peak_then or unit.act_paged:
+            return
+        rise = peak - start
+        if fetched_bytes is not None:
+            rise -= fetched_bytes - fetched_then
+        if unit.recompute:  # its activations came back inside its backward
+            rise -= activations_as_placed(self.meter, unit, unit.paged)
+        depth = self.opts.prefetch_depth
+        earlier = self.block_units[max(unit.block - depth, 0) : unit.block]
+        rise -= sum(activations_as_placed(self.meter, u, u.paged) for u in earlier if u.act_paged)
+        rise -= sum(s.nbytes for s in unit.trainable)
+        if rise > self.backward_bytes.get(unit.block, 0):
+            self.backward_bytes[unit.block] = rise
 
     def _mark(self):
         backend = self.backend
@@ -415,6 +456,9 @@ class Adapter:
         )
         if settled:
             inputs.settled = dict(self.settled_modes)
+        fallback = max(self.backward_bytes.values(), default=0)  # a block whose backward set no peak
+        for x, u in zip(inputs.blocks, self.block_units):
+            x.backward_bytes = self.backward_bytes.get(u.block, fallback)
         return inputs
 
     def _plan(self):

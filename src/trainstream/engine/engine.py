@@ -630,6 +630,7 @@ class Engine:
             if done.streamed:
                 self.weights.release(done)
             self.acts.drop(done)
+        self.adapter.block_backward_starts(unit, self.weights.fetched_bytes)
         if unit.streamed and unit.fetch_dtypes:
             # Attached, not only fetched: a checkpointed part of the block recomputes its
             # forward during backward and reads the params directly.
@@ -643,6 +644,7 @@ class Engine:
 
     def after_backward(self) -> None:
         self.adapter.sample()
+        self.adapter.backward_ends(self.weights.fetched_bytes)
         for unit in self.block_units:
             if unit.streamed:
                 self.weights.release(unit)

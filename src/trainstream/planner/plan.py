@@ -15,6 +15,10 @@ peak. That is the larger of two moments:
   (`held_after_stack_bytes`: the logits, while the caller keeps them).
 Adding the two would count the head's peak and the fetched activations as held at once;
 they never are.
+Each moment a block's backward runs also holds what that backward allocates beside its
+activations (`backward_bytes`: the gradients of its activations, an attention's score
+gradients; measured per block as the device's peak rises during it), above what it and the
+blocks before it keep; a block recomputed or paged has its activations back then, whole.
 Under bf16 autocast a resident block also holds autocast's bf16 copies of its trainable
 weights (`cast_bytes`, part of its measured activations): autocast keeps them until the
 forward ends, saved for backward or not. A paged block's weights arrive in bf16 and are not
@@ -72,6 +76,7 @@ class BlockBytes:
     cast_bytes: int = 0  # of act_bytes: autocast's copies of the weights, held while they are resident
     input_bytes: int = 0  # what the block keeps when recomputed: its inputs (measured; 0 when unknown)
     forward_s: float | None = None  # one forward of the block (measured; None before it is timed)
+    backward_bytes: int = 0  # what its backward allocates beside its activations (measured; 0 when unknown)
 
 
 @dataclass
@@ -137,16 +142,18 @@ def activation_peak(inp: PlanInputs, act_paged, recompute=frozenset()) -> int:
     # (Plain comparisons, not max(): the search calls this for every activation policy.)
     for i, x in enumerate(b):
         if i in recompute:
-            here = kept + x.act_bytes - x.cast_bytes  # recomputed in backward
+            here = kept + x.act_bytes - x.cast_bytes + x.backward_bytes  # recomputed in backward
             kept += x.input_bytes
         elif i in act_paged:
-            here = kept
+            here = kept + x.backward_bytes
             for j in range(i - depth if i > depth else 0, i + 1):
                 if j in act_paged:
                     here += b[j].act_bytes
         else:
             kept += x.act_bytes - x.cast_bytes
-            continue
+            if not x.backward_bytes:
+                continue
+            here = kept + x.backward_bytes  # its backward, above what it and the blocks before it keep
         if here > fetched:
             fetched = here
     backward = fetched + inp.held_after_stack_bytes if fetched else 0
