@@ -57,7 +57,7 @@ def test_a_block_whose_paging_costs_more_pcie_time_than_its_recompute_is_recompu
     assert plan.terms["compute"] == pytest.approx(0.55) and plan.terms["recompute"] == pytest.approx(0.05)
     # It keeps its inputs until backward; its activations come back whole when it recomputes.
     assert plan.device_bytes == device_bytes(inp, set(), set(), {0}) == 400 + 20 + 3 * 200
-    assert "1 blocks recomputed" in plan.describe(1050)
+    assert "1 blocks recomputed" in plan.describe(1050) and "(recompute 50.0 of the compute)" in plan.describe(1050)
 
 
 def test_a_block_whose_paging_is_cheap_is_paged():
@@ -86,6 +86,7 @@ def test_a_block_not_timed_yet_is_recomputed_rather_than_paged():
     # even on links fast enough to hide the paging.
     plan = make_plan(inputs(1050, link=10_000.0, forward_s=None))
     assert chosen(plan) == ([], [0])
+    assert "recompute not timed yet" in plan.describe(1050)
 
 
 def test_a_blocks_backward_allocations_count_beside_its_activations():

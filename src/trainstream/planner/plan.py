@@ -127,8 +127,10 @@ class BlockPlan:
             f"{self.step_s * 1e3:.1f} ms (compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
             f"out {t['d2h'] * 1e3:.1f}, host AdamW {t['adamw'] * 1e3:.1f})"
         )
-        if self.recompute:
-            text += f" (recompute {t.get('recompute', 0.0) * 1e3:.1f} of the compute)"
+        if self.recompute and t.get("recompute"):
+            text += f" (recompute {t['recompute'] * 1e3:.1f} of the compute)"
+        elif self.recompute:  # [Note: recompute before timing]
+            text += " (recompute not timed yet: no cost counted for it)"
         if self.act_paged or self.recompute:
             text += f", activation {'paging' if not self.recompute else 'paging and recompute'} adds {self.act_slowdown:.0%}"
         return text
