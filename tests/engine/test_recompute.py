@@ -128,6 +128,13 @@ def test_a_blocks_backward_allocations_are_measured_when_the_peak_rises():
     adapter.backward_ends(0)  # block 0: the peak did not rise
     assert adapter.backward_bytes == {2: 5000}
     assert [x.backward_bytes for x in adapter._inputs(0).blocks] == [5000] * 4  # the others as the largest seen
+    engine.activation_bytes.pop(2)  # not measured (recomputed from the first pass on): as the largest
+    adapter.backward_bytes.clear()
+    device.now = device.peak
+    adapter.block_backward_starts(units[2], 0)
+    device.peak += max(engine.activation_bytes.values()) + grads + 700
+    adapter.backward_ends(0)
+    assert adapter.backward_bytes == {2: 700}
 
 
 def test_recompute_is_the_auto_policys_only():

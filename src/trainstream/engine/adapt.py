@@ -300,11 +300,13 @@ class Adapter:
         rise = peak - start
         if fetched_bytes is not None:
             rise -= fetched_bytes - fetched_then
+        # A block not measured (recomputed from the first pass on) as the largest measured, as the plan counts it.
+        largest = max(self.meter.activation_bytes.values(), default=0)
         if unit.recompute:  # its activations came back inside its backward
-            rise -= activations_as_placed(self.meter, unit, unit.paged)
+            rise -= activations_as_placed(self.meter, unit, unit.paged) or largest
         depth = self.opts.prefetch_depth
         earlier = self.block_units[max(unit.block - depth, 0) : unit.block]
-        rise -= sum(activations_as_placed(self.meter, u, u.paged) for u in earlier if u.act_paged)
+        rise -= sum(activations_as_placed(self.meter, u, u.paged) or largest for u in earlier if u.act_paged)
         rise -= sum(s.nbytes for s in unit.trainable)
         if rise > self.backward_bytes.get(unit.block, 0):
             self.backward_bytes[unit.block] = rise
