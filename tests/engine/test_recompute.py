@@ -135,6 +135,23 @@ def test_a_blocks_backward_allocations_are_measured_when_the_peak_rises():
     device.peak += max(engine.activation_bytes.values()) + grads + 700
     adapter.backward_ends(0)
     assert adapter.backward_bytes == {2: 700}
+    adapter.backward_bytes.clear()
+    device.now = device.peak  # the block before's weights fetched ahead meanwhile: not this backward's
+    adapter.block_backward_starts(units[2], 1000)
+    device.peak += max(engine.activation_bytes.values()) + grads + 700 + 4096
+    adapter.backward_ends(1000 + 4096)
+    assert adapter.backward_bytes == {2: 700}
+
+
+def test_a_recomputed_blocks_backward_is_watched_with_resident_weights(monkeypatch):
+    # Nothing streamed, nothing paged: backward still marks each recomputed block's start
+    # (where its backward is measured); the bit-for-bit tests above run this path too.
+    seen = []
+    real = Adapter.block_backward_starts
+    monkeypatch.setattr(Adapter, "block_backward_starts", lambda self, u, f: seen.append(u.block) or real(self, u, f))
+    with planned_recompute(monkeypatch, [1, 2]):
+        train("gpt", dict(AUTO_ACTS, param_offload=False), steps=1)
+    assert seen == [3, 2, 1, 0]
 
 
 def test_recompute_is_the_auto_policys_only():

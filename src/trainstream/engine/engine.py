@@ -608,7 +608,8 @@ class Engine:
     def watch_backward(self, unit, out) -> None:
         if not torch.is_grad_enabled() or self._in_backward():
             return
-        if not any(u.streamed or u.act_paged for u in self.block_units):
+        # A recomputed block's backward is measured there too (Adapter.block_backward_starts).
+        if not any(u.streamed or u.act_paged or u.recompute for u in self.block_units):
             return
         for t in _tensors_in(out):
             if t.requires_grad:
