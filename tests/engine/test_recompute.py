@@ -298,8 +298,8 @@ def test_a_users_own_checkpointing_is_never_wrapped_again(monkeypatch):
     from trainstream.engine import engine as engine_module
 
     counts, plain_counts, ours = [], [], []
-    checkpoint = engine_module.checkpoint
-    monkeypatch.setattr(engine_module, "checkpoint", lambda *a, **k: ours.append(1) or checkpoint(*a, **k))
+    recompute_call = engine_module.recompute_call
+    monkeypatch.setattr(engine_module, "recompute_call", lambda *a, **k: ours.append(1) or recompute_call(*a, **k))
     with planned_recompute(monkeypatch, [0, 1, 2]):
         theirs = train(
             "llama",

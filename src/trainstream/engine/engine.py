@@ -29,7 +29,6 @@ import warnings
 import weakref
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..sizes import MiB
 from .activations import ActivationPager, PagedTensor
@@ -43,6 +42,7 @@ from .layout import Fetch, set_device_state, set_recompute
 from .measure import ActivationMeter
 from .moments import MomentStager, lay_out
 from .params import WeightPager
+from .recompute_call import recompute_call, why_not_recompute
 from .report import EventLog
 from .state import StateHooks
 from .switch import explicit_paging, quantized
@@ -504,11 +504,16 @@ class Engine:
                 and not _checkpoints_itself(forward)
                 and not engine._in_backward()
             )
+            if recompute:
+                refused = why_not_recompute(getattr(forward, "__self__", None) or torch.nn.Module(), args, kwargs)
+                if refused is not None:
+                    engine.recompute_refused(unit, refused)
+                    recompute = False
             measure = not recompute and engine._start_counting()
             try:
                 saves_weights = unit.streamed and not foreign and not engine.linears.serves(unit)
                 if recompute:
-                    out = checkpoint(recomputable, *args, use_reentrant=False, **kwargs)
+                    out = recompute_call(recomputable, args, kwargs, engine.backend.device)
                 elif (unit.act_paged or measure or saves_weights) and torch.is_grad_enabled():
                     with torch.autograd.graph.saved_tensors_hooks(functools.partial(engine.pack, unit), engine.unpack):
                         out = forward(*args, **kwargs)
@@ -542,7 +547,7 @@ class Engine:
         if choice == "page":  # the online guard: this block's activations would not fit
             self.acts.page(unit, True)
         elif choice == "recompute":  # the guard again: recomputed in backward instead
-            set_recompute(unit, True)
+            self._activations_leave(unit, recompute=True)
         self.acts.drop(unit)
         self.weights.guard(unit)
         if torch.is_grad_enabled():
@@ -550,6 +555,24 @@ class Engine:
         nxt = unit.block + 1
         if nxt < len(self.block_units) and self.block_units[nxt].streamed:
             self.weights.fetch(self.block_units[nxt], ahead=True)
+
+    def _activations_leave(self, unit, *, recompute: bool) -> None:
+        """`unit`'s saved activations leave the device from its next forward on: recomputed in
+        backward, or paged where recomputing it is refused (recompute_call.py)."""
+        if recompute and unit.no_recompute is None:
+            set_recompute(unit, True)
+        else:
+            set_recompute(unit, False)
+            self.acts.page(unit, True)
+
+    def recompute_refused(self, unit, reason: str) -> None:
+        """A call of `unit`'s block must not run twice (`reason`): its activations are paged
+        instead, from this call on, and the planner's later choices of recompute for it too."""
+        first = unit.no_recompute is None
+        unit.no_recompute = reason
+        self._activations_leave(unit, recompute=False)
+        if first:
+            self.events.add(f"block {unit.block}: its activations paged instead of recomputed: {reason}")
 
     def exit_block(self, unit) -> None:
         if self._in_backward():
@@ -1098,7 +1121,8 @@ class Engine:
         for u in self.block_units:
             set_recompute(u, False)  # before paging: a block moves between the two
             self.acts.page(u, u.block in decision.act_paged)
-            set_recompute(u, u.block in decision.recompute)
+            if u.block in decision.recompute:
+                self._activations_leave(u, recompute=True)
         if moved:
             self.state_hooks.remove()
             self.state_hooks.install()

@@ -103,6 +103,8 @@ class Unit:
     # Forward under torch.utils.checkpoint (non-reentrant): only the block's inputs are kept,
     # its forward runs again in backward. Never set together with act_paged.
     recompute: bool = False
+    # Why this block is never recomputed (engine/recompute_call.py), once a call showed it.
+    no_recompute: str | None = None
     # Updates of this unit's weights that may still be running: host optimizer jobs, or
     # DeviceUpdates (optimizer_mode="gpu").
     updates: list = field(default_factory=list)
