@@ -20,6 +20,8 @@ def test_memory_report_explains_the_plan():
     }
     assert "block stack 'layers': 4 x Block" in report["events"]
     assert report["plan"]["history"] == [] and report["peaks"]["steps"] == 1
+    # The paged activations' pinned pool, as the pager holds it.
+    assert report["activation_slab_bytes"] == model._trainstream_engine.acts.slab_bytes
 
 
 def test_verbose_prints_each_decision_as_it_happens(capsys):

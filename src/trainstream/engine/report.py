@@ -100,6 +100,7 @@ def build_report(engine) -> dict:
         },
         "peaks": peaks,
         "paged_activation_bytes": engine.acts.paged_bytes,
+        "activation_slab_bytes": engine.acts.slab_bytes,  # pinned host memory the paged activations hold
         "last_grad_norm": engine.last_grad_norm,
         "host_moment_bytes": host_moment_bytes(engine.optimizer),
         "distributed": data_parallel(engine),
