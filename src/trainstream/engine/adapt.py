@@ -589,7 +589,7 @@ class Adapter:
     def _stock_decision(self, reason: str | None, observed) -> SwitchToStock | None:
         """offload='auto': switch to stock training if it fits; say why not otherwise."""
         if reason is None:
-            reason = why_not_stock(self.meter)
+            reason = why_not_stock(self.meter, self.block_units)
         if reason is None:
             need = stock_bytes(self.block_units + self.outside_units, self.meter, self.planned_after_stack())
             total = sum(need.values())

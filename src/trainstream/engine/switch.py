@@ -36,9 +36,18 @@ def quantized(units) -> str | None:
     return f"{n} frozen weights are quantized (stock training would need them dequantized)" if n else None
 
 
-def why_not_stock(meter) -> str | None:
-    """What the measurements lack for costing stock training (None: nothing)."""
-    return None if meter.activation_bytes else "no training forward pass was measured"
+def why_not_stock(meter, block_units=()) -> str | None:
+    """What the measurements lack for costing stock training (None: nothing). A block
+    recomputed since the first pass never saved its activations, so they were not measured:
+    costing stock training without them would count too little."""
+    if not meter.activation_bytes:
+        return "no training forward pass was measured"
+    unmeasured = [u.block for u in block_units if u.block not in meter.activation_bytes]
+    if unmeasured:
+        return (
+            f"the activations of blocks {unmeasured} were not measured (recomputed in backward from the first pass on)"
+        )
+    return None
 
 
 def stock_bytes(units, meter, after_stack: int) -> dict:
