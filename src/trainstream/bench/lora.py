@@ -462,7 +462,7 @@ def _compute_bound(compute: dict, recomputed: dict | None, ours: dict) -> tuple[
         return compute["s_per_step"], ""
     if recomputed is None or "s_per_step" not in recomputed or not blocks:
         return compute["s_per_step"], f", {n} blocks' recompute not measured"
-    extra = (recomputed["s_per_step"] - compute["s_per_step"]) * n / blocks
+    extra = max(recomputed["s_per_step"] - compute["s_per_step"], 0.0) * n / blocks  # never below the plain compute
     return compute["s_per_step"] + extra, f" with {n} of {blocks} blocks recomputed"
 
 
