@@ -4,6 +4,7 @@ planner, and the comparisons (bits of tensors, of whole training runs)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 
@@ -191,3 +192,22 @@ def run_ranks(entry, world: int, root: str, args_of_rank, join_s: float) -> list
         path = os.path.join(root, f"rank{r}.pt")
         out.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
     return out
+
+
+@contextlib.contextmanager
+def planned_recompute(monkeypatch, blocks):
+    """wrap() plans `blocks` recomputed (the plan_run of wrap() returns them in the plan); no
+    replan moves them (the CPU backend measures no peak, so only the settling replans would)."""
+    from trainstream import api
+    from trainstream.engine.adapt import Adapter
+
+    real = api.plan_run
+
+    def plan_run(opts, layout, profile, backend):
+        plan = real(opts, layout, profile, backend)
+        return dataclasses.replace(plan, recompute=tuple(b for b in blocks if b not in plan.act_paged))
+
+    with monkeypatch.context() as m:
+        m.setattr(api, "plan_run", plan_run)
+        m.setattr(Adapter, "SETTLE_STEPS", 0)
+        yield

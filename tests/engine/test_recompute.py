@@ -5,16 +5,14 @@ recompute bit for bit against the same run keeping every activation; the online 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
 import torch
-from helpers import RESIDENT, assert_same_bits, machine, max_diff, train
+from helpers import RESIDENT, assert_same_bits, machine, max_diff, planned_recompute, train
 from models import MODELS, tiny_gpt, tiny_mlp
 
 import trainstream
-from trainstream import api
 from trainstream.engine.adapt import Adapter
 from trainstream.planner import BlockBytes, PlanInputs, device_bytes, make_plan
 from trainstream.planner.plan import paging_s
@@ -168,22 +166,6 @@ def test_recompute_is_the_auto_policys_only():
 
 
 # -- the engine's recompute, bit for bit ---------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def planned_recompute(monkeypatch, blocks):
-    """wrap() plans `blocks` recomputed (the plan_run of wrap() returns them in the plan); no
-    replan moves them (the CPU backend measures no peak, so only the settling replans would)."""
-    real = api.plan_run
-
-    def plan_run(opts, layout, profile, backend):
-        plan = real(opts, layout, profile, backend)
-        return dataclasses.replace(plan, recompute=tuple(b for b in blocks if b not in plan.act_paged))
-
-    with monkeypatch.context() as m:
-        m.setattr(api, "plan_run", plan_run)
-        m.setattr(Adapter, "SETTLE_STEPS", 0)
-        yield
 
 
 def counting_forwards(factory, counts: list):

@@ -5,18 +5,13 @@ device's RNG state reach the recompute."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import pytest
 import torch
-from helpers import assert_same_bits, train
+from helpers import assert_same_bits, planned_recompute, train
 from models import MODELS
 from torch import nn
 
 import trainstream
-from trainstream import api
-from trainstream.engine.adapt import Adapter
 from trainstream.engine.recompute_call import cache_in_call, recompute_call, state_in_forward, why_not_recompute
 
 
@@ -85,21 +80,6 @@ def test_the_recompute_gets_the_calls_keywords_and_its_forwards_rng_state(device
 
 
 # -- the engine: such blocks are paged where the plan would recompute them -----------------------
-
-
-@contextlib.contextmanager
-def planned_recompute(monkeypatch, blocks):
-    """wrap() plans `blocks` recomputed; no settling replan moves them."""
-    real = api.plan_run
-
-    def plan_run(opts, layout, profile, backend):
-        plan = real(opts, layout, profile, backend)
-        return dataclasses.replace(plan, recompute=tuple(b for b in blocks if b not in plan.act_paged))
-
-    with monkeypatch.context() as m:
-        m.setattr(api, "plan_run", plan_run)
-        m.setattr(Adapter, "SETTLE_STEPS", 0)
-        yield
 
 
 def _llama_with_cache():

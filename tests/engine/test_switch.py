@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from helpers import machine, max_diff, train
+from helpers import machine, max_diff, planned_recompute, train
 from models import tiny_mlp
 
 import trainstream
@@ -237,19 +237,8 @@ def test_offload_auto_does_not_cost_stock_training_without_every_blocks_activati
     """Blocks recomputed from the first pass on never saved their activations, so the meter has
     none of theirs: the switch would cost stock training from the others alone (review R7: it
     switched, and on a GPU that OOMs). It stays, and says why."""
-    import dataclasses
-
-    from trainstream import api
-    from trainstream.engine.adapt import Adapter
-
-    real = api.plan_run
-
-    def plan_run(opts, layout, profile, backend):
-        return dataclasses.replace(real(opts, layout, profile, backend), recompute=(1, 2, 3))
-
-    monkeypatch.setattr(api, "plan_run", plan_run)
-    monkeypatch.setattr(Adapter, "SETTLE_STEPS", 0)
-    auto = train("mlp", dict(offload="auto", profile=machine(vram_gib=24)), steps=6)
+    with planned_recompute(monkeypatch, [1, 2, 3]):
+        auto = train("mlp", dict(offload="auto", profile=machine(vram_gib=24)), steps=6)
     report = trainstream.memory_report(auto[2][0])
     assert report["mode"] == "offload"
     assert "the activations of blocks [1, 2, 3] were not measured" in report["events"]
