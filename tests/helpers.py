@@ -211,3 +211,34 @@ def planned_recompute(monkeypatch, blocks):
         m.setattr(api, "plan_run", plan_run)
         m.setattr(Adapter, "SETTLE_STEPS", 0)
         yield
+
+
+class FakeDevice:
+    """Device memory as the adapter reads it: `now` (allocated), and a peak counter."""
+
+    def __init__(self, adapter, now):
+        self.now, self.peak = now, now
+        adapter.allocated = lambda: self.now
+        adapter.device_peak = lambda: self.peak
+
+
+def on_a_nearly_full_card(make):
+    """`make`'s model (built after torch.manual_seed(0), optimized as train() optimizes)
+    wrapped with its weights resident and activation_offload="auto" for an 8 MiB card whose
+    device memory reads full but for room for about three small blocks' activations:
+    (model, optimizer, adapter, batch, loss_fn). The online guard acts in the first pass."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    model, opt = trainstream.wrap(
+        model,
+        opt,
+        device="cpu",
+        offload=True,
+        param_offload=False,
+        activation_offload="auto",
+        profile=machine(vram_gib=8 / 1024),
+    )
+    adapter = model._trainstream_engine.adapter
+    FakeDevice(adapter, adapter.usable - 3 * 8192)
+    return model, opt, adapter, batch, loss_fn

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import AUTO, RESIDENT, assert_same_bits, machine, train
+from helpers import AUTO, RESIDENT, FakeDevice, assert_same_bits, machine, on_a_nearly_full_card, train
 from models import tiny_gpt, tiny_mlp
 
 import trainstream
@@ -32,15 +32,6 @@ def test_the_first_steps_bring_blocks_back_once_activations_are_measured():
     assert history(model, "applied") and history(model, "applied")[0]["paged"] == []
     report = trainstream.memory_report(model)
     assert report["params"]["paged_blocks"] == [] and report["plan"]["activation_bytes_per_block"]
-
-
-class FakeDevice:
-    """Device memory as the adapter reads it: `now` (allocated), and a peak counter."""
-
-    def __init__(self, adapter, now):
-        self.now, self.peak = now, now
-        adapter.allocated = lambda: self.now
-        adapter.device_peak = lambda: self.peak
 
 
 def on_fake_device(make, vram_mib, now, param_offload=(0,)):
@@ -180,20 +171,7 @@ def test_a_peak_from_before_wrap_is_taken_as_the_heads_only_until_a_step_measure
 
 def test_the_online_guard_pages_activations_during_a_pass():
     resident = train("mlp", RESIDENT, steps=4)
-    torch.manual_seed(0)
-    model, batch, loss_fn = tiny_mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    model, opt = trainstream.wrap(
-        model,
-        opt,
-        device="cpu",
-        offload=True,
-        param_offload=False,
-        activation_offload="auto",
-        profile=machine(vram_gib=8 / 1024),
-    )
-    adapter = model._trainstream_engine.adapter
-    FakeDevice(adapter, adapter.usable - 3 * 8192)  # room for about three blocks' activations
+    model, opt, adapter, batch, loss_fn = on_a_nearly_full_card(tiny_mlp)
     losses = []
     for i in range(4):
         loss = loss_fn(model, batch(i, "cpu"))

@@ -9,7 +9,16 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import RESIDENT, assert_same_bits, machine, max_diff, planned_recompute, train
+from helpers import (
+    RESIDENT,
+    FakeDevice,
+    assert_same_bits,
+    machine,
+    max_diff,
+    on_a_nearly_full_card,
+    planned_recompute,
+    train,
+)
 from models import MODELS, tiny_gpt, tiny_mlp
 
 import trainstream
@@ -298,15 +307,6 @@ def test_a_users_own_checkpointing_is_never_wrapped_again(monkeypatch):
 # -- the online guard ------------------------------------------------------------------------------------
 
 
-class FakeDevice:
-    """Device memory as the adapter reads it (allocated and its peak): fixed at `now`."""
-
-    def __init__(self, adapter, now):
-        self.now = self.peak = now
-        adapter.allocated = lambda: self.now
-        adapter.device_peak = lambda: self.peak
-
-
 @pytest.mark.parametrize("forward_s, settled", [(1e-9, "recompute"), (10.0, "page")])
 def test_the_first_pass_guard_recomputes_and_the_settled_plan_weighs_measured_times(forward_s, settled, monkeypatch):
     # A card with room for few blocks' activations: the first pass has timed no forward, so
@@ -322,20 +322,7 @@ def test_the_first_pass_guard_recomputes_and_the_settled_plan_weighs_measured_ti
 
     monkeypatch.setattr(Adapter, "_collect_times", timed)
     resident = train("gpt", RESIDENT, steps=5)
-    torch.manual_seed(0)
-    model, batch, loss_fn = tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    model, opt = trainstream.wrap(
-        model,
-        opt,
-        device="cpu",
-        offload=True,
-        param_offload=False,
-        activation_offload="auto",
-        profile=machine(vram_gib=8 / 1024),
-    )
-    adapter = model._trainstream_engine.adapter
-    FakeDevice(adapter, adapter.usable - 3 * 8192)
+    model, opt, adapter, batch, loss_fn = on_a_nearly_full_card(tiny_gpt)
     losses, first_pass = [], None
     for i in range(5):
         loss = loss_fn(model, batch(i, "cpu"))

@@ -452,9 +452,8 @@ def test_cuda_pieces_pinned_ahead_are_pinned(small_pieces):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_paged_weights_stay_readable_on_a_second_gpu_while_gpu_0_has_a_context():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     torch.zeros(1, device="cuda:0")  # GPU 0's primary context exists
     torch.cuda.set_device(1)
     try:
