@@ -40,6 +40,18 @@ def test_readme_holds_the_summary_table():
     assert "| GPU | commit |" in readme.render(README.read_text(), readme.load(RESULTS))
 
 
+def test_summary_leaves_out_rows_without_one_step_time():
+    env = {"gpu": "NVIDIA H200", "commit": "abcdef0"}
+    rows = [
+        {"run": "timed", "runner": "stock", "model": "3b", "s_per_step": 0.25},
+        {"run": "medians by run", "runner": "interleaved", "model": "3b", "s_per_step_by_run": {"stock": 0.2}},
+        {"run": "did not fit", "runner": "stock", "model": "3b", "oom": True},
+    ]
+    table = readme.summary({"lora": [{"env": env, "rows": rows}]})
+    assert "timed" in table and "did not fit" in table
+    assert "medians by run" not in table
+
+
 def test_readme_is_at_most_200_lines():
     lines = len(README.read_text().splitlines())
     assert lines <= 200, f"README.md has {lines} lines; at most 200 (details belong in docs/)"

@@ -77,6 +77,8 @@ def summary(results: dict[str, list[dict]]) -> str:
                     continue
                 if suite in _SUMMARY_MODELS and row.get("model") not in _SUMMARY_MODELS[suite]:
                     continue
+                if not row.get("oom") and "s_per_step" not in row:
+                    continue  # a row of per-run medians (the interleaved windows) has no single step time
                 model = row.get("model")
                 rows.append(
                     {
