@@ -528,6 +528,21 @@ class Adapter:
         if not settling and (observed is None or observed <= self.usable):
             return None
         plan = self._plan()
+        if not plan.fits and observed is not None and observed <= self.usable:
+            # A measured fit outranks a predicted misfit: the prediction errs high (it adds
+            # each term at its largest), so "paging as much as possible" would leave a
+            # placement known to fit for one that is only predicted smaller (the 7B LoRA under
+            # 8 GiB: all blocks recomputed measured 6.41 GiB, predicted 7.73 of 7.20 usable, and
+            # paging every activation instead cost 4x the step). The watchdog still acts on a
+            # measured peak past the usable memory.
+            self.record(
+                "warning",
+                f"no placement is predicted to fit (the smallest: {plan.device_bytes / GiB:.2f} of "
+                f"{self.usable / GiB:.2f} GiB usable), but the current one measured {_gib(observed)}: kept",
+                observed=observed,
+                predicted=predicted,
+            )
+            return None
         new_paged = plan.paged if self.weights_auto else paged
         new_acts = plan.act_paged if self.acts_auto else act_paged
         new_rec = plan.recompute if self.acts_auto else recompute

@@ -1,0 +1,59 @@
+"""The adapter keeps a placement whose measured peak fits when no placement is predicted to
+fit (device memory simulated, the CPU path)."""
+
+from helpers import AUTO, FakeDevice, machine
+from models import tiny_mlp
+
+import trainstream
+import trainstream.engine.adapt as adapt
+
+MiB = 1 << 20
+
+
+def _history(model, kind):
+    return [h for h in trainstream.memory_report(model)["plan"]["history"] if h["kind"] == kind]
+
+
+def _wrapped(monkeypatch, measured_peak):
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", lr=1e-2, offload=True, **AUTO, profile=machine(vram_gib=8 / 1024)
+    )
+    adapter = model._trainstream_engine.adapter
+    FakeDevice(adapter, measured_peak(adapter))
+    real = adapt.make_plan
+
+    def predicted_past_the_card(inputs):  # every placement predicted a card's worth too large
+        inputs.fixed_bytes += inputs.usable_bytes
+        return real(inputs)
+
+    monkeypatch.setattr(adapt, "make_plan", predicted_past_the_card)
+
+    def step(i):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
+def test_a_measured_fit_is_kept_when_no_placement_is_predicted_to_fit(monkeypatch):
+    model, step = _wrapped(monkeypatch, lambda adapter: 2 * MiB)
+    before = trainstream.memory_report(model)["params"]
+    for i in range(4):
+        step(i)
+    after = trainstream.memory_report(model)["params"]
+    assert after["paged_blocks"] == before["paged_blocks"]
+    assert after["activation_paged_blocks"] == before["activation_paged_blocks"]
+    kept = [h["message"] for h in _history(model, "warning") if "no placement is predicted to fit" in h["message"]]
+    assert kept and all(m.endswith("but the current one measured 0.00 GiB: kept") for m in kept), kept
+    assert not _history(model, "replan")
+
+
+def test_a_measured_misfit_still_pages_as_much_as_possible(monkeypatch):
+    model, step = _wrapped(monkeypatch, lambda adapter: adapter.usable + MiB)
+    for i in range(4):
+        step(i)
+    warnings = [h["message"] for h in _history(model, "warning")]
+    assert "no placement is predicted to fit; paging as much as possible" in warnings
+    assert _history(model, "replan")
