@@ -20,6 +20,7 @@ from helpers import assert_same_bits, run_ranks
 from models import tiny_gpt
 
 import trainstream
+from trainstream.api import _engine_of
 from trainstream.engine.distributed import UnitShards, order_with_unseen
 
 GLOBAL_ROWS = 6  # sequences per step, split evenly over 1, 2 or 3 ranks
@@ -168,7 +169,15 @@ def _two_runs(rank, world, checkpoint):
     # The last window ends at step() after 1 of its 2 passes, without clipping.
     partial = _wrapped_and_ddp(rank, world, PARTIAL_STEPS, {"offload": True}, ACCUMULATION, None, None, last=1)
     placements = _placements_differ(rank, world, 2)
-    return {"eager": eager, "held": held, "switched": switched, "partial": partial, "placements": placements}
+    bf16 = _bf16_model(rank, world)
+    return {
+        "eager": eager,
+        "held": held,
+        "switched": switched,
+        "partial": partial,
+        "placements": placements,
+        "bf16": bf16,
+    }
 
 
 def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
@@ -198,6 +207,34 @@ def _placements_differ(rank, world, steps):
     )
     _train(model, opt, rank, world, steps, autocast=True)
     return {"state": _host_state(model), "report": trainstream.memory_report(model)}
+
+
+def _bf16_model(rank, world):
+    """A bf16 model, rank 0 paging every block's weights and rank 1 none: the weights after 2
+    steps, this rank's shards of the fp32 masters, then the weights after a step at lr 0 (it
+    writes each master back as it is, and the weights gathered from it) that follows a load,
+    and one that follows an in-place edit."""
+    model = _model().to(torch.bfloat16)
+    model, opt = trainstream.wrap(
+        model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, param_offload=rank == 0
+    )
+    _train(model, opt, rank, world, 2)
+    out = {"state": _host_state(model), "report": trainstream.memory_report(model)}
+    engine = _engine_of(model)
+    out["masters"] = {s.name: (s.shard, s.master_shard.clone()) for u in engine.units for s in u.trainable}
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    out["loaded"] = {k: v * 0.5 for k, v in out["state"].items()}  # exact in bf16
+    model.load_state_dict(out["loaded"])
+    _train(model, opt, rank, world, 1)
+    out["after the load"] = _host_state(model)
+    with torch.no_grad():
+        model.layers[0].fc.weight.mul_(2)  # paged on rank 0, resident on rank 1
+        model.head.weight.mul_(2)
+    out["edited"] = _host_state(model)
+    _train(model, opt, rank, world, 1)
+    out["after the edit"] = _host_state(model)
+    return out
 
 
 def _resume(rank, world, checkpoint):
@@ -414,6 +451,7 @@ def two_ranks(tmp_path_factory):
         [r["switched"] for r in results],
         [r["partial"] for r in results],
         [r["placements"] for r in results],
+        [r["bf16"] for r in results],
     )
 
 
@@ -475,6 +513,64 @@ def test_each_rank_holds_half_the_moments(two_ranks):
     assert trainstream.memory_report(model)["plan"]["budget"]["host"]["moments"] == 8 * n
     assert a["report"]["plan"]["budget"] == b["report"]["plan"]["budget"]
     assert a["report"]["plan"]["budget"]["host"]["moments"] == 8 * -(-n // 2)
+
+
+def test_each_rank_holds_half_the_fp32_master(two_ranks):
+    """Each rank keeps only its shard of every fp32 master (resident units: the weights are on
+    the device, and the new ones come from the all-gather)."""
+    (a, b), *_ = two_ranks
+    model, _, _ = _alone(1)
+    alone = trainstream.memory_report(model)["host_master_bytes"]
+    assert alone == 4 * a["report"]["distributed"]["trainable_elements"]
+    n_params = len(list(_model().parameters()))
+    for r in (a, b):
+        # Each parameter's chunks are ceil(n / 2): a rank holds at most one element more or less per parameter.
+        assert abs(r["report"]["host_master_bytes"] - alone / 2) <= 4 * n_params
+        assert r["report"]["distributed"]["shard_master_bytes"] == r["report"]["host_master_bytes"]
+    assert a["report"]["host_master_bytes"] + b["report"]["host_master_bytes"] == alone
+
+
+def test_three_paged_ranks_hold_a_third_of_the_fp32_master_each(three_ranks):
+    """Paged blocks keep their full weights on the host (their forward reads them there), but
+    the fp32 master each rank updates is its third alone."""
+    model = _model()
+    model, _ = trainstream.wrap(
+        model, _optimizer(model), device="cpu", threads=1, profile=False, param_offload=True, distributed=False
+    )
+    alone = trainstream.memory_report(model)["host_master_bytes"]
+    n_params = len(list(_model().parameters()))
+    held = [r["paged"]["report"]["host_master_bytes"] for r in three_ranks]
+    for bytes_ in held:  # chunks of ceil(n / 3): the last rank's may be up to two elements short
+        assert abs(bytes_ - alone / 3) <= 8 * n_params
+    assert sum(held) == alone
+
+
+def test_a_bf16_model_gathers_its_weights_rounded_from_the_sharded_masters(two_ranks):
+    """A bf16 model: each rank keeps its shard of the fp32 master, the new weights travel in
+    bf16, rounded by each rank from its shard; a rank paging its blocks and one keeping them
+    resident hold the same bits, and those are the whole master rounded to nearest even,
+    whose low bits the shards keep. A load and an in-place edit reach the shards: a step at
+    lr 0 after either leaves the weights as loaded or edited."""
+    a, b = two_ranks[6]
+    assert a["report"]["params"]["paged_blocks"] == [0, 1, 2, 3]
+    assert b["report"]["params"]["paged_blocks"] == []
+    _same_bits(a["state"], b["state"])
+    low_bits = False
+    for name, (shard_a, master_a) in a["masters"].items():
+        shard_b, master_b = b["masters"][name]
+        weights = a["state"][name]
+        assert shard_a == (0, master_a.numel()) and shard_b == (master_a.numel(), weights.numel())
+        whole = torch.cat([master_a, master_b]).view(weights.shape)
+        assert whole.dtype == torch.float32
+        assert_same_bits(whole.to(torch.bfloat16), weights)
+        low_bits = low_bits or not torch.equal(whole, weights.float())
+    assert low_bits  # the masters are not the bf16 weights widened
+    total = sum(w.numel() for w in a["state"].values())
+    assert a["report"]["host_master_bytes"] + b["report"]["host_master_bytes"] == 4 * total
+    for r in (a, b):
+        _same_bits(r["after the load"], r["loaded"])
+        _same_bits(r["after the edit"], r["edited"])
+    assert not torch.equal(a["edited"]["head.weight"], a["loaded"]["head.weight"])  # the edit changed it
 
 
 def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
@@ -679,7 +775,7 @@ def test_a_units_shards_rebuild_every_gradient(world, numel):
 
     class Slot:
         def __init__(self, p):
-            self.param, self.trainable = p, True
+            self.param, self.trainable, self.dtype = p, True, p.dtype
 
     class Unit:
         trainable = [Slot(lin.weight), Slot(lin.bias)]

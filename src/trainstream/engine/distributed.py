@@ -6,9 +6,24 @@ c = ceil(N / world) elements; rank r owns elements [r*c, min((r+1)*c, N)) (empty
 rank past the end). A unit's shard segment is its slots' chunks side by side (slot i at
 `offset[i]`, c_i long, zero-padded), and its bucket is `world` segments, rank-major: a
 reduce-scatter of the bucket gives each rank exactly its own segment, summed, and an
-all-gather of the segments rebuilds every slot. The host AdamW then runs on 1-D views
-[lo:hi) of the fp32 master (and of the lower-precision copy it writes), and the moments of
-each parameter are only its hi-lo elements: each rank keeps 1/world of the moments.
+all-gather of the segments rebuilds every slot. The host AdamW then runs on each slot's
+master_shard: the fp32 master of elements [lo:hi) alone, the only master this rank holds,
+and the moments of each parameter are only its hi-lo elements: each rank keeps 1/world of
+the fp32 master and of the moments, so N ranks on a machine hold one process's worth.
+
+[Note: what a rank keeps whole] Of a trainable parameter, a rank keeps in full only the
+weights its own forward and backward read, in the model's dtype: the device tensor of a
+resident unit, and the host weights of a paged unit (which its fetches, its placeholder
+and state_dict() read; under bf16 autocast a paged fp32 Linear also keeps the bf16 copy
+its fetch sends). An fp32 model's paged unit therefore holds its full weights in fp32 on
+the host: they are the model's own weights there, not a second master. Its gradients land
+whole (the reduce-scatter reads them). After an update each rank rounds its fp32 shard to
+the model's dtype (to nearest even, as the update writes a bf16 copy: one process's bits)
+and the all-gather carries those, one per dtype of the unit's parameters, in the order of
+the dtypes' names; a resident unit's land in `incoming` buffers its push takes to the
+device, a paged unit's in its host weights, whose other copies are rounded from them. What
+travels depends only on the model, never on this rank's paging: the collectives stay alike
+on every rank ([Note: collective order]).
 
 [Note: collective order] Collectives are matched by their order in a group, so every rank
 must issue the same collectives in the same order. Reductions go in one fixed order, each
@@ -82,6 +97,21 @@ def _model_signature(units) -> list:
     return [(s.name, tuple(s.param.shape), str(s.dtype), s.trainable) for u in units for s in u.slots]
 
 
+def shard_range(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """[Note: shards]: rank's elements [lo, hi) of a flat parameter of `numel` elements."""
+    c = max(1, math.ceil(numel / world))
+    return min(numel, rank * c), min(numel, (rank + 1) * c)
+
+
+def assign_shards(units, rank: int, world: int) -> None:
+    """Give every trainable slot this rank's shard (Slot.shard), before the plan sizes the host
+    buffers (layout.host_buffers: the master is the shard's alone)."""
+    for u in units:
+        for s in u.slots:
+            if s.trainable:
+                s.shard = shard_range(s.param.numel(), rank, world)
+
+
 @dataclass
 class SlotShard:
     slot: object
@@ -103,10 +133,20 @@ class UnitShards:
         for s in unit.trainable:
             n = s.param.numel()
             c = max(1, math.ceil(n / world))
-            lo, hi = min(n, rank * c), min(n, (rank + 1) * c)
+            lo, hi = shard_range(n, rank, world)
             self.slots.append(SlotShard(s, n, c, lo, hi, offset))
             offset += c
         self.segment = offset  # elements of one rank's segment
+        # The all-gathers' layouts ([Note: what a rank keeps whole]): per dtype of the slots,
+        # in the order of the dtypes' names, (dtype, [(SlotShard, offset)], segment).
+        self.gathers = []
+        for dtype in sorted({sh.slot.dtype for sh in self.slots}, key=str):
+            members, at = [], 0
+            for sh in self.slots:
+                if sh.slot.dtype == dtype:
+                    members.append((sh, at))
+                    at += sh.chunk
+            self.gathers.append((dtype, members, at))
         self.reduced = torch.zeros(self.segment, dtype=torch.float32)  # this rank's summed shard
         self.readers: list = []  # the update jobs reading `reduced`: the next reduction waits for them
 
@@ -132,9 +172,12 @@ class UnitShards:
         """The reduced gradient of this rank's elements of `sh`'s parameter (1-D)."""
         return self.reduced[sh.offset : sh.offset + (sh.hi - sh.lo)]
 
-    def unpack(self, gathered: torch.Tensor, sh: SlotShard, into: torch.Tensor) -> None:
-        """Every rank's chunk of `sh` from an all-gathered bucket into the flat `into`."""
-        rows = gathered.view(self.world, self.segment)[:, sh.offset : sh.offset + sh.chunk]
+    def unpack(self, gathered: torch.Tensor, sh: SlotShard, into: torch.Tensor, offset=None, segment=None) -> None:
+        """Every rank's chunk of `sh` from an all-gathered bucket into the flat `into` (a
+        gather layout's `offset` and `segment`; by default the reduction's)."""
+        offset = sh.offset if offset is None else offset
+        segment = self.segment if segment is None else segment
+        rows = gathered.view(self.world, segment)[:, offset : offset + sh.chunk]
         into.view(-1).copy_(rows.reshape(-1)[: sh.numel])
 
 
@@ -210,6 +253,7 @@ class RankGroups:
         except BaseException:
             self.destroy()
             raise
+        assign_shards(units, self.rank, self.world)
 
     def release_gather(self) -> None:
         """Give the gather group back (the switch to stock: only the reduction group is used
@@ -375,13 +419,13 @@ class DataParallel:
 
     # -- all-gathers (the gather thread) ----------------------------------------------------
 
-    def gather(self, unit, jobs: list, dtypes: dict) -> GatherHandle:
-        """After `jobs` (this rank's update of its shards of `unit`) every rank's new shards
-        into the full host weights: the fp32 masters, and from them this rank's copies in
-        the other dtypes `dtypes` names (slot -> host dtypes the update wrote). Returns at once."""
+    def gather(self, unit, jobs: list, updated) -> GatherHandle:
+        """After `jobs` (this rank's update of its shards of `updated`, slots of `unit`) every
+        rank's new shards into the weights this rank keeps whole ([Note: what a rank keeps
+        whole]). Returns at once."""
         handle = GatherHandle()
         self.shards[unit].readers = list(jobs)
-        self._gatherer.queue.put((self.shards[unit], list(jobs), dtypes, handle))
+        self._gatherer.queue.put((self.shards[unit], list(jobs), set(updated), handle))
         return handle
 
     # -- whole tensors (state dicts) ----------------------------------------------------------
@@ -405,8 +449,8 @@ class DataParallel:
         total = sum(sh.numel for us in self.shards.values() for sh in us.slots)
         return (
             f"data parallel: rank {self.rank} of {self.world}; this rank updates {moments} of {total} trainable "
-            f"elements (its shard of every parameter); gradients reduce-scattered and new weights all-gathered "
-            f"over gloo, unit by unit"
+            f"elements and holds their fp32 master and moments only (its shard of every parameter); gradients "
+            f"reduce-scattered and new weights all-gathered in the model's dtype over gloo, unit by unit"
         )
 
 
@@ -493,7 +537,7 @@ class _Gatherer:
             item = self.queue.get()
             if item is None:
                 return
-            shards, jobs, dtypes, handle = item
+            shards, jobs, updated, handle = item
             item = None
             if self.error is not None:  # no further collectives once one failed
                 handle.finish(self.error)
@@ -501,34 +545,42 @@ class _Gatherer:
             try:
                 for job in jobs:
                     job.wait()
-                self._gather(shards, dtypes)
+                self._gather(shards, updated)
                 handle.finish()
             except BaseException as e:  # surfaced where the weights are waited for
                 self.error = e
                 handle.finish(e)
-            shards = jobs = dtypes = handle = None  # nothing of the model held while idle
+            shards = jobs = updated = handle = None  # nothing of the model held while idle
 
-    def _gather(self, shards: UnitShards, dtypes: dict) -> None:
-        """The fp32 masters of the updated slots (`dtypes`: slot -> the host dtypes the update
-        wrote) from every rank, then this rank's lower-precision copies rounded from them to
-        nearest even, as the update writes its copy. Only the masters travel: which copies a
-        slot keeps depends on this rank's paging, so gathering them would make the collectives
-        differ between ranks whose placements differ ([Note: collective order])."""
-        fp32 = torch.float32
-        send = torch.zeros(shards.segment, dtype=fp32)
-        for sh in shards.slots:
-            if sh.slot in dtypes:
-                send[sh.offset : sh.offset + (sh.hi - sh.lo)].copy_(sh.slot.host[fp32].view(-1)[sh.lo : sh.hi])
-        recv = torch.empty(self.world * shards.segment, dtype=fp32)
-        _all_gather(recv, send, group=self.group)
-        self.bytes_sent += send.numel() * send.element_size()
-        for sh in shards.slots:
-            if sh.slot in dtypes:
-                master = sh.slot.host[fp32]
-                shards.unpack(recv, sh, master)
-                for dtype in dtypes[sh.slot]:
-                    if dtype != fp32:
-                        sh.slot.host[dtype].copy_(master)
+    def _gather(self, shards: UnitShards, updated: set) -> None:
+        """The new weights of the `updated` slots from every rank, in the model's dtype
+        ([Note: what a rank keeps whole]): each rank sends its fp32 master shard rounded to
+        that dtype (to nearest even, as the update writes a copy); a resident unit's land in
+        `incoming`, a paged unit's in its host weights, and its other host copies (a bf16
+        copy of an fp32 weight, for autocast) are rounded from them. The bytes travel as
+        uint8: the gather moves them, any dtype alike."""
+        for dtype, members, segment in shards.gathers:
+            members = [(sh, at) for sh, at in members if sh.slot in updated]
+            if not members:  # `updated` is alike on every rank: the reduced flags decided it
+                continue
+            send = torch.zeros(segment, dtype=dtype)
+            for sh, at in members:
+                send[at : at + (sh.hi - sh.lo)].copy_(sh.slot.master_shard)
+            recv = torch.empty(self.world * segment, dtype=dtype)
+            _all_gather(recv.view(torch.uint8), send.view(torch.uint8), group=self.group)
+            self.bytes_sent += send.numel() * send.element_size()
+            for sh, at in members:
+                s = sh.slot
+                full = s.host.get(s.dtype) if s.unit.paged else None
+                if full is None:  # resident: the push takes it to the device (params.py), once whole
+                    incoming = torch.empty(s.param.shape, dtype=dtype)
+                    shards.unpack(recv, sh, incoming, at, segment)
+                    s.incoming = incoming
+                    continue
+                shards.unpack(recv, sh, full, at, segment)
+                for t in s.host.values():
+                    if t is not full:
+                        t.copy_(full)
 
 
 def check_same_model(group, units, rank: int, world: int, settings: tuple = ()) -> None:

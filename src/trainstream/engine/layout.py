@@ -35,7 +35,17 @@ class Slot:
     # Host weights by dtype. Trainable: host[float32] is the master the optimizer updates,
     # and at most one lower-precision copy, which the optimizer writes in the same pass.
     # Frozen paged: the original weights, plus any compute-dtype copy made from them.
+    # Data parallel (`shard` set): only the full weights a paged unit's forward reads from
+    # host memory, in the model's dtype (and a compute-dtype copy made from them); none for
+    # a resident unit, whose weights are on the device. The master is `master_shard` then.
     host: dict = field(default_factory=dict)
+    # Data parallel ([Note: shards], distributed.py): the elements [lo, hi) of the flat param
+    # this rank updates; `master_shard` is the fp32 master of those elements alone (1-D), the
+    # only fp32 master this rank holds of the param; `incoming` is a resident unit's new
+    # weights, all-gathered in the model's dtype, until the push takes them to the device.
+    shard: tuple | None = None
+    master_shard: torch.Tensor | None = None
+    incoming: torch.Tensor | None = None
     placeholder: torch.Tensor | None = None  # a paged param's data while it is not on the device
     # The param's version counter (p._version) when the engine last knew its values: a user's
     # in-place edit (p.zero_(), nn.init, p.copy_ under no_grad) moves it on; the engine's own
@@ -239,7 +249,15 @@ def host_buffers(s: Slot, paged: bool, stage: bool = True) -> list:
             codes, code_dtype = code_layout(n, s.quant_format)
             need += [("codes", code_dtype, codes), ("absmax", torch.float32, -(-n // s.quant_block))]
         return need
-    if s.trainable:
+    if s.trainable and s.shard is not None:
+        # Data parallel: the master of this rank's shard; the gradient lands whole (it is
+        # reduce-scattered from there); the full weights only where a forward reads them from
+        # host memory (a paged unit), in the model's dtype: a resident unit's are on the device.
+        lo, hi = s.shard
+        need += [("master", torch.float32, hi - lo)] + ([("stage", s.dtype, n)] if stage else [])
+        if paged:
+            need.append(("copy", s.dtype, n))
+    elif s.trainable:
         need += [("master", torch.float32, n)] + ([("stage", s.dtype, n)] if stage else [])
         if s.dtype != torch.float32:
             need.append(("copy", s.dtype, n))

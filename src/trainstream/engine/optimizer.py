@@ -106,13 +106,6 @@ class StreamedAdamW(OffloadAdamW):
                     if key in st and st[key].numel() == p.numel():
                         st[key] = st[key].reshape(-1)[lo:hi].clone()
 
-    def _shard_part(self, s, t: torch.Tensor) -> torch.Tensor:
-        """The elements of `s`'s host tensor `t` this rank updates (all, without data parallel)."""
-        if not self._shards:
-            return t
-        lo, hi = self._shards[s.param]
-        return t.view(-1)[lo:hi]
-
     def _gathered_state(self) -> dict:
         """param -> its state with whole moments, every rank's shards gathered, in param-group
         order (every rank calls this: each gather is a collective)."""
@@ -202,6 +195,14 @@ class StreamedAdamW(OffloadAdamW):
         for unit in self._engine.units if carried else ():
             for s in unit.slots:
                 master = carried.get(s.param)
+                if s.master_shard is not None and s.dtype != torch.float32 and master is not None:
+                    # Data parallel: the weights this rank keeps whole (host for a paged unit,
+                    # else the device's) decide; its shard of the master is taken.
+                    held = s.host.get(s.dtype) if s.unit.paged else s.param.data.cpu()
+                    if master.shape == s.param.shape and torch.equal(held, master.to(s.dtype)):
+                        lo, hi = s.shard
+                        s.master_shard.copy_(master.reshape(-1)[lo:hi])
+                    continue
                 held = s.host.get(s.dtype) if s.dtype != torch.float32 else None
                 if master is None or held is None or s.host.get(torch.float32) is None:
                     continue
@@ -370,15 +371,18 @@ class StreamedAdamW(OffloadAdamW):
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
         `grads` (host tensors), `priority` as in ops.adamw_step. Returns (handle, slots) per
         native job. Data parallel (shard_state): each slot's update covers this rank's
-        elements [lo:hi) of its flat weights, and `grads` are those elements' gradients."""
+        elements [lo:hi) of its flat weights, its master_shard, and `grads` are those
+        elements' gradients; the all-gather writes the weights in other dtypes (distributed.py)."""
         out = []
-        part = self._shard_part
+        sharded = bool(self._shards)
         for group, items in self._batches(slots, grads, lambda s: s.copy_dtype()):
             copies = (
-                [part(s, s.host[s.copy_dtype()]) for s, *_ in items] if items[0][0].copy_dtype() is not None else None
+                [s.host[s.copy_dtype()] for s, *_ in items]
+                if not sharded and items[0][0].copy_dtype() is not None
+                else None
             )
             handle = ops.adamw_step(
-                [part(s, s.master) for s, *_ in items],
+                [s.master_shard if sharded else s.master for s, *_ in items],
                 [g for _, g, *_ in items],
                 [st["exp_avg"] for _, _, st, _ in items],
                 [st["exp_avg_sq"] for _, _, st, _ in items],

@@ -133,7 +133,12 @@ class WeightPager:
         or replaced by its placeholder (paged)."""
         backend = self.backend
         data = s.param.data
-        for kind, dtype, _ in buffers:
+        for kind, dtype, numel in buffers:
+            if kind == "master" and s.shard is not None:  # data parallel: this rank's elements only
+                lo, hi = s.shard
+                s.master_shard = self.arena.take((numel,), dtype)
+                s.master_shard.copy_(data.reshape(-1)[lo:hi])
+                continue
             buf = self.arena.take(data.shape, dtype)
             if kind == "master":
                 buf.copy_(data)
@@ -261,9 +266,13 @@ class WeightPager:
         other host copy is brought level (the fp32 master exactly, lower-precision copies
         rounded to nearest even, as the optimizer writes them)."""
         s.version = s.param._version
-        if s.quant is not None or not s.host:
+        if s.quant is not None or not (s.host or s.master_shard is not None):
             return  # a quantized param cannot be edited; a frozen resident one has no host copy yet
         edited = s.host[s.dtype] if s.unit.paged else s.param.data
+        if s.master_shard is not None:  # data parallel: this rank's elements of the master
+            lo, hi = s.shard
+            s.master_shard.copy_(edited.reshape(-1)[lo:hi])
+            s.incoming = None  # gathered weights not pushed yet: the edit wins over them
         master = s.host.get(torch.float32)
         if master is not None and master is not edited:
             master.copy_(edited)
@@ -295,7 +304,13 @@ class WeightPager:
             for s in unit.trainable:
                 if s in edited:
                     continue
-                src = s.host[s.dtype]  # the master, or the copy the optimizer wrote in the model's dtype
+                if s.shard is not None:  # data parallel: the all-gathered new weights (distributed.py)
+                    src, s.incoming = s.incoming, None
+                    if src is None:
+                        continue  # not updated in this window: the device weights are current
+                else:
+                    src = s.host[s.dtype]  # the master, or the copy the optimizer wrote in the model's dtype
+                # A gathered buffer is pageable: the copy has read it when copy_ returns.
                 s.param.data.copy_(src, non_blocking=True)
         unit.h2d_event = backend.record(backend.copy_in)
         unit.stale = False
@@ -375,6 +390,11 @@ class WeightPager:
                 continue
             s.param.data = s.host[s.dtype].to(self.backend.device)  # the master, or the model-dtype copy
             self.resident_storages.add(s.param.data.untyped_storage().data_ptr())
+            if s.trainable and s.shard is not None:
+                # Data parallel: a resident unit keeps no full host weights (its new weights
+                # come from the all-gather); a later page-out copies them from the device.
+                s.host.clear()
+                s.spare = None
         unit.paged, unit.fetch_dtypes = False, {}
 
     # -- paged units ---------------------------------------------------------------------------
@@ -625,10 +645,20 @@ def refresh_host(s) -> None:
             t.copy_(s.master)
 
 
+_NANS: dict = {}  # (dtype, device) -> the one NaN every placeholder of that kind expands
+
+
 def _placeholder(s, device) -> torch.Tensor:
     """A quantized param's data between uses: its shape, dtype and device, one NaN behind it
-    (a read gives NaN, not stale numbers; a write fails on the expanded tensor)."""
-    return torch.full((1,), float("nan"), dtype=s.dtype, device=device).expand(s.param.shape)
+    (a read gives NaN, not stale numbers; a write fails on the expanded tensor). The NaN is
+    shared: a write cannot reach it, and one device allocation per dtype, not one per weight,
+    keeps wrap() from queueing a kernel per quantized weight behind the pinning thread's
+    host allocations (196 of them cost the 7B LoRA's wrap() seconds on the H200)."""
+    key = (s.dtype, torch.device(device))
+    nan = _NANS.get(key)
+    if nan is None:
+        nan = _NANS[key] = torch.full((1,), float("nan"), dtype=s.dtype, device=device)
+    return nan.expand(s.param.shape)
 
 
 def _held_bytes(tensors) -> int:

@@ -103,6 +103,7 @@ def build_report(engine) -> dict:
         "activation_slab_bytes": engine.acts.slab_bytes,  # pinned host memory the paged activations hold
         "last_grad_norm": engine.last_grad_norm,
         "host_moment_bytes": host_moment_bytes(engine.optimizer),
+        "host_master_bytes": host_master_bytes(engine),
         "distributed": data_parallel(engine),
     }
 
@@ -131,6 +132,19 @@ def host_moment_bytes(optimizer) -> int:
     )
 
 
+def host_master_bytes(engine) -> int:
+    """Bytes of fp32 master weights the host AdamW updates that this process holds (with data
+    parallel, its shard of each). An fp32 param's master is its host weights themselves;
+    device state's masters are on the device, not counted here."""
+    total = 0
+    for u in engine.units:
+        for s in u.trainable:
+            master = s.master_shard if s.master_shard is not None else s.host.get(torch.float32)
+            if master is not None:
+                total += master.numel() * master.element_size()
+    return total
+
+
 def data_parallel(engine) -> dict | None:
     """Data parallel: the ranks, the share of the optimizer this rank holds and what it
     communicates per optimizer step (None when training alone)."""
@@ -144,6 +158,7 @@ def data_parallel(engine) -> dict | None:
         "shard_elements": sum(sh.hi - sh.lo for us in dp.shards.values() for sh in us.slots),
         "trainable_elements": sum(sh.numel for us in dp.shards.values() for sh in us.slots),
         "shard_moment_bytes": host_moment_bytes(engine.optimizer),
+        "shard_master_bytes": host_master_bytes(engine),  # this rank's shard of the fp32 master
         # What this rank sent into the gradient reduce-scatters and the weight all-gathers.
         "bytes_communicated_per_step": (dp.bytes_reduced + dp.bytes_gathered) // windows,
     }

@@ -4,7 +4,8 @@ A paged parameter's ``.data`` is a placeholder most of the time, so around savin
 loading each module points its paged params at their host weights (the fp32 master, or
 the host copy in the model's dtype): saving reads them (host tensors in the state dict),
 loading writes straight into them. Afterwards every derived copy (fp32 master of a bf16
-model, compute-dtype paging copies, the master of a resident param) is brought level.
+model, compute-dtype paging copies, the master of a resident param, a data-parallel rank's
+shard of the master) is brought level.
 A quantized frozen weight is saved dequantized (the values training uses) and a loaded one
 is quantized again.
 """
@@ -55,12 +56,15 @@ def _level(s) -> None:
         s.quant.codes.copy_(q.codes)
         s.quant.absmax.copy_(q.absmax)
         return
+    written = s.host[s.dtype] if s.unit.paged else s.param.data
+    if s.master_shard is not None:  # data parallel: this rank's elements of the master
+        lo, hi = s.shard
+        s.master_shard.copy_(written.reshape(-1)[lo:hi])
     if not s.unit.paged:
         if s.trainable:
             for t in s.host.values():
-                t.copy_(s.param.data)
+                t.copy_(written)
         return
-    written = s.host[s.dtype]
     for t in s.host.values():
         if t is not written:
             t.copy_(written)  # the fp32 master from a bf16 model's weights, or a compute-dtype copy
