@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from trainstream import OffloadAdamW
-from trainstream.optim import convert_optimizer
+from trainstream.optim import convert_optimizer, update_batches
 
 
 class StreamedOnHost(OffloadAdamW):
@@ -48,6 +48,21 @@ class Inner(torch.nn.Module):
 
     def forward(self, x):
         return F.linear(x, self.b.weight, self.b.bias)
+
+
+def record_jobs(monkeypatch) -> list:
+    """The host jobs queued from now on, each as (its tensors' shapes, its priority)."""
+    import trainstream.ops
+
+    queued = []
+    adamw_step = trainstream.ops.adamw_step
+
+    def recording(params, *args, priority, **kwargs):
+        queued.append(([p.shape for p in params], priority))
+        return adamw_step(params, *args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(trainstream.ops, "adamw_step", recording)
+    return queued
 
 
 def optimizer_class(device):
@@ -770,23 +785,15 @@ def test_the_updates_step_waits_for_are_queued_first(monkeypatch):
     """head.weight is read outside every module's forward (as a chunked loss reads lm_head):
     step() waits for its update, so the pool runs it before the body's, which the next
     forward waits for."""
-    import trainstream.ops
-
     torch.manual_seed(0)
     model = BodyAndHead()
     opt = StreamedOnHost(model.parameters(), lr=1e-2)
-    queued = []
-    adamw_step = trainstream.ops.adamw_step
-
-    def recording(params, *args, priority, **kwargs):
-        queued.append((params[0].shape, priority))
-        return adamw_step(params, *args, priority=priority, **kwargs)
-
-    monkeypatch.setattr(trainstream.ops, "adamw_step", recording)
+    monkeypatch.setattr(update_batches, "MAX_ELEMENTS", 1)  # a job per param, as large ones get
+    queued = record_jobs(monkeypatch)
     x = torch.randn(8, 37)
     F.linear(model.body(x), model.head.weight).square().mean().backward()
     opt.step()
-    priority = dict(queued)
+    priority = {shapes[0]: p for shapes, p in queued}
     head = priority[model.head.weight.shape]
     assert head < priority[model.body.weight.shape] and head < priority[model.body.bias.shape]
 
@@ -893,3 +900,85 @@ def test_a_backward_after_step_without_zero_grad_warns_once(device):
             wrapper.step()
             wrapper.zero_grad()
     assert len([w for w in seen if "zero_grad" in str(w.message)]) == 1
+
+
+class Landing:
+    """A gradient's copy to host memory that lands when waited for, logging the wait."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.landed = name, log, False
+
+    def query(self):
+        return self.landed
+
+    def synchronize(self):
+        if not self.landed:
+            self.log.append(("wait", self.name))
+        self.landed = True
+
+
+def test_an_update_is_queued_as_soon_as_its_gradient_lands(monkeypatch):
+    """step() runs while the GPU is still in backward: each param's update is queued once its
+    own gradient is in host memory, before step() waits for the next one's copy, so the host
+    pool works beside the rest of backward (the copies stand in for ones still landing)."""
+    import trainstream.ops
+
+    ours, theirs = twins("cpu")
+    opt = StreamedOnHost(ours.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    names = {p: name for name, p in ours.named_parameters()}
+    log = []
+    adamw_step = trainstream.ops.adamw_step
+
+    def logging(params, *args, **kwargs):
+        log.append(("queue", len(params)))
+        return adamw_step(params, *args, **kwargs)
+
+    monkeypatch.setattr(trainstream.ops, "adamw_step", logging)
+    data = batches(3, "cpu")
+    for x, y in data:
+        loss_of(ours, x, y).backward()
+        for record in opt._host_updates.records.values():
+            record.stage_event = Landing(names[record.param], log)
+        log.clear()
+        opt.step()
+        opt.zero_grad()
+        # One wait, then that gradient's job, for each param in turn: c's first (backward
+        # reaches it first), a's last.
+        assert [kind for kind, _ in log] == ["wait", "queue"] * 5, log
+        assert log[0] == ("wait", "c.weight") and log[-2][1].startswith("a.")
+    train(theirs, torch_opt, data)
+    opt.synchronize()
+    assert_close(ours, theirs, 1e-6)
+
+
+def test_small_params_share_a_job_and_large_ones_get_their_own(monkeypatch):
+    """Updates queued together are gathered into native jobs of at most MAX_ELEMENTS (a param
+    larger than that alone), never across param groups (their hyper-parameters differ); the
+    result is torch's."""
+    ours, theirs = twins("cpu")
+    data = batches(4, "cpu")
+    groups = [{"params": [*ours.a.parameters(), *ours.inner.parameters()]}, {"params": ours.c.parameters(), "lr": 3e-3}]
+    opt = StreamedOnHost(groups, lr=1e-2)
+    torch_opt = torch.optim.AdamW(
+        [
+            {"params": [*theirs.a.parameters(), *theirs.inner.parameters()]},
+            {"params": theirs.c.parameters(), "lr": 3e-3},
+        ],
+        lr=1e-2,
+        foreach=False,
+    )
+    queued = record_jobs(monkeypatch)
+    train(ours, opt, data[:1])
+    # c's weight (its own group) alone, then the other four params in one job.
+    assert sorted(len(shapes) for shapes, _ in queued) == [1, 4]
+    largest = ours.inner.b.weight.numel()
+    monkeypatch.setattr(update_batches, "MAX_ELEMENTS", largest - 1)
+    queued.clear()
+    train(ours, opt, data[1:])
+    for shapes, _ in queued:
+        assert len(shapes) == 1 or sum(s.numel() for s in shapes) <= largest - 1, shapes
+    assert [shapes for shapes, _ in queued].count([ours.inner.b.weight.shape]) == 3  # alone at each step
+    assert sum(len(shapes) for shapes, _ in queued) == 5 * 3
+    train(theirs, torch_opt, data)
+    assert_close(ours, theirs, 1e-6)

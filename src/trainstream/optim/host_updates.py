@@ -289,9 +289,12 @@ class HostUpdates:
             record.reader.wait()
             record.reader = None
 
-    def gradients(self, params) -> dict:
+    def gradients(self, params, *, wait: bool = True) -> dict:
         """param -> the host tensor holding its gradient of this window, for every one of
-        `params` (the optimizer's) that has one; waits for the copies still landing. The
+        `params` (the optimizer's) that has one, in the order they land in host memory (those
+        already there first, then the copies in the order backward issued them). `wait`: wait
+        for the copies still landing; otherwise the caller waits for each (`wait_landed`)
+        before reading it, and may start on the first while the last are still copied. The
         tensors stay valid until the next backward pass or zero_grad()."""
         if self.closed:
             raise RuntimeError(
@@ -300,18 +303,32 @@ class HostUpdates:
             )
         self.take_stray_grads(params)
         self._stepped_since_zero = True
-        for record in self._landing:
-            record.stage_event.synchronize()
+        # A record staged twice (a second backward pass) was folded at its second copy: its
+        # place is the last copy's.
+        landing = list({id(r): r for r in reversed(self._landing)}.values())[::-1]
         self._landing = []
+        if wait:
+            for record in landing:
+                record.stage_event.synchronize()
+        in_flight = {id(r) for r in landing}
         out = {}
-        for p, record in self.records.items():
+        for record in [*(r for r in self.records.values() if id(r) not in in_flight), *landing]:
             if record.staged and record.summed:
                 self._fold(record)
             if record.summed:
-                out[p] = record.sum
+                out[record.param] = record.sum
             elif record.staged:
-                out[p] = record.stage
+                out[record.param] = record.stage
         return out
+
+    @staticmethod
+    def landed(record: ParamRecord) -> bool:
+        """Whether `record`'s gradient is in host memory (its last copy there has finished)."""
+        return record.stage_event.query()
+
+    @staticmethod
+    def wait_landed(record: ParamRecord) -> None:
+        record.stage_event.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad(): no gradient, or (set_to_none=False) a zero one, which updates

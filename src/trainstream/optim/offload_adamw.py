@@ -17,6 +17,7 @@ import torch
 from .. import ops, options
 from .host_updates import PARAM_DTYPES as STREAMED_DTYPES
 from .host_updates import HostUpdates
+from .update_batches import UpdateBatches
 
 # torch.optim.Adam/AdamW options this optimizer does not implement, with the only value
 # it accepts for each.
@@ -350,7 +351,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         handles = []
         index = 0
         streamed = self._host_updates
-        mark = streamed.backend.record() if streamed is not None else None  # compute's reads of the old weights
+        if streamed is not None:
+            self._queue_streamed(grads, grad_scale)
+            streamed.after_step()
+            # The queued updates read the sums: they are zeroed at the next window's first
+            # micro-step, once their update is done.
+            self._sums_in_use |= self._grad_seen
+            self._grad_seen.clear()
+            return loss
         try:
             for group in self.param_groups:
                 beta1, beta2 = group["betas"]
@@ -362,9 +370,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                         continue
                     state = self._state_for(p)
                     state["step"] += 1
-                    if streamed is not None:
-                        self._queue_streamed(p, g, state, group, grad_scale, self._seed_for(index - 1), mark)
-                        continue
                     params.append(p.data)
                     g_list.append(g)
                     m_list.append(state["exp_avg"])
@@ -392,43 +397,39 @@ class OffloadAdamW(torch.optim.Optimizer):
             # Never return (or raise) while host work still writes the weights.
             for handle in handles:
                 handle.wait()
-        if streamed is not None:
-            streamed.after_step()
-            # The queued updates read the sums: they are zeroed at the next window's first
-            # micro-step, once their update is done.
-            self._sums_in_use |= self._grad_seen
-        else:
-            for p in self._grad_seen:
-                self._grad_sums[p].zero_()
+        for p in self._grad_seen:
+            self._grad_sums[p].zero_()
         self._grad_seen.clear()
         return loss
 
-    def _queue_streamed(self, p, g, state: dict, group: dict, grad_scale: float, seed: int, mark) -> None:
-        """A GPU param's host update, queued alone (its weights go back as soon as it is
-        done, not with the group's), numbered by the param's position."""
+    def _queue_streamed(self, grads: dict, grad_scale: float) -> None:
+        """The GPU params' host updates, each queued as soon as its gradient is in host memory
+        (`grads` is in landing order): step() is called while the GPU is still in backward, as
+        a rule, and the host pool then updates the last layers' params while backward computes
+        the first layers' gradients. Numbered by the param's position (seeds, priorities: the
+        pool runs first what the next forward reads first); gathered into native jobs by
+        update_batches.py."""
         streamed = self._host_updates
-        record = streamed.records[p]
-        master = streamed.before_update(record)
-        beta1, beta2 = group["betas"]
-        handle = ops.adamw_step(
-            [master],
-            [g],
-            [state["exp_avg"]],
-            [state["exp_avg_sq"]],
-            [int(state["step"].item())],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled=group["decoupled_weight_decay"],
-            grad_scale=grad_scale,
-            seeds=[seed],
-            param_copies=None if record.copy is None else [record.copy],
-            threads=self.threads,
-            priority=streamed.priority_of(record),
-        )
-        streamed.update_queued(record, handle, mark)
+        place = {}  # param -> (its group, its position among all the optimizer's params)
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in grads:
+                    place[p] = (group, index)
+                index += 1
+        # Compute's reads of the old weights, all queued before now: the pushes wait for them.
+        mark = streamed.backend.record()
+        batches = UpdateBatches(streamed, grad_scale=grad_scale, threads=self.threads, mark=mark)
+        for p, g in grads.items():
+            record = streamed.records[p]
+            if not streamed.landed(record):  # the jobs gathered so far run while this one lands
+                batches.flush()
+                streamed.wait_landed(record)
+            group, i = place[p]
+            state = self._state_for(p)
+            state["step"] += 1
+            batches.add(record, g, state, group, self._seed_for(i))
+        batches.flush()
 
     def _record_inflight(self, device: torch.device) -> None:
         self._inflight = [e for e in self._inflight if not e.query()]  # drop finished ones
@@ -447,7 +448,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                     _check_trainable(p, self._streams(p), self.param_groups)
         current = {}
         if self._host_updates is not None:  # landed in host memory (the hooks took p.grad)
-            current = self._host_updates.gradients([p for g in self.param_groups for p in g["params"]])
+            # Updates that read only their own gradient wait for it alone (_queue_streamed);
+            # clipping and accumulation read every gradient first.
+            alone = self.accumulation_steps == 1 and self.max_grad_norm is None
+            current = self._host_updates.gradients([p for g in self.param_groups for p in g["params"]], wait=not alone)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
