@@ -82,7 +82,11 @@ class DeviceState:
         mine = {s.param for s in slots}
         self._carried = {p: m for p, m in getattr(optimizer, "_carried", {}).items() if p in mine}
         self._ready: set = set()  # params whose master is made and whose moments are on the device
-        self._counts: dict = {}  # unit -> how many device-state params it has (on_grad)
+        # unit -> how many device-state params it has (on_grad, once per gradient): fixed at
+        # wrap(), where the slots' flags are set for good.
+        self._counts: dict = {}
+        for s in slots:
+            self._counts[s.unit] = self._counts.get(s.unit, 0) + 1
         self._queued: list = []  # Queued updates not settled yet, oldest first
         # The check's marks, one int32 per slot, in a host buffer (pinned on a GPU) made here:
         # a pinned allocation on the autograd thread can synchronize the device, and a device
@@ -128,21 +132,18 @@ class DeviceState:
 
     def with_grads(self) -> list:
         """The slots with a gradient this window (torch's AdamW skips a param without one)."""
-        out = []
-        for s in self.slots:
-            g = s.param.grad
-            if g is None:
-                continue
-            if g.is_sparse:
+        out = [s for s in self.slots if s.param.grad is not None]
+        for s in out:
+            if s.param.grad.is_sparse:
                 raise ValueError(f"trainstream: sparse gradients are not supported ({s.name})")
-            out.append(s)
         return out
 
     def has_grads(self) -> bool:
         return any(s.param.grad is not None for s in self.slots)
 
     def _grads(self, slots) -> list:
-        return [s.param.grad if s.param.grad.is_contiguous() else s.param.grad.contiguous() for s in slots]
+        grads = [s.param.grad for s in slots]  # `.grad` is a checked getter: read once
+        return [g if g.is_contiguous() else g.contiguous() for g in grads]
 
     def norms(self, slots) -> list:
         """Each gradient's L2 norm in fp32 (one multi-tensor launch on CUDA), as the host path
@@ -177,14 +178,13 @@ class DeviceState:
         where the order decides what a non-finite gradient skips): a unit counts as
         complete once all of its device-state params have one this pass."""
         unit = slot.unit
-        seen = self._seen.setdefault(unit, set())  # first-gradient order: a dict keeps it
-        if slot in seen:
+        seen = self._seen.get(unit)
+        if seen is None:
+            seen = self._seen[unit] = set()  # first-gradient order: a dict keeps it
+        elif slot in seen:
             return  # a second gradient in one pass (reentrant checkpoint segments), summed by autograd
         seen.add(slot)
-        count = self._counts.get(unit)
-        if count is None:  # fixed at wrap(): the slots' flags never change after it
-            count = self._counts[unit] = len(unit.device_state_slots)
-        if len(seen) == count:
+        if len(seen) == self._counts[unit]:
             self._complete.append(unit)
 
     def new_pass(self) -> None:
@@ -301,10 +301,12 @@ class DeviceState:
         while self._queued and (wait or self._queued[0].event.query()):
             q = self._queued.pop(0)
             q.event.synchronize()
+            values = self._marks.tolist()  # one read: each batch's marks are a slice of the buffer
             bad = None
             for i, batch_marks in enumerate(q.marks):
                 for found, ss in batch_marks:
-                    hit = {s for s, m in zip(ss, found.tolist()) if m}
+                    start = found.storage_offset()
+                    hit = {s for s, m in zip(ss, values[start : start + len(ss)]) if m}
                     if hit:
                         bad = (i, next(s for s in q.batches[i][1] if s in hit))
                         break

@@ -205,6 +205,7 @@ class Engine:
                 learn=not self.grads.hold,
             )
             optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor)
+        self._ds_by_unit = self._device_state_order_decides()  # read on every device-state gradient
         self._log_plan()
 
     def __deepcopy__(self, memo):
@@ -693,7 +694,7 @@ class Engine:
         eager updates the hook also records backward's order of units."""
         if not self.grads.in_backward:
             self._begin_pass()
-        if self._device_state_by_unit():
+        if self._ds_by_unit:
             self.device_state.on_grad(slot)
 
     def _end_pass(self) -> None:
@@ -936,11 +937,15 @@ class Engine:
     # -- device state (device_state.py): the host path's timing ---------------------------------
 
     def _device_state_by_unit(self) -> bool:
+        return self._ds_by_unit
+
+    def _device_state_order_decides(self) -> bool:
         """Eager updates: the host path updates each unit as backward completes it, so a
         non-finite gradient skips the unit found and every unit after it in backward's order,
         and a backward pass that raises keeps the updates of the units completed before it.
         The order is recorded (device_state.on_grad) and the update goes unit by unit. Held
-        windows are applied, or skipped, whole."""
+        windows are applied, or skipped, whole. Fixed at wrap(): the options, data parallel
+        and the device-state slots never change after it."""
         opts = self.opts
         return (
             opts.max_grad_norm is None

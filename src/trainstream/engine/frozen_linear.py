@@ -147,23 +147,35 @@ class FrozenLinears:
         pager, hooks_for, unit = self.pager, self.hooks_for, slot.unit
         apply = FrozenLinearFunction.apply
         top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+        grad_enabled, compiling = torch.is_grad_enabled, torch.compiler.is_compiling
+        params = module._parameters  # module.weight / module.bias, without nn.Module.__getattr__
+        saved_elsewhere = self.saved_elsewhere  # the set itself: saved() adds to it
+        attached = Fetch.ATTACHED
 
         def frozen_forward(x, *args, **kwargs):
-            fetched = unit.fetched
-            if fetched is None or unit.fetch is not Fetch.ATTACHED or slot not in fetched:
-                return forward(x, *args, **kwargs)  # resident (or not attached): nothing streamed
-            if not torch.is_grad_enabled() or not getattr(x, "requires_grad", True):
-                return forward(x, *args, **kwargs)  # nothing for autograd to save: W and b are frozen
+            # The common call first, in one test (once per Linear and forward: the hot path).
+            # ATTACHED implies `fetched` is a dict (the invariant of Unit.fetch).
             if (
-                not args
-                and not kwargs
+                unit.fetch is attached
                 and type(x) is torch.Tensor
+                and x.requires_grad
+                and not args
+                and not kwargs
                 and x.dim() >= 2
                 and x.is_contiguous()
-                and slot not in self.saved_elsewhere
-                and not torch.compiler.is_compiling()
+                and grad_enabled()
+                and slot in unit.fetched
+                and slot not in saved_elsewhere
+                and not compiling()
             ):
-                return apply(x, module.weight, module.bias, slot, pager, unit.fetch_dtypes)
+                return apply(x, params["weight"], params.get("bias"), slot, pager, unit.fetch_dtypes)
+            fetched = unit.fetched
+            if fetched is None or unit.fetch is not attached or slot not in fetched:
+                return forward(x, *args, **kwargs)  # resident (or not attached): nothing streamed
+            if not grad_enabled() or not getattr(x, "requires_grad", True):
+                return forward(x, *args, **kwargs)  # nothing for autograd to save: W and b are frozen
+            # A call the Function does not take: extra arguments, a tensor subclass, fewer than
+            # 2 dims, a strided input, a weight some other code saves, torch.compile.
             if top_hooks(False) is None:  # the block runs without hooks: today's path, with ours
                 pack, unpack = hooks_for(unit)
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
