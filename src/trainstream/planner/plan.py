@@ -9,8 +9,9 @@ weights, the weights in flight (two paged blocks'), and the saved activations at
 peak. That is the larger of two moments:
 - the end of the forward pass: every block's activations that are not paged, with what
   runs after the stack on top (the head's logits, the loss: `after_stack_bytes`, measured);
-- backward fetching a paged block's activations back: its own and the `prefetch_depth`
-  paged blocks' before it (fetched ahead), above the not-paged activations of the blocks
+- each block's backward: its own activations (kept, or fetched back when paged) and the
+  paged activations of the `prefetch_depth` blocks before it (fetched ahead as it starts,
+  whether it is kept, paged or recomputed), above the not-paged activations of the blocks
   before it (backward reaches them later) and what the head still holds then
   (`held_after_stack_bytes`: the logits, while the caller keeps them).
 Adding the two would count the head's peak and the fetched activations as held at once;
@@ -25,11 +26,21 @@ forward ends, saved for backward or not. A paged block's weights arrive in bf16 
 copied. So paging a block's weights frees its weights and the copies; paging its
 activations frees the rest of them.
 
-Step time of a placement: the largest of four times that overlap one another (compute,
-host-to-device bytes over the measured bandwidth, device-to-host bytes likewise, and the
-host AdamW). A paged block crosses twice per step (forward and backward), in the dtype it
-computes in; a resident block's trainable weights cross once (the update's push). Saved
-activations of a paged block cross once each way. Gradients cross out once.
+Step time of a placement: the forward phase and the backward phase one after the other,
+each the largest of three times that overlap one another within it (its compute, its
+host-to-device bytes over the measured bandwidth, its device-to-host bytes likewise), or the
+host AdamW when that is longer. [Note: step phases] The phases do not overlap each other:
+paged activations go out while the forward makes them and come back while backward reads
+them, so a forward that pages more than its compute hides waits for its copies, and backward
+cannot start their way back before it starts (the 7B LoRA on the H200: 18.8 GB out and in
+behind 0.1 s of forward and 0.15 s of backward stepped at 0.875 s, the two directions' sum,
+where one max over the step predicted 0.47 s and hid paging under compute). Backward is taken
+as `backward_per_forward` forwards, as the adapter's compute_s counts it: one for the input
+gradients, and the trainable share of the block's matrices for the weight gradients (a frozen
+base's LoRA: about 1; a full fine-tune: 2). A paged
+block crosses once in each phase, in the dtype it computes in; a resident block's trainable
+weights cross once, in backward (the update's push). Saved activations of a paged block
+cross out in forward and in in backward. Gradients cross out in backward.
 A recomputed block (torch.utils.checkpoint around its forward) keeps only its inputs
 (`input_bytes`) from its forward to its backward, moves nothing over PCIe, and runs its
 forward once more in backward: its `forward_s` is added to the compute time. When it is
@@ -46,8 +57,10 @@ activations are held the longest (from their forward to the end of backward).
 Recomputation (`recompute=True`: activation_offload="auto"): of the first k blocks whose
 activations leave the device, each is paged or recomputed; the blocks whose paging costs the
 most PCIe time per second of their recompute are recomputed first, and every split of the k
-is tried, so the cost model picks per block. The limit above counts the recompute as it counts
-paging. [Note: settled modes] A block whose mode (paged or recomputed) a replan on timed
+is tried, so the cost model picks per block. A block whose call must not run twice
+(`recomputable` False: it carries a key/value cache, or updates running statistics;
+engine/recompute_call.py) is paged, as the engine would page it. The limit above counts the
+recompute as it counts paging. [Note: settled modes] A block whose mode (paged or recomputed) a replan on timed
 forwards chose keeps it when it leaves the device again (`settled`): the times that choice is
 then measured under (its waits, its copies) must not undo it, so the plan cannot flip back
 and forth between the two from step to step. At equal times, keeping comes first, then
@@ -56,7 +69,9 @@ recomputing (no pinned memory, no host work). [Note: recompute before timing] A 
 device is then recomputed where that keeps less than its activations (its inputs are
 smaller: `recompute_frees`; the others are paged), since paging's first pass also pins fresh host memory for each
 block's activations (far slower than the PCIe copy itself); the replan after the first timed
-step decides per block with measured times.
+step decides per block with measured times. Recomputed blocks keep their inputs until
+backward (36 x 32 MiB for the 1.9B GPT under a 4 GiB cap): where recomputing every such block
+does not fit, the fewest of them are paged instead (a paged block keeps none).
 """
 
 from __future__ import annotations
@@ -64,6 +79,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..sizes import GiB
+
+# Backward's compute per forward's where the adapter has not said (PlanInputs.backward_per_forward):
+# a matmul's input gradient and its weight gradient, each as much as the forward.
+BACKWARD_PER_FORWARD = 2.0
 
 
 @dataclass
@@ -76,6 +95,7 @@ class BlockBytes:
     cast_bytes: int = 0  # of act_bytes: autocast's copies of the weights, held while they are resident
     input_bytes: int = 0  # what the block keeps when recomputed: its inputs (measured; 0 when unknown)
     forward_s: float | None = None  # one forward of the block (measured; None before it is timed)
+    recomputable: bool = True  # False: a call of it must not run twice (recompute_call.py): paged instead
     backward_bytes: int = 0  # what its backward allocates beside its activations (measured; 0 when unknown)
 
 
@@ -90,6 +110,7 @@ class PlanInputs:
     grad_bytes: int  # gradients copied to the host per step
     outside_push_bytes: int  # the outside modules' updated weights, per step
     compute_s: float = 0.0  # forward + backward (0 when not measured yet)
+    backward_per_forward: float = BACKWARD_PER_FORWARD  # how compute_s splits ([Note: step phases])
     max_activation_slowdown: float = 0.15
     prefetch_depth: int = 1
     weights: str = "auto"  # "auto", or "fixed": keep `fixed_paged` as given
@@ -124,7 +145,8 @@ class BlockPlan:
             f"{len(self.paged)} blocks' weights paged, {len(self.act_paged)} blocks' activations paged, "
             f"{len(self.recompute)} blocks recomputed; "
             f"device {self.device_bytes / GiB:.2f} of {usable / GiB:.2f} GiB usable; predicted step "
-            f"{self.step_s * 1e3:.1f} ms (compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
+            f"{self.step_s * 1e3:.1f} ms (forward {t['forward'] * 1e3:.1f} then backward {t['backward'] * 1e3:.1f}; "
+            f"compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
             f"out {t['d2h'] * 1e3:.1f}, host AdamW {t['adamw'] * 1e3:.1f})"
         )
         if self.recompute and t.get("recompute"):
@@ -143,19 +165,22 @@ def activation_peak(inp: PlanInputs, act_paged, recompute=frozenset()) -> int:
     kept = fetched = 0  # kept: what the blocks before block i hold until backward reaches them
     # (Plain comparisons, not max(): the search calls this for every activation policy.)
     for i, x in enumerate(b):
+        # As block i's backward starts, the engine fetches the paged activations of the
+        # `depth` blocks below it ahead, whatever block i's own mode.
+        below = 0
+        for j in range(i - depth if i > depth else 0, i):
+            if j in act_paged:
+                below += b[j].act_bytes
         if i in recompute:
-            here = kept + x.act_bytes - x.cast_bytes + x.backward_bytes  # recomputed in backward
+            here = kept + x.act_bytes - x.cast_bytes + x.backward_bytes + below  # recomputed in backward
             kept += x.input_bytes
         elif i in act_paged:
-            here = kept + x.backward_bytes
-            for j in range(i - depth if i > depth else 0, i + 1):
-                if j in act_paged:
-                    here += b[j].act_bytes
+            here = kept + x.act_bytes + x.backward_bytes + below
         else:
             kept += x.act_bytes - x.cast_bytes
-            if not x.backward_bytes:
+            if not x.backward_bytes and not below:
                 continue
-            here = kept + x.backward_bytes  # its backward, above what it and the blocks before it keep
+            here = kept + x.backward_bytes + below  # its backward, above what it and the blocks before it keep
         if here > fetched:
             fetched = here
     backward = fetched + inp.held_after_stack_bytes if fetched else 0
@@ -178,9 +203,9 @@ def paging_s(inp: PlanInputs, x: BlockBytes) -> float:
 
 
 def recompute_frees(x: BlockBytes) -> bool:
-    """Does recomputing the block keep less than keeping its activations? (Not when what it
-    saves is its inputs, as a lone Linear's.)"""
-    return x.input_bytes < x.act_bytes - x.cast_bytes
+    """May the block be recomputed, and does that keep less than keeping its activations? (Not
+    when what it saves is its inputs, as a lone Linear's.)"""
+    return x.recomputable and x.input_bytes < x.act_bytes - x.cast_bytes
 
 
 def _recompute_first(inp: PlanInputs, chosen: list) -> list:
@@ -190,12 +215,50 @@ def _recompute_first(inp: PlanInputs, chosen: list) -> list:
     return sorted(chosen, key=lambda i: -paging_s(inp, b[i]) / max(b[i].forward_s or 0.0, 1e-12))
 
 
+def phase_terms(inp: PlanInputs, weights_once: int, weights_in: int, acts_moved: int, recompute_s: float) -> dict:
+    """The times of a placement ([Note: step phases]): `weights_once`, one fetch of every paged
+    block's weights (the forward's); `weights_in`, every weight byte in per step (fetches and
+    pushes); `acts_moved`, the paged activations' bytes each way; `recompute_s`, the recomputed
+    forwards. "step" is what make_plan weighs; the totals per link are for the reader."""
+    h2d, d2h = inp.h2d_bytes_per_s, inp.d2h_bytes_per_s
+    forward_compute = inp.compute_s / (1.0 + inp.backward_per_forward)
+    forward = max(forward_compute, weights_once / h2d, acts_moved / d2h)
+    backward = max(
+        inp.compute_s - forward_compute + recompute_s,
+        (weights_in - weights_once + acts_moved) / h2d,
+        inp.grad_bytes / d2h,
+    )
+    return {
+        "compute": inp.compute_s + recompute_s,
+        "h2d": (weights_in + acts_moved) / h2d,
+        "d2h": (inp.grad_bytes + acts_moved) / d2h,
+        "adamw": inp.adamw_s,
+        "recompute": recompute_s,
+        "forward": forward,
+        "backward": backward,
+        "step": max(forward + backward, inp.adamw_s),
+    }
+
+
+def placement_terms(inp: PlanInputs, paged, act_paged, recompute) -> dict:
+    """phase_terms of one placement: these blocks' weights paged, these blocks' activations
+    paged, these blocks recomputed (what the events compare a plan with)."""
+    b = inp.blocks
+    once = sum(b[i].crossing_bytes for i in paged)
+    pushes = inp.outside_push_bytes + sum(x.push_bytes for i, x in enumerate(b) if i not in paged)
+    acts = sum(b[i].act_bytes for i in act_paged)
+    return phase_terms(inp, once, pushes + 2 * once, acts, sum(b[i].forward_s or 0.0 for i in recompute))
+
+
 class _ActOption:
     """One activation policy: the blocks paged and the blocks recomputed (the rest kept)."""
 
-    def __init__(self, inp: PlanInputs, paged: list, recompute: list):
+    def __init__(self, inp: PlanInputs, paged: list, recompute: list, untimed_paged: int = 0):
         b = inp.blocks
         self.chosen, self.recompute = sorted(paged), sorted(recompute)
+        # Blocks paged before any forward is timed that recomputing would free memory for: only
+        # where recomputing them does not fit ([Note: recompute before timing]), so fewest first.
+        self.untimed_paged = untimed_paged
         self.moved = sum(b[i].act_bytes for i in paged)  # PCIe bytes each way per step
         self.compute = sum(b[i].forward_s or 0.0 for i in recompute)  # forward time added in backward
         self.peak = activation_peak(inp, set(paged), set(recompute))
@@ -213,10 +276,14 @@ def _act_options(inp: PlanInputs) -> list:
             options.append(_ActOption(inp, leaving, []))
             continue
         if untimed:  # [Note: recompute before timing]
-            frees = [i for i in leaving if recompute_frees(inp.blocks[i])]
-            options.append(_ActOption(inp, [i for i in leaving if i not in frees], frees))
+            frees = _recompute_first(inp, [i for i in leaving if recompute_frees(inp.blocks[i])])
+            others = [i for i in leaving if i not in frees]
+            options.extend(
+                _ActOption(inp, others + frees[r:], frees[:r], len(frees) - r) for r in range(len(frees), -1, -1)
+            )
             continue
-        held = inp.settled
+        # A block that must not be recomputed is paged, as the engine would page it anyway.
+        held = {**inp.settled, **{i: "page" for i, x in enumerate(inp.blocks) if not x.recomputable}}
         paged = [i for i in leaving if held.get(i) == "page"]
         recomputed = [i for i in leaving if held.get(i) == "recompute"]
         free = [i for i in _recompute_first(inp, leaving) if i not in held]
@@ -233,6 +300,7 @@ class _Option:
         # Weights only (activations are counted at their peak by activation_peak):
         self.freed = sum(size(blocks[i]) for i in chosen) if size else 0  # device bytes no longer held
         self.in_flight = max((crossing(blocks[i]) for i in chosen), default=0) if crossing else 0
+        self.crossing_once = sum(crossing(blocks[i]) for i in chosen) if crossing else 0  # one fetch of each
 
 
 def _options(blocks: list, fixed, mode: str, order: list, moved, size=None, crossing=None) -> list:
@@ -261,42 +329,46 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
     h2d_rate, d2h_rate, limit = inp.h2d_bytes_per_s, inp.d2h_bytes_per_s, inp.max_activation_slowdown + 1e-9
     grads_out = inp.grad_bytes / d2h_rate
-    # Per option, what the pair loop adds up (the loop runs over every pair: kept to plain floats).
+    # [Note: step phases]: the forward's compute and the backward's, recompute not included.
+    forward_compute = inp.compute_s / (1.0 + inp.backward_per_forward)
+    backward_compute = inp.compute_s - forward_compute
+    # Per option, what the pair loop adds up (the loop runs over every pair: kept to plain floats):
+    # the activations' time out (forward's link) and in (backward's), backward's compute.
     acts = [
-        (a, a.peak, inp.compute_s + a.compute, a.moved, (inp.grad_bytes + a.moved) / d2h_rate, len(a.chosen))
+        (a, a.peak, backward_compute + a.compute, a.moved / d2h_rate, a.moved / h2d_rate, len(a.chosen))
         for a in act_opts
     ]
     best, best_key, smallest = None, None, None
     for w in weight_opts:
         held = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight
-        h2d_weights = h2d_resident + w.moved
+        # The paged weights come in once for the forward; the rest (again, and the pushes) in backward.
+        weights_in_forward = w.crossing_once / h2d_rate
+        weights_in_backward = (h2d_resident + w.moved - w.crossing_once) / h2d_rate
         # Without recompute or activation paging: the same weight placement keeping every activation.
-        base = max(inp.compute_s, h2d_weights / h2d_rate, grads_out, inp.adamw_s)
+        base_forward = max(forward_compute, weights_in_forward)
+        base = max(base_forward + max(backward_compute, weights_in_backward, grads_out), inp.adamw_s)
         n_paged = len(w.chosen)
-        for a, peak, compute, moved, d2h, n_acts in acts:
+        for a, peak, compute, out_s, in_s, n_acts in acts:
             need = held + peak
-            step = max(compute, (h2d_weights + moved) / h2d_rate, d2h, inp.adamw_s)
+            forward = base_forward if out_s <= base_forward else out_s
+            backward = max(compute, weights_in_backward + in_s, grads_out)
+            step = max(forward + backward, inp.adamw_s)
             slowdown = step / base - 1.0 if base > 0 else 0.0
             within = slowdown <= limit
             if smallest is None or need < smallest[0]:
                 smallest = (need, w, a, step, slowdown, within)
             if need > inp.usable_bytes:
                 continue
-            # Within the slowdown limit first; then faster (to 0.1 ms); then fewer blocks'
+            # Within the slowdown limit first; then, before any forward is timed, fewer blocks
+            # paged that recomputing would free; then faster (to 0.1 ms); then fewer blocks'
             # activations moved off the device (kept first), and of those fewer paged (their
             # copies cost host work and pinned memory the model does not count, where weights
             # paged in bf16 under autocast cost none); then fewer blocks' weights paged.
-            key = (not within, round(step * 1e3, 1), n_acts + len(a.recompute), n_acts, n_paged)
+            key = (not within, a.untimed_paged, round(step * 1e3, 1), n_acts + len(a.recompute), n_acts, n_paged)
             if best_key is None or key < best_key:
                 best_key, best = key, (need, w, a, step, slowdown, within)
     need, w, a, step, slowdown, within = best if best is not None else smallest
-    terms = {
-        "compute": inp.compute_s + a.compute,
-        "h2d": (h2d_resident + w.moved + a.moved) / h2d_rate,
-        "d2h": (inp.grad_bytes + a.moved) / d2h_rate,
-        "adamw": inp.adamw_s,
-        "recompute": a.compute,
-    }
+    terms = phase_terms(inp, w.crossing_once, h2d_resident + w.moved, a.moved, a.compute)
     return BlockPlan(
         list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms, list(a.recompute)
     )
