@@ -528,6 +528,12 @@ def test_each_rank_holds_half_the_fp32_master(two_ranks):
         assert abs(r["report"]["host_master_bytes"] - alone / 2) <= 4 * n_params
         assert r["report"]["distributed"]["shard_master_bytes"] == r["report"]["host_master_bytes"]
     assert a["report"]["host_master_bytes"] + b["report"]["host_master_bytes"] == alone
+    # The planner counts the shard (the same on every rank) and no full weights of a resident unit.
+    n = a["report"]["distributed"]["trainable_elements"]
+    for r in (a, b):
+        host = r["report"]["plan"]["budget"]["host"]
+        assert host["fp32 master weights"] == 4 * -(-n // 2)
+        assert host["lower-precision copies"] == 0
 
 
 def test_three_paged_ranks_hold_a_third_of_the_fp32_master_each(three_ranks):
@@ -571,6 +577,50 @@ def test_a_bf16_model_gathers_its_weights_rounded_from_the_sharded_masters(two_r
         _same_bits(r["after the load"], r["loaded"])
         _same_bits(r["after the edit"], r["edited"])
     assert not torch.equal(a["edited"]["head.weight"], a["loaded"]["head.weight"])  # the edit changed it
+
+
+def _one_rank_runs(rank, world, distributed=True):
+    """3 steps of a model on each path the all-gather serves (an fp32 model paged under bf16
+    autocast, a bf16 model resident and paged), with a process group of one rank
+    (distributed=True: the data-parallel path) or alone (False)."""
+    out = {}
+    for name, bf16, paged, autocast in (
+        ("fp32 paged", False, True, True),
+        ("bf16 resident", True, False, False),
+        ("bf16 paged", True, True, False),
+    ):
+        model = _model().to(torch.bfloat16) if bf16 else _model()
+        model, opt = trainstream.wrap(
+            model,
+            _optimizer(model),
+            device="cpu",
+            threads=1,
+            profile=False,
+            offload=True,
+            param_offload=paged,
+            distributed=distributed,
+        )
+        _train(model, opt, rank, world, STEPS, autocast=autocast)
+        out[name] = {"state": _host_state(model), "distributed": trainstream.memory_report(model)["distributed"]}
+    return out
+
+
+def _one_rank_and_alone(rank, world):
+    """Both in the same process (its thread count decides the matmuls' rounding)."""
+    return {"dp": _one_rank_runs(rank, world), "alone": _one_rank_runs(rank, world, distributed=False)}
+
+
+def test_one_rank_data_parallel_is_bit_exact_with_one_process(tmp_path):
+    """With one rank the data-parallel path is one process's arithmetic: the weights gathered
+    from the master shard (rounded by the gathering rank for a bf16 model, or for a paged
+    block's autocast copy) are the bits the update writes training alone."""
+    (res,) = _ok(_spawn(1, tmp_path, _one_rank_and_alone))
+    dp, alone = res["dp"], res["alone"]
+    for name, res in dp.items():
+        assert res["distributed"]["world_size"] == 1, name
+        assert alone[name]["distributed"] is None
+        _same_bits(res["state"], alone[name]["state"])
+        assert _max_diff(res["state"], _host_state(_model())) > 0  # it trained
 
 
 def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):

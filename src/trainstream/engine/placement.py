@@ -242,9 +242,10 @@ def host_bytes(opts, units, moment_bytes: int, device_grads: bool = False) -> di
     n_train = sum(s.param.numel() for s in trainable)
     acc = 4 if opts.accumulation_steps > 1 else 0
     landing = 0 if device_grads else sum(s.param.numel() * s.dtype.itemsize for s in trainable)
-    # Data parallel: this rank keeps the moments of its shard only (distributed.py), with the
-    # reduced gradients' shard beside them and the fp32 buckets of the reductions in flight
-    # (each the size of the largest unit's gradients); its masters and landing buffers stay whole.
+    # Data parallel: this rank keeps the fp32 master and the moments of its shard only
+    # (distributed.py), with the reduced gradients' shard beside them and the fp32 buckets of
+    # the reductions in flight (each the size of the largest unit's gradients); its landing
+    # buffers stay whole, and of the weights only a paged unit's, in the model's dtype.
     shards = world_size(opts.distributed)
     reducing = 0
     if shards > 1:
@@ -253,14 +254,23 @@ def host_bytes(opts, units, moment_bytes: int, device_grads: bool = False) -> di
         largest = max((sum(s.param.numel() for s in u.trainable) for u in units), default=0)
         reducing = 4 * -(-n_train // shards) + INFLIGHT_BUCKETS * 4 * (largest + shards * len(trainable))
     return {
-        "fp32 master weights": 4 * n_train,
+        "fp32 master weights": 4 * -(-n_train // shards),
         "gradient buffers": landing + acc * n_train + reducing,
         "moments": 2 * moment_bytes * -(-n_train // shards),
         "paged frozen weights": sum(s.nbytes for u in units if u.paged for s in u.slots if not s.trainable),
-        "lower-precision copies": sum(
-            s.param.numel() * 2 for s in trainable if s.dtype != torch.float32 or (s.unit.paged and s.is_linear)
-        ),
+        "lower-precision copies": sum(_host_copy_bytes(s, shards > 1) for s in trainable),
     }
+
+
+def _host_copy_bytes(s, sharded: bool) -> int:
+    """Host bytes of a trainable slot's weights beside its fp32 master (layout.host_buffers):
+    a bf16 param's copy, a paged fp32 Linear's bf16 copy for autocast; with data parallel
+    (`sharded`) a paged unit's full weights in the model's dtype and none for a resident one."""
+    n = s.param.numel()
+    spare = 2 * n if s.unit.paged and s.is_linear and s.dtype == torch.float32 else 0
+    if sharded:
+        return n * s.dtype.itemsize + spare if s.unit.paged else 0
+    return (2 * n if s.dtype != torch.float32 else 0) + spare
 
 
 def choose_moment_dtype(opts, units, profile) -> tuple[torch.dtype, str]:
