@@ -228,6 +228,47 @@ def test_the_guard_projects_as_the_plan_does_and_pages_when_a_pass_grows():
     assert adapter._guard(engine.block_units[2], exact + done + 1)
 
 
+def test_the_guard_recomputes_a_block_only_where_the_inputs_it_keeps_fit_beside_the_head():
+    # A recomputed block keeps its inputs to its backward; blocks recomputed one after the
+    # other each keep theirs. A first pass (nothing timed: the guard recomputes rather than
+    # pages) on a card with room beside what runs after the stack for one block's inputs and a
+    # half: block 0 is recomputed, the next ones paged (keeping none), and the pass ends within
+    # the usable memory. (Before, every block was recomputed: the 1.9B GPT under a 4 GiB cap
+    # kept 35 x 32 MiB of inputs and ran out of memory in the head's backward.)
+    model, batch, loss_fn = tiny_gpt()
+    model, opt = trainstream.wrap(
+        model,
+        None,
+        device="cpu",
+        offload=True,
+        param_offload=False,
+        activation_offload="auto",
+        profile=machine(vram_gib=8 / 1024),
+    )
+    engine = model._trainstream_engine
+    adapter, units = engine.adapter, engine.block_units
+    loss_fn(model, batch(0, "cpu")).backward()  # measures each block's activations and inputs
+    inputs = [engine.meter.activation_inputs[u.block] for u in units]
+    assert len(set(inputs)) == 1 and inputs[0] * 4 < min(engine.activation_bytes.values())
+    after_stack = int(adapter.AFTER_STACK_SHARE * adapter.usable) + max(u.nbytes for u in units)  # not measured yet
+    device = FakeDevice(adapter, adapter.usable - after_stack - inputs[0] * 3 // 2)
+    adapter.new_pass()
+    choices = []
+    for u in units:
+        choice = adapter.block_starts(u, 0)
+        choices.append(choice)
+        u.recompute, u.act_paged = choice == "recompute", choice == "page"  # as the engine applies them
+        device.now += inputs[0] if choice == "recompute" else 0
+    assert choices == ["recompute", "page", "page", "page"]
+    assert device.now + after_stack <= adapter.usable
+    guard = [h for h in history(model, "guard") if h["choice"] == "page"]
+    assert (
+        guard
+        and guard[0]["blocks"] == [1, 2, 3]
+        and "would not fit beside what runs after the stack" in (guard[0]["message"])
+    )
+
+
 def test_backward_start_is_read_without_the_outputs_own_gradient():
     # A loss computed outside the model: its gradient with respect to the logits is allocated
     # when backward's first reading is taken, and is not memory freed.

@@ -368,11 +368,10 @@ class Adapter:
         # weights; a recomputed one, its inputs too.
         later = self.block_units[unit.block :]
         rest_units = [u for u in later if not u.act_paged and not u.recompute]
-        rest = sum(int(activations_as_placed(meter, u, u.paged) * self._pass_growth) or per_block for u in rest_units)
-        rest += sum(
-            meter.activation_cast.get(u.block, 0) for u in later if (u.act_paged or u.recompute) and not u.paged
-        )
-        rest += sum(int(meter.activation_inputs.get(u.block, 0) * self._pass_growth) for u in later if u.recompute)
+        kept = sum(int(activations_as_placed(meter, u, u.paged) * self._pass_growth) or per_block for u in rest_units)
+        off = sum(meter.activation_cast.get(u.block, 0) for u in later if (u.act_paged or u.recompute) and not u.paged)
+        off += sum(int(meter.activation_inputs.get(u.block, 0) * self._pass_growth) for u in later if u.recompute)
+        rest = kept + off
         if self.after_stack_measured:
             after_stack = self.planned_after_stack()
         else:
@@ -384,6 +383,20 @@ class Adapter:
         if projected <= self.usable:
             return None
         choice, why = self._off_device(unit, per_block)
+        if choice == "recompute":
+            # A recomputed block keeps its inputs to its backward, a paged one keeps nothing:
+            # where those inputs do not fit beside what the rest of the pass keeps off the
+            # device and what runs after the stack, and nothing would (paged), it is paged
+            # (blocks recomputed one after the other each keep theirs: 35 x 32 MiB under the
+            # 1.9B GPT's 4 GiB cap, past it in the head's backward).
+            floor = now + off + after_stack + (meter.activation_cast.get(unit.block, 0) if not unit.paged else 0)
+            inputs = int(meter.activation_inputs.get(unit.block, 0) * self._pass_growth)
+            if floor + inputs > self.usable >= floor:
+                choice = "page"
+                why = (
+                    f"its inputs ({inputs / GiB:.3f} GiB), kept until its backward if recomputed, would not fit "
+                    "beside what runs after the stack; paged, it keeps none"
+                )
         guarded = self._guard_recomputed if choice == "recompute" else self._guarded
         guarded.append(unit.block)
         if len(guarded) == 1:  # one entry per pass and choice; the blocks after this one join its list
