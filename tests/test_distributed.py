@@ -170,7 +170,9 @@ def _two_runs(rank, world, checkpoint):
     partial = _wrapped_and_ddp(rank, world, PARTIAL_STEPS, {"offload": True}, ACCUMULATION, None, None, last=1)
     placements = _placements_differ(rank, world, 2)
     bf16 = _bf16_model(rank, world)
+    repaged = _repaged(rank, world)
     return {
+        "repaged": repaged,
         "eager": eager,
         "held": held,
         "switched": switched,
@@ -234,6 +236,41 @@ def _bf16_model(rank, world):
     out["edited"] = _host_state(model)
     _train(model, opt, rank, world, 1)
     out["after the edit"] = _host_state(model)
+    return out
+
+
+def _repaged(rank, world):
+    """Block 0 paged before the second step and resident again before the third, moved as
+    Engine.apply moves the adapter's replans, beside the same steps without moves (placement
+    given by hand: the adapter itself moves nothing)."""
+    out = {}
+    for moves in (False, True):
+        model = _model()
+        model, opt = trainstream.wrap(
+            model,
+            _optimizer(model),
+            device="cpu",
+            threads=1,
+            profile=False,
+            offload=True,
+            param_offload=False,
+            activation_offload=False,
+        )
+        engine = _engine_of(model)
+        block = engine.block_units[0]
+        for step in range(STEPS):
+            if moves and step in (1, 2):
+                engine.synchronize()
+                engine.weights.repage({block})
+                engine.state_hooks.remove()
+                engine.state_hooks.install()
+                out[f"paged at step {step}"] = block.paged
+            model(*_batch(step, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        out["moved" if moves else "still"] = _host_state(model)
+    out["host weights of the resident block"] = sum(len(s.host) for s in block.trainable)
+    out["master bytes"] = trainstream.memory_report(model)["host_master_bytes"]
     return out
 
 
@@ -452,6 +489,7 @@ def two_ranks(tmp_path_factory):
         [r["partial"] for r in results],
         [r["placements"] for r in results],
         [r["bf16"] for r in results],
+        [r["repaged"] for r in results],
     )
 
 
@@ -621,6 +659,20 @@ def test_one_rank_data_parallel_is_bit_exact_with_one_process(tmp_path):
         assert alone[name]["distributed"] is None
         _same_bits(res["state"], alone[name]["state"])
         assert _max_diff(res["state"], _host_state(_model())) > 0  # it trained
+
+
+def test_a_block_moved_between_paged_and_resident_trains_as_one_left_in_place(two_ranks):
+    """The adapter's moves under data parallel: a block paged takes its full host weights
+    from the device, and one made resident again drops them (its new weights come from the
+    all-gather); the run's bits are those of the run without moves, and the master stays
+    the shard."""
+    a, b = two_ranks[7]
+    for r in (a, b):
+        assert r["paged at step 1"] and not r["paged at step 2"]
+        _same_bits(r["moved"], r["still"])
+        assert r["host weights of the resident block"] == 0
+    _same_bits(a["moved"], b["moved"])
+    assert a["master bytes"] + b["master bytes"] == 4 * sum(p.numel() for p in _model().parameters())
 
 
 def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
@@ -867,6 +919,40 @@ def _on_the_gpu(rank, world):
         opt.step()
         opt.zero_grad()
     return {"state": _host_state(model)}
+
+
+@pytest.mark.gpu
+def test_two_processes_on_one_gpu_paging_differently_agree_and_halve_the_master(tmp_path):
+    """On a GPU, under bf16 autocast: rank 0 pages every block, rank 1 none. The resident
+    rank's new weights reach the device from the all-gather's buffer (the push), the paged
+    rank's through its host weights; both hold the same bits, and half the fp32 master each."""
+    results = _ok(_spawn(2, tmp_path, _on_the_gpu_paging_differently))
+    assert results[0]["paged"] == [0, 1, 2, 3] and results[1]["paged"] == []
+    _same_bits(results[0]["state"], results[1]["state"])
+    assert _max_diff(results[0]["state"], _host_state(_model())) > 0  # it trained
+    total = 4 * sum(p.numel() for p in _model().parameters())
+    n_params = len(list(_model().parameters()))
+    held = [r["master bytes"] for r in results]
+    assert sum(held) == total
+    assert all(abs(h - total / 2) <= 4 * n_params for h in held)
+
+
+def _on_the_gpu_paging_differently(rank, world):
+    model = _model()
+    model, opt = trainstream.wrap(model, _optimizer(model), device="cuda", offload=True, param_offload=rank == 0)
+    for step in range(3):
+        idx, tgt = _batch(step, rank, world)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx.cuda(), tgt.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    report = trainstream.memory_report(model)
+    return {
+        "state": _host_state(model),
+        "master bytes": report["host_master_bytes"],
+        "paged": report["params"]["paged_blocks"],
+    }
 
 
 def test_the_ranks_of_a_machine_share_its_pinnable_memory(monkeypatch):
