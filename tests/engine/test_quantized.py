@@ -114,6 +114,8 @@ def test_quantized_weights_are_stored_as_codes_and_reported():
         assert s.quant.format == "nf4" and s.quant.codes.dtype == torch.uint8
         assert s.param.untyped_storage().nbytes() == 4 and torch.isnan(s.param).all()  # a placeholder between uses
         assert s.dtype not in s.host  # no full-precision copy kept anywhere
+    # one NaN behind every placeholder of a dtype: no device allocation (nor kernel) per weight
+    assert len({s.param.untyped_storage().data_ptr() for s in quantized}) == 1
     assert slots["layers.0.ln1.weight"].quant is None and slots["layers.0.qkv.weight"].quant is not None
     report = trainstream.memory_report(model)
     assert report["params"]["quantize"] == "nf4"
