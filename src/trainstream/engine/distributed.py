@@ -203,8 +203,8 @@ class _Reduction:
 
 class GatherHandle:
     """Done when a unit's update has run on this rank's shard and every rank's new shard has
-    been gathered into the full host weights: what a resident unit's push and a paged
-    unit's fetch wait for (the role of the host job's own handle without data parallel)."""
+    been gathered into the weights this rank keeps whole: what a resident unit's push and a
+    paged unit's fetch wait for (the role of the host job's own handle without data parallel)."""
 
     def __init__(self):
         self._done = threading.Event()

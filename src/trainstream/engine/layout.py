@@ -65,6 +65,8 @@ class Slot:
 
     @property
     def master(self) -> torch.Tensor:
+        if self.shard is not None:  # host[float32] may be a paged fp32 unit's weights, not the master
+            raise RuntimeError(f"trainstream internal: {self.name} is sharded: its master is master_shard")
         return self.host[torch.float32]
 
     def copy_dtype(self):
