@@ -8,6 +8,7 @@ it returns): the bookkeeping of hooks, landing, queuing, pushing and waiting is 
 
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -981,4 +982,64 @@ def test_small_params_share_a_job_and_large_ones_get_their_own(monkeypatch):
     assert [shapes for shapes, _ in queued].count([ours.inner.b.weight.shape]) == 3  # alone at each step
     assert sum(len(shapes) for shapes, _ in queued) == 5 * 3
     train(theirs, torch_opt, data)
+    assert_close(ours, theirs, 1e-6)
+
+
+def hooks_of(guard) -> int:
+    """How many of torch's global forward pre-hooks are `guard`'s (each holds it weakly)."""
+    hooks = torch.nn.modules.module._global_forward_pre_hooks.values()
+    cells = [c.cell_contents for h in hooks for c in (getattr(h, "__closure__", None) or ())]
+    return sum(isinstance(c, weakref.ref) and c() is guard for c in cells)
+
+
+def test_the_forward_hook_is_off_while_nothing_is_pending_and_on_after_step():
+    """The guard's global hook takes every module's call in the process off torch's fast
+    path: it is on from step() to the end of the forward that waited for the updates, off for
+    the forwards after it (nothing is left to wait for), and those forwards and the next
+    step's read what torch's would (only the forward may push the weights here)."""
+    ours, theirs = twins("cpu")
+    opt = _without_lander(StreamedOnHost(ours.parameters(), lr=1e-2))
+    guard = opt._host_updates.guard
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    for i, (x, y) in enumerate(batches(5, "cpu")):
+        assert guard.installed, "no forward before the first step() learned the readers yet"
+        losses = []
+        for model in (ours, theirs):
+            loss = loss_of(model, x, y)
+            loss.backward()
+            # A second forward before step() (an evaluation, a micro-batch) reads the same weights.
+            losses.append((loss.item(), loss_of(model, x, y).item()))
+        assert losses[0] == pytest.approx(losses[1], abs=1e-6, rel=0)
+        if i >= 2:  # the readers were learned in the first windows
+            assert not guard.installed and hooks_of(guard) == 0
+        opt.step()
+        torch_opt.step()
+        assert guard.installed and hooks_of(guard) == 1
+        opt.zero_grad()
+        torch_opt.zero_grad()
+    opt.synchronize()
+    assert_close(ours, theirs, 1e-6)
+
+
+def test_a_forward_waits_module_by_module_once_its_modules_are_learned():
+    """A module's first call in a context moves its params out of its ancestors' readers;
+    the hook stays on through such a forward, so the next forward of the whole model waits
+    for each module's params at that module (a's first, c's later), not all at its root."""
+    ours, theirs = twins("cpu")
+    data = batches(4, "cpu")
+    opt = _without_lander(StreamedOnHost(ours.parameters(), lr=1e-2))
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    train(ours, opt, data[:2])
+    train(theirs, torch_opt, data[:2])
+    x, y = data[2]
+    for model, o in ((ours, opt), (theirs, torch_opt)):
+        loss_of(model, x, y).backward()
+        o.step()
+        o.zero_grad()
+    stale_at_a = []
+    ours.a.register_forward_pre_hook(
+        lambda module, args: stale_at_a.append((ours.c.weight - theirs.c.weight).abs().max().item() > 1e-4)
+    )
+    loss_of(ours, x, y)
+    assert stale_at_a == [True], "c's weights arrived before a's forward"
     assert_close(ours, theirs, 1e-6)

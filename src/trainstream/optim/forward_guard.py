@@ -19,6 +19,13 @@ window (a chunked loss reading ``lm_head.weight`` while only the model's body is
 read by code the guard does not see. `end_window()` names those pending parameters: the
 optimizer brings them up to date before step() returns.
 
+The hook runs on every module's forward in the process, and any global hook takes torch's
+Module.__call__ off its fast path: it is on only while something is left to do in the window,
+an update pending or a record whose readers were not seen yet (or a module seen for the first
+time in the window: the learning goes on in the modules it calls). In a plain training loop
+that is from step() to the end of the next forward; further forwards before the next step()
+(accumulation, evaluation, recomputation in backward) run without it.
+
 What the guard cannot see: a read before the first forward of a window that would have
 covered it (a window's reads are learned at its end, so a change of how the model reads a
 parameter, a module no longer called in the same context, is caught one step late), and
@@ -44,52 +51,85 @@ class ForwardGuard:
         # module -> {context: (generation, the records its forward waits for in that context)}
         self._readers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._generation = 0  # bumped when the readers may have changed: they are recomputed
-        # id(module) -> the records its forward waited for with grad enabled in this window
-        # (a module collected mid-window leaves a valid list behind: it only widens coverage
-        # for the window its forward did run in).
-        self._window: dict = {}
-        self._covered: set | None = None  # ids of the records in `_window`, once asked for
-        me = weakref.ref(self)
-        # The global hook holds the guard weakly: the optimizer (and through it the model's
-        # parameters) stays collectable; a finalizer takes the hook off.
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda module, args: _before_forward(me, module)
-        )
-        self._finalizer = weakref.finalize(self, handle.remove)
+        # ids of the records a forward with grad enabled waited for (or would have) in this
+        # window. Only grows within a window: a record in it was read by a seen forward.
+        self._covered: set = set()
+        # The global hook runs on every module's forward in the process (and takes torch's
+        # Module.__call__ off its fast path): it is installed only while a forward may have to
+        # wait (an update pending) or the window still has records to learn the readers of;
+        # in a plain training loop, from step() to the end of the next forward.
+        self._hook: list = []  # the hook's handle while installed (a list: the finalizer holds it)
+        self._closed = False
+        # The generation when this window began: a forward that learned something in this
+        # window (a module's first call in a context) keeps the hook on to its end, since the
+        # learning goes on in the modules it calls (a first call of the root would otherwise
+        # cover every record at once and take the hook off before its children are seen).
+        self._window_generation = None
+        self._finalizer = weakref.finalize(self, _remove_hook, self._hook)
+        self._install()
+
+    def _install(self) -> None:
+        if not self._hook and not self._closed:
+            me = weakref.ref(self)  # the hook holds the guard weakly: the optimizer stays collectable
+            self._hook.append(
+                torch.nn.modules.module.register_module_forward_pre_hook(
+                    lambda module, args: _before_forward(me, module)
+                )
+            )
+
+    def _uninstall_if_idle(self) -> None:
+        """Nothing to wait for and every record's readers seen in this window: no forward
+        before the next step() needs the hook (end_window() and pending() put it back)."""
+        if (
+            self._hook
+            and not self._pending
+            and self._window_generation == self._generation
+            and len(self._covered) >= len(self._records)
+        ):
+            _remove_hook(self._hook)
+
+    @property
+    def installed(self) -> bool:
+        """Whether the global forward pre-hook is on."""
+        return bool(self._hook)
 
     def add(self, param: torch.Tensor, record) -> None:
         self._records[param] = record
         self._generation += 1
+        self._install()
 
     def remove(self) -> None:
-        """No more waits: the hook is taken off and the records let go."""
+        """No more waits: the hook is taken off for good and the records let go."""
+        self._closed = True
         self._finalizer()
         self._pending.clear()
         self._records = {}
         self._readers = weakref.WeakKeyDictionary()
-        self._window = {}
+        self._covered = set()
 
     def pending(self, record) -> None:
         """`record`'s update was queued: the next forward that reads it waits for it."""
         self._pending.add(record)
+        self._install()
 
     def done(self, record) -> None:
         """`record`'s update is visible to compute (waited for, or synchronized)."""
         self._pending.discard(record)
+        if not self._pending:
+            self._uninstall_if_idle()
 
     def end_window(self) -> list:
         """At step(), once its updates are pending: the pending records no forward with grad
         enabled waited for since the last step() (their reads are not seen by the guard), which
         the caller makes current now. A new window starts."""
         unseen = [r for r in self._pending if not self.seen(r)]
-        self._window = {}
-        self._covered = None
+        self._covered = set()
+        self._window_generation = self._generation
+        self._install()
         return unseen
 
     def seen(self, record) -> bool:
         """Whether a forward with grad enabled read `record` in this window (so far)."""
-        if self._covered is None:
-            self._covered = {id(r) for readers in self._window.values() for r in readers}
         return id(record) in self._covered
 
     def before_forward(self, module: torch.nn.Module) -> None:
@@ -116,14 +156,14 @@ class ForwardGuard:
                 cached = per_context[context] = (self._generation, self._read_by(module, called))
         readers = cached[1]
         if grad and readers:
-            self._window[id(module)] = readers
-            self._covered = None
-        if not self._pending or not readers:
-            return
-        waiting = [r for r in readers if r in self._pending]
-        if waiting:
-            self._wait_for(waiting)
-            self._pending.difference_update(waiting)
+            self._covered.update(map(id, readers))
+        if self._pending and readers:
+            waiting = [r for r in readers if r in self._pending]
+            if waiting:
+                self._wait_for(waiting)
+                self._pending.difference_update(waiting)
+        if not self._pending:
+            self._uninstall_if_idle()
 
     def _read_by(self, module: torch.nn.Module, called) -> list:
         """The records of the parameters `module`'s forward reads: its own, and those of its
@@ -139,6 +179,11 @@ class ForwardGuard:
                     out.append(record)
             todo.extend(c for c in m._modules.values() if c is not None and c not in called)
         return out
+
+
+def _remove_hook(box: list) -> None:
+    while box:
+        box.pop().remove()
 
 
 def _before_forward(guard_ref, module) -> None:
