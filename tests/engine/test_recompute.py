@@ -80,11 +80,13 @@ def test_a_block_that_fits_is_kept():
 
 
 def test_the_plan_picks_per_block_among_the_policies_that_fit():
-    # 900 usable: two blocks must leave. The links hide one block's paging under the 0.7 s
-    # compute (0.6 s), not two (0.8 s); recomputing both adds 100 ms. One of each: 0.75 s.
-    inp = inputs(900, compute=0.7)
+    # 900 usable: two blocks must leave. Of the 0.9 s compute, the forward's 0.3 s hides one
+    # block's 200 bytes going out, backward's 0.6 s the 400 pushed and one block's 200 coming
+    # back, not two (0.4 s out, then 0.8 s in: 1.2 s); recomputing both adds 100 ms (1.0 s).
+    # One of each: 0.3 s, then backward's 0.6 s and the recompute's 50 ms.
+    inp = inputs(900, compute=0.9)
     plan = make_plan(inp)
-    assert chosen(plan) == ([1], [0]) and plan.step_s == pytest.approx(0.75)
+    assert chosen(plan) == ([1], [0]) and plan.step_s == pytest.approx(0.95)
     assert plan.device_bytes == device_bytes(inp, set(), {1}, {0}) <= 900
 
 
@@ -490,13 +492,13 @@ def test_the_settled_choice_stays_from_step_to_step(forward_share, settled):
 
 def test_a_mode_settled_on_timed_forwards_is_kept_when_the_block_leaves_again():
     # [Note: settled modes]: two blocks must leave (as in the per-block test: one paged, one
-    # recomputed, 0.75 s). Settled as paged, both stay paged (0.8 s); one settled as
+    # recomputed, 0.95 s). Settled as paged, both stay paged (1.2 s); one settled as
     # recomputed leaves the other's mode to the search.
-    assert chosen(make_plan(inputs(900, compute=0.7))) == ([1], [0])
-    held = make_plan(inputs(900, compute=0.7, settled={0: "page", 1: "page"}))
-    assert chosen(held) == ([0, 1], []) and held.fits and held.step_s == pytest.approx(0.8)
-    held = make_plan(inputs(900, compute=0.7, settled={1: "recompute"}))
-    assert chosen(held) == ([0], [1]) and held.step_s == pytest.approx(0.75)
+    assert chosen(make_plan(inputs(900, compute=0.9))) == ([1], [0])
+    held = make_plan(inputs(900, compute=0.9, settled={0: "page", 1: "page"}))
+    assert chosen(held) == ([0, 1], []) and held.fits and held.step_s == pytest.approx(1.2)
+    held = make_plan(inputs(900, compute=0.9, settled={1: "recompute"}))
+    assert chosen(held) == ([0], [1]) and held.step_s == pytest.approx(0.95)
 
 
 def test_a_settled_mode_gives_way_to_a_much_faster_plan_or_to_the_fit(monkeypatch):
@@ -504,13 +506,13 @@ def test_a_settled_mode_gives_way_to_a_much_faster_plan_or_to_the_fit(monkeypatc
     # SETTLED_MARGIN faster, or the settled plan does not fit.
     adapter = Adapter.__new__(Adapter)
     adapter.correction, adapter.settled_modes = 0, {0: "page", 1: "page"}
-    table = {True: inputs(900, compute=0.7, settled={0: "page", 1: "page"}), False: inputs(900, compute=0.7)}
+    table = {True: inputs(900, compute=1.1, settled={0: "page", 1: "page"}), False: inputs(900, compute=1.1)}
     monkeypatch.setattr(adapter, "_inputs", lambda correction, settled=True: table[settled], raising=False)
-    assert chosen(adapter._plan()) == ([0, 1], [])  # 0.75 s free: not 10% faster than 0.8 s
+    assert chosen(adapter._plan()) == ([0, 1], [])  # 1.15 s free: not 10% faster than 1.2 s
     table[False] = inputs(900, compute=0.3, forward_s=0.01)
-    assert chosen(adapter._plan()) == ([], [0, 1])  # 0.32 s free, 0.8 s held
-    table[True] = inputs(100, compute=0.7, settled={0: "page", 1: "page"})
-    table[False] = inputs(900, compute=0.7)
+    assert chosen(adapter._plan()) == ([], [0, 1])  # 0.5 s free, 1.2 s held
+    table[True] = inputs(100, compute=0.9, settled={0: "page", 1: "page"})
+    table[False] = inputs(900, compute=0.9)
     assert chosen(adapter._plan()) == ([1], [0])  # the settled plan does not fit
 
 

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planner.plan import device_bytes, make_plan
-from ..sizes import GiB
+from ..planner.plan import BACKWARD_PER_FORWARD, device_bytes, make_plan, placement_terms
+from ..sizes import GiB, MiB
 from .measure import activations_as_placed, weight_copy_bytes
 from .placement import plan_inputs, usable_device_bytes
 from .switch import stock_bytes, why_not_stock
@@ -154,6 +154,7 @@ class Adapter:
         self.compute_dtype = None  # the autocast dtype the first pass ran under
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
+        self.backward_per_forward = backward_per_forward(block_units)
 
     # -- measuring -------------------------------------------------------------------------------
 
@@ -344,11 +345,11 @@ class Adapter:
         return times[len(times) // 2]
 
     def compute_s(self) -> float:
-        """Forward + backward of the stack (backward taken as twice the forward)."""
+        """Forward + backward of the stack: backward as `backward_per_forward` forwards."""
         if not self.block_s:
             return 0.0
         times = sorted(self.block_s.values())
-        return 3.0 * times[len(times) // 2] * len(self.block_units)
+        return (1.0 + self.backward_per_forward) * times[len(times) // 2] * len(self.block_units)
 
     # -- the online guard --------------------------------------------------------------------------
 
@@ -471,9 +472,11 @@ class Adapter:
         )
         if settled:
             inputs.settled = dict(self.settled_modes)
+        inputs.backward_per_forward = self.backward_per_forward
         fallback = max(self.backward_bytes.values(), default=0)  # a block whose backward set no peak
         for x, u in zip(inputs.blocks, self.block_units):
             x.backward_bytes = self.backward_bytes.get(u.block, fallback)
+            x.recomputable = u.no_recompute is None
         return inputs
 
     def _plan(self):
@@ -583,8 +586,8 @@ class Adapter:
             predicted_step_s=plan.step_s,
             fits=plan.fits,
         )
-        if new_rec != recompute:
-            self.events.add(self._recompute_reason(plan, new_rec))
+        if new_rec != recompute or (self.block_s and new_acts != act_paged):
+            self._explain_leaving(plan, new_paged, new_acts, new_rec)
         if not plan.fits:
             self.record("warning", "no placement is predicted to fit; paging as much as possible")
         elif not plan.within_limit and (plan.act_paged or plan.recompute):
@@ -595,23 +598,76 @@ class Adapter:
             )
         return Replan(new_paged, new_acts, new_rec)
 
-    def _recompute_reason(self, plan, blocks: list) -> str:
-        """The events' line for the blocks a replan recomputes, with the numbers it weighed."""
-        if not blocks:
-            return "recompute: no block is recomputed from the next step on"
+    def _explain_leaving(self, plan, paged: list, acts: list, recompute: list) -> None:
+        """Say which blocks' activations a replan takes off the device and how, each block with
+        the costs weighed: its forward once more in backward against its activations' way out
+        in forward and back in backward; and the step the plan predicts against paging every
+        one of them and recomputing every one (history: the same per block)."""
         if not self.block_s:
-            return (
-                f"recompute: blocks {_ranges(blocks)} recomputed in backward (no forward timed yet: "
-                "recomputing needs no pinned host memory; the next replans weigh measured times)"
+            if recompute:
+                self.events.add(
+                    f"recompute: blocks {_ranges(recompute)} recomputed in backward (no forward timed yet: "
+                    "recomputing needs no pinned host memory; the next replans weigh measured times)"
+                )
+            else:
+                self.events.add("recompute: no block is recomputed from the next step on")
+            return
+        inp = self._inputs(self.correction, settled=False)
+        b, units = inp.blocks, self.block_units
+        per_block, groups = {}, []
+        for i in sorted(acts + recompute):
+            x = b[i]
+            mode = "recomputed" if i in recompute else "paged"
+            numbers = dict(
+                forward_s=x.forward_s or 0.0,
+                out_s=x.act_bytes / inp.d2h_bytes_per_s,
+                in_s=x.act_bytes / inp.h2d_bytes_per_s,
+                act_bytes=x.act_bytes,
             )
-        forward = sum(self.forward_s(b) for b in blocks)
-        measured = self.meter.activation_bytes
-        acts = sum(measured.get(b, max(measured.values(), default=0)) for b in blocks)  # as plan_inputs counts them
-        paging = max(acts / self.profile.h2d_bytes_per_s, acts / self.profile.d2h_bytes_per_s)
-        return (
-            f"recompute: blocks {_ranges(blocks)} recomputed in backward: their forwards again "
-            f"{forward * 1e3:.1f} ms of compute, where paging their {acts / GiB:.2f} GiB of activations would take "
-            f"{paging * 1e3:.1f} ms each way over PCIe (predicted step {plan.step_s * 1e3:.1f} ms)"
+            per_block[i] = dict(mode=mode, **numbers)
+            text = (
+                f"{mode}{'' if x.recomputable else ' (' + units[i].no_recompute + ')'}: forward "
+                f"{numbers['forward_s'] * 1e3:.2f} ms again, against {x.act_bytes / MiB:.1f} MiB of activations "
+                f"{numbers['out_s'] * 1e3:.2f} ms out in forward + {numbers['in_s'] * 1e3:.2f} ms in for backward"
+            )
+            if groups and groups[-1][1] == text and groups[-1][0][-1] == i - 1:
+                groups[-1][0].append(i)
+            else:
+                groups.append(([i], text))
+        leaving = sorted(acts + recompute)
+        able = [i for i in leaving if b[i].recomputable]
+        others = [i for i in leaving if not b[i].recomputable]
+
+        def alternative(act_paged, recomputed) -> tuple:
+            step = placement_terms(inp, paged, act_paged, recomputed)["step"]
+            return step, device_bytes(inp, set(paged), set(act_paged), set(recomputed)) <= self.usable
+
+        all_paged, all_recomputed = alternative(leaving, []), alternative(others, able)
+
+        def said(alt) -> str:
+            return f"{alt[0] * 1e3:.1f} ms{'' if alt[1] else ' (does not fit)'}"
+
+        if recompute:
+            head = f"recompute: blocks {_ranges(recompute)} recomputed in backward"
+            head += f", blocks {_ranges(acts)} paged" if acts else ""
+        else:
+            head = "recompute: no block is recomputed from the next step on"
+            head += f"; blocks {_ranges(acts)} paged" if acts else ""
+        t = plan.terms
+        message = (
+            f"{head}. Per block: "
+            + "; ".join(f"{_ranges(g)} {text}" for g, text in groups)
+            + f". Predicted step {plan.step_s * 1e3:.1f} ms (forward {t['forward'] * 1e3:.1f} then backward "
+            f"{t['backward'] * 1e3:.1f}); all {len(leaving)} paged: {said(all_paged)}; all recomputed"
+            f"{' that may be' if others else ''}: {said(all_recomputed)}"
+        )
+        self.record(
+            "recompute",
+            message,
+            per_block=per_block,
+            predicted_step_s=plan.step_s,
+            all_paged_step_s=all_paged[0],
+            all_recomputed_step_s=all_recomputed[0],
         )
 
     def _stock_decision(self, reason: str | None, observed) -> SwitchToStock | None:
@@ -652,6 +708,20 @@ class Adapter:
     def record(self, kind: str, message: str, **numbers) -> None:
         self.events.add(message)
         self.history.append(dict(step=self.steps, kind=kind, message=message, **numbers))
+
+
+def backward_per_forward(units) -> float:
+    """Backward's compute per forward's for these blocks: every matrix's input gradient (as much
+    as its forward) and, for a trainable matrix, its weight gradient (as much again), weighed by
+    the matrices' sizes. A LoRA on a frozen base is about 1, a full fine-tune 2; what has no
+    weights (attention's scores, the norms) is taken to go as its neighbours do."""
+    total = trainable = 0
+    for u in units:
+        for s in u.slots:
+            if s.param.dim() >= 2:
+                total += s.param.numel()
+                trainable += s.param.numel() if s.param.requires_grad else 0
+    return 1.0 + trainable / total if total else BACKWARD_PER_FORWARD
 
 
 def _gib(n) -> str:

@@ -26,11 +26,21 @@ forward ends, saved for backward or not. A paged block's weights arrive in bf16 
 copied. So paging a block's weights frees its weights and the copies; paging its
 activations frees the rest of them.
 
-Step time of a placement: the largest of four times that overlap one another (compute,
-host-to-device bytes over the measured bandwidth, device-to-host bytes likewise, and the
-host AdamW). A paged block crosses twice per step (forward and backward), in the dtype it
-computes in; a resident block's trainable weights cross once (the update's push). Saved
-activations of a paged block cross once each way. Gradients cross out once.
+Step time of a placement: the forward phase and the backward phase one after the other,
+each the largest of three times that overlap one another within it (its compute, its
+host-to-device bytes over the measured bandwidth, its device-to-host bytes likewise), or the
+host AdamW when that is longer. [Note: step phases] The phases do not overlap each other:
+paged activations go out while the forward makes them and come back while backward reads
+them, so a forward that pages more than its compute hides waits for its copies, and backward
+cannot start their way back before it starts (the 7B LoRA on the H200: 18.8 GB out and in
+behind 0.1 s of forward and 0.15 s of backward stepped at 0.875 s, the two directions' sum,
+where one max over the step predicted 0.47 s and hid paging under compute). Backward is taken
+as `backward_per_forward` forwards, as the adapter's compute_s counts it: one for the input
+gradients, and the trainable share of the block's matrices for the weight gradients (a frozen
+base's LoRA: about 1; a full fine-tune: 2). A paged block crosses once in each phase, in the
+dtype it computes in; a resident block's trainable weights cross once, in backward (the
+update's push). Saved activations of a paged block cross out in forward and in in backward.
+Gradients cross out in backward.
 A recomputed block (torch.utils.checkpoint around its forward) keeps only its inputs
 (`input_bytes`) from its forward to its backward, moves nothing over PCIe, and runs its
 forward once more in backward: its `forward_s` is added to the compute time. When it is
@@ -47,9 +57,11 @@ activations are held the longest (from their forward to the end of backward).
 Recomputation (`recompute=True`: activation_offload="auto"): of the first k blocks whose
 activations leave the device, each is paged or recomputed; the blocks whose paging costs the
 most PCIe time per second of their recompute are recomputed first, and every split of the k
-is tried, so the cost model picks per block. The limit above counts the recompute as it counts
-paging. [Note: settled modes] A block whose mode (paged or recomputed) a replan on timed
-forwards chose keeps it when it leaves the device again (`settled`): the times that choice is
+is tried, so the cost model picks per block. A block whose call must not run twice
+(`recomputable` False: it carries a key/value cache, or updates running statistics;
+engine/recompute_call.py) is paged, as the engine would page it. The limit above counts the
+recompute as it counts paging. [Note: settled modes] A block whose mode (paged or recomputed)
+a replan on timed forwards chose keeps it when it leaves the device again (`settled`): the times that choice is
 then measured under (its waits, its copies) must not undo it, so the plan cannot flip back
 and forth between the two from step to step. At equal times, keeping comes first, then
 recomputing (no pinned memory, no host work). [Note: recompute before timing] A block whose forward has not been timed yet
@@ -68,6 +80,10 @@ from dataclasses import dataclass, field
 
 from ..sizes import GiB
 
+# Backward's compute per forward's where the adapter has not said (PlanInputs.backward_per_forward):
+# a matmul's input gradient and its weight gradient, each as much as the forward.
+BACKWARD_PER_FORWARD = 2.0
+
 
 @dataclass
 class BlockBytes:
@@ -79,6 +95,7 @@ class BlockBytes:
     cast_bytes: int = 0  # of act_bytes: autocast's copies of the weights, held while they are resident
     input_bytes: int = 0  # what the block keeps when recomputed: its inputs (measured; 0 when unknown)
     forward_s: float | None = None  # one forward of the block (measured; None before it is timed)
+    recomputable: bool = True  # False: a call of it must not run twice (recompute_call.py): paged instead
     backward_bytes: int = 0  # what its backward allocates beside its activations (measured; 0 when unknown)
 
 
@@ -93,6 +110,7 @@ class PlanInputs:
     grad_bytes: int  # gradients copied to the host per step
     outside_push_bytes: int  # the outside modules' updated weights, per step
     compute_s: float = 0.0  # forward + backward (0 when not measured yet)
+    backward_per_forward: float = BACKWARD_PER_FORWARD  # how compute_s splits ([Note: step phases])
     max_activation_slowdown: float = 0.15
     prefetch_depth: int = 1
     weights: str = "auto"  # "auto", or "fixed": keep `fixed_paged` as given
@@ -127,7 +145,8 @@ class BlockPlan:
             f"{len(self.paged)} blocks' weights paged, {len(self.act_paged)} blocks' activations paged, "
             f"{len(self.recompute)} blocks recomputed; "
             f"device {self.device_bytes / GiB:.2f} of {usable / GiB:.2f} GiB usable; predicted step "
-            f"{self.step_s * 1e3:.1f} ms (compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
+            f"{self.step_s * 1e3:.1f} ms (forward {t['forward'] * 1e3:.1f} then backward {t['backward'] * 1e3:.1f}; "
+            f"compute {t['compute'] * 1e3:.1f}, PCIe in {t['h2d'] * 1e3:.1f}, "
             f"out {t['d2h'] * 1e3:.1f}, host AdamW {t['adamw'] * 1e3:.1f})"
         )
         if self.recompute and t.get("recompute"):
@@ -184,9 +203,9 @@ def paging_s(inp: PlanInputs, x: BlockBytes) -> float:
 
 
 def recompute_frees(x: BlockBytes) -> bool:
-    """Does recomputing the block keep less than keeping its activations? (Not when what it
-    saves is its inputs, as a lone Linear's.)"""
-    return x.input_bytes < x.act_bytes - x.cast_bytes
+    """May the block be recomputed, and does that keep less than keeping its activations? (Not
+    when what it saves is its inputs, as a lone Linear's.)"""
+    return x.recomputable and x.input_bytes < x.act_bytes - x.cast_bytes
 
 
 def _recompute_first(inp: PlanInputs, chosen: list) -> list:
@@ -194,6 +213,41 @@ def _recompute_first(inp: PlanInputs, chosen: list) -> list:
     second of recompute first (stable: the front of the stack first among equals)."""
     b = inp.blocks
     return sorted(chosen, key=lambda i: -paging_s(inp, b[i]) / max(b[i].forward_s or 0.0, 1e-12))
+
+
+def phase_terms(inp: PlanInputs, weights_once: int, weights_in: int, acts_moved: int, recompute_s: float) -> dict:
+    """The times of a placement ([Note: step phases]): `weights_once`, one fetch of every paged
+    block's weights (the forward's); `weights_in`, every weight byte in per step (fetches and
+    pushes); `acts_moved`, the paged activations' bytes each way; `recompute_s`, the recomputed
+    forwards. "step" is what make_plan weighs; the totals per link are for the reader."""
+    h2d, d2h = inp.h2d_bytes_per_s, inp.d2h_bytes_per_s
+    forward_compute = inp.compute_s / (1.0 + inp.backward_per_forward)
+    forward = max(forward_compute, weights_once / h2d, acts_moved / d2h)
+    backward = max(
+        inp.compute_s - forward_compute + recompute_s,
+        (weights_in - weights_once + acts_moved) / h2d,
+        inp.grad_bytes / d2h,
+    )
+    return {
+        "compute": inp.compute_s + recompute_s,
+        "h2d": (weights_in + acts_moved) / h2d,
+        "d2h": (inp.grad_bytes + acts_moved) / d2h,
+        "adamw": inp.adamw_s,
+        "recompute": recompute_s,
+        "forward": forward,
+        "backward": backward,
+        "step": max(forward + backward, inp.adamw_s),
+    }
+
+
+def placement_terms(inp: PlanInputs, paged, act_paged, recompute) -> dict:
+    """phase_terms of one placement: these blocks' weights paged, these blocks' activations
+    paged, these blocks recomputed (what the events compare a plan with)."""
+    b = inp.blocks
+    once = sum(b[i].crossing_bytes for i in paged)
+    pushes = inp.outside_push_bytes + sum(x.push_bytes for i, x in enumerate(b) if i not in paged)
+    acts = sum(b[i].act_bytes for i in act_paged)
+    return phase_terms(inp, once, pushes + 2 * once, acts, sum(b[i].forward_s or 0.0 for i in recompute))
 
 
 class _ActOption:
@@ -228,7 +282,8 @@ def _act_options(inp: PlanInputs) -> list:
                 _ActOption(inp, others + frees[r:], frees[:r], len(frees) - r) for r in range(len(frees), -1, -1)
             )
             continue
-        held = inp.settled
+        # A block that must not be recomputed is paged, as the engine would page it anyway.
+        held = {**inp.settled, **{i: "page" for i, x in enumerate(inp.blocks) if not x.recomputable}}
         paged = [i for i in leaving if held.get(i) == "page"]
         recomputed = [i for i in leaving if held.get(i) == "recompute"]
         free = [i for i in _recompute_first(inp, leaving) if i not in held]
@@ -245,6 +300,7 @@ class _Option:
         # Weights only (activations are counted at their peak by activation_peak):
         self.freed = sum(size(blocks[i]) for i in chosen) if size else 0  # device bytes no longer held
         self.in_flight = max((crossing(blocks[i]) for i in chosen), default=0) if crossing else 0
+        self.crossing_once = sum(crossing(blocks[i]) for i in chosen) if crossing else 0  # one fetch of each
 
 
 def _options(blocks: list, fixed, mode: str, order: list, moved, size=None, crossing=None) -> list:
@@ -273,21 +329,30 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
     h2d_resident = inp.outside_push_bytes + sum(x.push_bytes for x in b)
     h2d_rate, d2h_rate, limit = inp.h2d_bytes_per_s, inp.d2h_bytes_per_s, inp.max_activation_slowdown + 1e-9
     grads_out = inp.grad_bytes / d2h_rate
-    # Per option, what the pair loop adds up (the loop runs over every pair: kept to plain floats).
+    # [Note: step phases]: the forward's compute and the backward's, recompute not included.
+    forward_compute = inp.compute_s / (1.0 + inp.backward_per_forward)
+    backward_compute = inp.compute_s - forward_compute
+    # Per option, what the pair loop adds up (the loop runs over every pair: kept to plain floats):
+    # the activations' time out (forward's link) and in (backward's), backward's compute.
     acts = [
-        (a, a.peak, inp.compute_s + a.compute, a.moved, (inp.grad_bytes + a.moved) / d2h_rate, len(a.chosen))
+        (a, a.peak, backward_compute + a.compute, a.moved / d2h_rate, a.moved / h2d_rate, len(a.chosen))
         for a in act_opts
     ]
     best, best_key, smallest = None, None, None
     for w in weight_opts:
         held = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight
-        h2d_weights = h2d_resident + w.moved
+        # The paged weights come in once for the forward; the rest (again, and the pushes) in backward.
+        weights_in_forward = w.crossing_once / h2d_rate
+        weights_in_backward = (h2d_resident + w.moved - w.crossing_once) / h2d_rate
         # Without recompute or activation paging: the same weight placement keeping every activation.
-        base = max(inp.compute_s, h2d_weights / h2d_rate, grads_out, inp.adamw_s)
+        base_forward = max(forward_compute, weights_in_forward)
+        base = max(base_forward + max(backward_compute, weights_in_backward, grads_out), inp.adamw_s)
         n_paged = len(w.chosen)
-        for a, peak, compute, moved, d2h, n_acts in acts:
+        for a, peak, compute, out_s, in_s, n_acts in acts:
             need = held + peak
-            step = max(compute, (h2d_weights + moved) / h2d_rate, d2h, inp.adamw_s)
+            forward = base_forward if out_s <= base_forward else out_s
+            backward = max(compute, weights_in_backward + in_s, grads_out)
+            step = max(forward + backward, inp.adamw_s)
             slowdown = step / base - 1.0 if base > 0 else 0.0
             within = slowdown <= limit
             if smallest is None or need < smallest[0]:
@@ -303,13 +368,7 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
             if best_key is None or key < best_key:
                 best_key, best = key, (need, w, a, step, slowdown, within)
     need, w, a, step, slowdown, within = best if best is not None else smallest
-    terms = {
-        "compute": inp.compute_s + a.compute,
-        "h2d": (h2d_resident + w.moved + a.moved) / h2d_rate,
-        "d2h": (inp.grad_bytes + a.moved) / d2h_rate,
-        "adamw": inp.adamw_s,
-        "recompute": a.compute,
-    }
+    terms = phase_terms(inp, w.crossing_once, h2d_resident + w.moved, a.moved, a.compute)
     return BlockPlan(
         list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms, list(a.recompute)
     )

@@ -1,0 +1,209 @@
+"""Recompute or page, on the costs a step really pays ([Note: step phases] in planner/plan.py):
+paged activations go out during the forward and come back during backward, so their PCIe
+time hides only under the compute of its own phase; backward's compute is what the blocks'
+trainable matrices make it (a frozen base's LoRA: about one forward, not two). On tables in
+the 7B LoRA's proportions, and on a transformers decoder stack (the real call: keywords,
+position embeddings, no cache) under simulated times: where PCIe is slow against compute the
+plan recomputes, where it is fast it pages, and the events say per block which and why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import machine
+
+import trainstream
+from engine.test_recompute import SimulatedTimes, _block_of, _first_leaf
+from trainstream.engine.adapt import backward_per_forward
+from trainstream.planner import BlockBytes, PlanInputs, make_plan
+from trainstream.planner.plan import device_bytes, paging_s, placement_terms
+
+GB = 1e9
+
+
+def lora_7b(forward_s: float, *, link=55 * GB, usable=5 * 2**30) -> PlanInputs:
+    """The bench's Qwen2.5-7B LoRA under 8 GiB (benchmarks/results/lora-nvidia-h200.*): 28
+    blocks of 122 MB of NF4 codes saving 670 MB of activations each from 15 MB of inputs, a
+    LoRA's backward (one forward's worth), 55 GB/s each way; `forward_s` per block."""
+    bpf = 1.004
+    blocks = [
+        BlockBytes(
+            weight_bytes=122_000_000,
+            crossing_bytes=122_000_000,
+            push_bytes=0,
+            act_bytes=670_000_000,
+            input_bytes=15_000_000,
+            forward_s=forward_s,
+        )
+        for _ in range(28)
+    ]
+    return PlanInputs(
+        blocks=blocks,
+        fixed_bytes=2_500_000_000,
+        usable_bytes=usable,
+        h2d_bytes_per_s=link,
+        d2h_bytes_per_s=link,
+        adamw_s=0.0,
+        grad_bytes=80_000_000,
+        outside_push_bytes=0,
+        compute_s=(1.0 + bpf) * forward_s * 28,
+        backward_per_forward=bpf,
+        recompute=True,
+    )
+
+
+@pytest.mark.parametrize("forward_ms", [3.6, 7.7], ids=["kernels", "launch-bound"])
+def test_the_7b_lora_recomputes_where_paging_every_activation_was_chosen(forward_ms):
+    # On the H200 the plan paged all 28 blocks' weights and activations (0.875 s/step, the
+    # sum of 18.8 GB out and 18.8 GB in at 55 GB/s, 0.68 s) where recomputing every block
+    # costs one forward each (3.6 ms of kernels; 7.7 ms as a forward launched at the 0.47 GPU
+    # busy share the suite measured). One max over the step hid that paging under a compute of
+    # three forwards a block; the phases show it.
+    inp = lora_7b(forward_ms / 1e3)
+    every = list(range(28))
+    paged_all = placement_terms(inp, every, every, [])
+    assert paged_all["forward"] >= 28 * 670e6 / (55 * GB) and paged_all["backward"] >= 28 * 670e6 / (55 * GB)
+    assert paged_all["step"] == pytest.approx(0.75, abs=0.01)
+    # The plan recomputes the blocks whose paging its phases' compute cannot hide (most of
+    # them when a forward is cheap) and pages the others: well under paging them all.
+    plan = make_plan(inp)
+    assert plan.fits and len(plan.recompute) >= (15 if forward_ms == 3.6 else 5)
+    assert plan.step_s < (0.4 if forward_ms == 3.6 else 0.7) * paged_all["step"]
+
+
+def test_the_7b_lora_pages_where_its_link_is_fast_against_its_compute():
+    # The same blocks behind links ten times faster: their activations' way out and back hides
+    # under each phase's compute, where a recompute would add to it.
+    inp = lora_7b(7.7e-3, link=550 * GB)
+    plan = make_plan(inp)
+    assert plan.fits and plan.recompute == [] and len(plan.act_paged) >= 20
+    assert plan.step_s == pytest.approx(inp.compute_s, rel=0.01)
+
+
+def test_a_block_that_must_not_be_recomputed_is_paged_by_the_plan():
+    # A call that carries a key/value cache (or a BatchNorm in training) is paged by the engine
+    # whatever the plan says (recompute_call.py); the plan counts it paged, settled or not.
+    inp = lora_7b(3.6e-3)
+    inp.blocks[0].recomputable = False
+    inp.blocks[1].recomputable = False
+    plan = make_plan(inp)
+    assert {0, 1} <= set(plan.act_paged) and not {0, 1} & set(plan.recompute) and len(plan.recompute) >= 15
+    plan = make_plan(dataclasses.replace(inp, settled={0: "recompute", 1: "recompute"}))
+    assert {0, 1} <= set(plan.act_paged) and not {0, 1} & set(plan.recompute)
+
+
+def test_backward_per_forward_counts_the_trainable_matrices():
+    # Every matrix's input gradient, and the weight gradient of the trainable ones: a full
+    # fine-tune's backward is two forwards, a LoRA's on a frozen base about one; the adapter's
+    # compute base and the plan's split of it use that figure.
+    from models import tiny_gpt
+
+    model, _, _ = tiny_gpt()
+    model, _ = trainstream.wrap(model, None, device="cpu", offload=True, activation_offload="auto", profile=machine())
+    adapter = model._trainstream_engine.adapter
+    assert backward_per_forward(adapter.block_units) == 2.0
+    adapter.block_s = {b: 0.01 for b in range(len(adapter.block_units))}
+    assert adapter.compute_s() == pytest.approx(3 * 0.01 * len(adapter.block_units))
+    model, _ = trainstream.wrap(lora_qwen2(), None, device="cpu", offload=True, activation_offload="auto")
+    adapter = model._trainstream_engine.adapter
+    bpf = backward_per_forward(adapter.block_units)
+    assert 1.0 < bpf < 1.2 and adapter._inputs(0).backward_per_forward == bpf
+    adapter.block_s = {b: 0.01 for b in range(len(adapter.block_units))}
+    assert adapter.compute_s() == pytest.approx((1 + bpf) * 0.01 * len(adapter.block_units))
+
+
+def lora_qwen2(layers: int = 3):
+    """A tiny Qwen2 (transformers' decoder layers, called with keywords) with peft's LoRA on
+    every block Linear, its base frozen."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=64,
+    )
+    config.use_cache = False  # as the bench and a training run set it (a cache refuses recompute)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    return peft.get_peft_model(model, lora)
+
+
+def settle_qwen2(forward_share: float, steps: int = 5):
+    """An 8-layer LoRA Qwen2 with NF4 base weights, every option at its default, on 10 MB/s
+    links with room for two blocks' activations (six must leave); each block's forward takes
+    `forward_share` of the time its activations take one way. Returns (each step's recomputed
+    and activation-paged blocks, the losses, the forwards run in the last step, the report)."""
+    times = SimulatedTimes()
+    model = lora_qwen2(layers=8)
+    forwards = []
+    for name, module in model.named_modules():
+        block = _block_of(model, name)
+        if block is not None and name == block[0] + "." + _first_leaf(block[1]):
+            module.register_forward_pre_hook(times.run_forward)
+            module.register_forward_pre_hook(lambda m, a: forwards.append(1))
+    link = dataclasses.replace(machine(), h2d_bytes_per_s=1e7, d2h_bytes_per_s=1e7)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, quantize="nf4", profile=link)
+    engine = model._trainstream_engine
+    adapter = engine.adapter
+    times.hook_engine(engine)
+    ids = torch.randint(0, 101, (4, 32), generator=torch.Generator().manual_seed(1))
+    chosen, losses = [], []
+    for i in range(steps):
+        forwards.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        if i == 0:  # the activations are measured now; the first replan (at step()) reads the room
+            inp = adapter._inputs(0)
+            x = inp.blocks[0]
+            adapter.usable = device_bytes(inp, set(), set()) - 6 * x.act_bytes + 6 * x.input_bytes
+            times.forward = forward_share * paging_s(inp, x)
+        opt.step()
+        opt.zero_grad()
+        params = trainstream.memory_report(model)["params"]
+        chosen.append((params["recompute_blocks"], params["activation_paged_blocks"]))
+    return chosen, losses, len(forwards), trainstream.memory_report(model)
+
+
+def test_a_transformers_decoder_stack_recomputes_where_paging_is_slow_and_pages_where_it_is_fast():
+    # Paging one block's activations takes three of its forwards each way, or a third of one.
+    slow_chosen, slow_losses, slow_forwards, slow = settle_qwen2(forward_share=0.3)
+    fast_chosen, fast_losses, fast_forwards, fast = settle_qwen2(forward_share=3.0)
+    # The first step, nothing timed: six blocks recomputed ([Note: recompute before timing]).
+    assert slow_chosen[0] == fast_chosen[0] == ([0, 1, 2, 3, 4, 5], [])
+    recomputed, paged = slow_chosen[-1]
+    assert len(recomputed) >= 4 and sorted(recomputed + paged) == [0, 1, 2, 3, 4, 5], slow_chosen
+    assert all(c == slow_chosen[1] for c in slow_chosen[1:]), slow_chosen
+    assert fast_chosen[-1][0] == [] and fast_chosen[-1][1], fast_chosen
+    # The decoder layers' calls (keywords, position embeddings, use_cache=False) really ran
+    # under the engine's checkpoint: one forward more per recomputed block, nothing refused.
+    assert slow_forwards == 8 + len(recomputed) and fast_forwards == 8
+    assert "instead of recomputed" not in slow["events"]
+    # Each replan on timed forwards says per block what it chose, against what.
+    (why,) = [h for h in slow["plan"]["history"] if h["kind"] == "recompute"]
+    assert f"recompute: blocks {recomputed[0]}-{recomputed[-1]} recomputed in backward" in why["message"]
+    assert "Per block:" in why["message"] and "all 6 paged:" in why["message"]
+    assert sorted(why["per_block"]) == [0, 1, 2, 3, 4, 5]
+    assert {b: v["mode"] for b, v in why["per_block"].items()} == {
+        b: "recomputed" if b in recomputed else "paged" for b in range(6)
+    }
+    assert why["predicted_step_s"] < why["all_paged_step_s"]
+    (why,) = [h for h in fast["plan"]["history"] if h["kind"] == "recompute"]
+    assert why["message"].startswith("recompute: no block is recomputed from the next step on; blocks ")
+    assert why["predicted_step_s"] < why["all_recomputed_step_s"]
+    # Recompute and paging change no bit.
+    assert slow_losses == fast_losses
