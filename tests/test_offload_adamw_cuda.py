@@ -1043,3 +1043,49 @@ def test_a_forward_waits_module_by_module_once_its_modules_are_learned():
     loss_of(ours, x, y)
     assert stale_at_a == [True], "c's weights arrived before a's forward"
     assert_close(ours, theirs, 1e-6)
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity; its backward holds the GPU for about a second before the gradients of the
+    layers in front of it are computed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(2_000_000_000)
+        return grad
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_an_update_is_queued_while_backward_still_computes_earlier_gradients(monkeypatch):
+    """step() is called while the GPU is still in backward: the update of the last layer,
+    whose gradient has landed, is queued while the first layer's gradient is not computed yet
+    (the GPU is held between them), and the result is torch's."""
+    import trainstream.ops
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).cuda()
+    theirs = copy.deepcopy(ours)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(8, 64, device="cuda")
+    jobs = []
+    adamw_step = trainstream.ops.adamw_step
+
+    def recording(params, *args, **kwargs):
+        first = opt._host_updates.records[ours[0].weight]
+        jobs.append(({tuple(p.shape) for p in params}, len(params), first.stage_event.query()))
+        return adamw_step(params, *args, **kwargs)
+
+    monkeypatch.setattr(trainstream.ops, "adamw_step", recording)
+    for model, o in ((ours, opt), (theirs, torch_opt)):
+        model[1](SleepInBackward.apply(model[0](x))).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    assert len(jobs) == 2 and jobs[0][1] == 2, jobs  # the last layer's weight and bias, then the first's
+    assert jobs[0][2] is False, "the last layer's update waited for the first layer's gradient"
+    opt.synchronize()
+    assert_close(ours, theirs, TOL["cuda"])
