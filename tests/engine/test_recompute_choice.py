@@ -207,3 +207,20 @@ def test_a_transformers_decoder_stack_recomputes_where_paging_is_slow_and_pages_
     assert why["predicted_step_s"] < why["all_recomputed_step_s"]
     # Recompute and paging change no bit.
     assert slow_losses == fast_losses
+
+
+def test_the_plan_learns_which_blocks_the_engine_refused_to_recompute(monkeypatch):
+    # A decoder layer called with use_cache=True (the configs' default) is paged instead of
+    # recomputed from its first call on; the adapter's plan inputs say so, so no replan counts
+    # its recompute again.
+    from helpers import planned_recompute
+
+    model = lora_qwen2()
+    model.base_model.model.config.use_cache = True
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(1))
+    with planned_recompute(monkeypatch, [0, 2]):
+        model, _ = trainstream.wrap(model, None, device="cpu", offload=True, activation_offload="auto")
+        model(input_ids=ids, labels=ids).loss.backward()
+    adapter = model._trainstream_engine.adapter
+    assert "use_cache=True" in trainstream.memory_report(model)["events"]
+    assert [x.recomputable for x in adapter._inputs(0).blocks] == [False, True, False]
