@@ -8,10 +8,12 @@ Per parameter (a `ParamRecord`):
   gradient (``p.grad = None``): VRAM never holds the gradients. A second gradient before
   zero_grad() (two backward passes) is added to a host fp32 sum, as autograd would add it
   to ``p.grad``.
-- step() waits for the copies to land, then queues one host AdamW job per parameter
-  (``ops.adamw_step``: the fp32 master in place, a bf16 parameter's copy written in the same
-  pass), numbered in the order the parameters were given (the forward order, as a rule),
-  so that the pool updates first what the next forward needs first. It returns once queued.
+- step() queues each parameter's host AdamW (``ops.adamw_step``: the fp32 master in place, a
+  bf16 parameter's copy written in the same pass) as soon as its gradient has landed, in
+  landing order, so that the pool works while backward still computes the earlier layers'
+  gradients (update_batches.py gathers small ones into one job). Each is numbered by the
+  parameter's position (the forward order, as a rule): among the jobs queued, the pool
+  updates first what the next forward needs first. It returns once all are queued.
 - the lander thread (engine/landing.py) copies each parameter's new weights to the device
   on the copy-in stream as soon as its job is done, after compute has finished every read
   queued before step(); the forward that next reads the parameter (optim/forward_guard.py)

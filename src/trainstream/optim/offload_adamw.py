@@ -67,8 +67,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             an fp32 master of each in host memory, with the moments. Each gradient is copied
             to pinned host memory as backward makes it and then dropped, so ``p.grad`` stays
             None and VRAM holds no gradients: ``torch.nn.utils.clip_grad_norm_`` finds no
-            gradient and clips nothing (pass ``max_grad_norm=``). ``step()`` waits for the
-            gradients to land, queues one host update per parameter and returns; each new
+            gradient and clips nothing (pass ``max_grad_norm=``). ``step()`` queues each
+            parameter's host update as soon as its gradient has landed (while the GPU computes
+            the earlier layers' gradients, as a rule; with clipping or accumulation once all
+            have) and returns once all are queued; each new
             weight goes back to the GPU on a copy stream as soon as its update is done, and
             the forward of a module holding the parameter waits for that copy (only that
             one). Read or edit weights outside the model's forward after ``synchronize()``;
