@@ -645,10 +645,20 @@ def refresh_host(s) -> None:
             t.copy_(s.master)
 
 
+_NANS: dict = {}  # (dtype, device) -> the one NaN every placeholder of that kind expands
+
+
 def _placeholder(s, device) -> torch.Tensor:
     """A quantized param's data between uses: its shape, dtype and device, one NaN behind it
-    (a read gives NaN, not stale numbers; a write fails on the expanded tensor)."""
-    return torch.full((1,), float("nan"), dtype=s.dtype, device=device).expand(s.param.shape)
+    (a read gives NaN, not stale numbers; a write fails on the expanded tensor). The NaN is
+    shared: a write cannot reach it, and one device allocation per dtype, not one per weight,
+    keeps wrap() from queueing a kernel per quantized weight behind the pinning thread's
+    host allocations (196 of them cost the 7B LoRA's wrap() seconds on the H200)."""
+    key = (s.dtype, torch.device(device))
+    nan = _NANS.get(key)
+    if nan is None:
+        nan = _NANS[key] = torch.full((1,), float("nan"), dtype=s.dtype, device=device)
+    return nan.expand(s.param.shape)
 
 
 def _held_bytes(tensors) -> int:
