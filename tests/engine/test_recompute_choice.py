@@ -224,3 +224,14 @@ def test_the_plan_learns_which_blocks_the_engine_refused_to_recompute(monkeypatc
     adapter = model._trainstream_engine.adapter
     assert "use_cache=True" in trainstream.memory_report(model)["events"]
     assert [x.recomputable for x in adapter._inputs(0).blocks] == [False, True, False]
+
+
+def test_a_replan_that_brings_every_blocks_activations_back_says_so():
+    from models import tiny_gpt
+
+    model, _, _ = tiny_gpt()
+    model, _ = trainstream.wrap(model, None, device="cpu", offload=True, activation_offload="auto", profile=machine())
+    adapter = model._trainstream_engine.adapter
+    adapter.block_s = {b: 0.01 for b in range(len(adapter.block_units))}
+    adapter._explain_leaving(make_plan(adapter._inputs(0)), [], [], [])
+    assert trainstream.memory_report(model)["events"].endswith("every block keeps its activations")

@@ -612,6 +612,11 @@ class Adapter:
             else:
                 self.events.add("recompute: no block is recomputed from the next step on")
             return
+        if not acts and not recompute:
+            self.events.add(
+                "recompute: no block is recomputed from the next step on; every block keeps its activations"
+            )
+            return
         inp = self._inputs(self.correction, settled=False)
         b, units = inp.blocks, self.block_units
         per_block, groups = {}, []
