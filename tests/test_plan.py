@@ -188,9 +188,10 @@ def test_a_kept_or_recomputed_blocks_backward_holds_the_paged_activations_fetche
     )
     weights = 400
     # Block 3 recomputed above block 2 paged: as block 3's backward starts, blocks 0 and 1 keep
-    # 400, block 3's activations are back (200) and block 2's arrive ahead (200), the head 50:
-    # 850, above the forward's end (400 + 20 + 100). (Counted 650 before: block 2's backward alone.)
-    assert device_bytes(inp, set(), {2}, {3}) == weights + 400 + 200 + 200 + 50
+    # 400, block 3's activations are back (200) beside its inputs (20, the checkpoint's) and block
+    # 2's arrive ahead (200), the head 50: 870, above the forward's end (400 + 20 + 100). (Counted
+    # 650 before: block 2's backward alone.)
+    assert device_bytes(inp, set(), {2}, {3}) == weights + 400 + 20 + 200 + 200 + 50
     # Block 3 kept above blocks 1 and 2 paged, two fetched ahead: 200 + 200 kept, 2 x 200 ahead, 50.
     inp.prefetch_depth = 2
     assert device_bytes(inp, set(), {1, 2}) == weights + 400 + 2 * 200 + 50

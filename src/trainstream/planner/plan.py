@@ -44,7 +44,9 @@ Gradients cross out in backward.
 A recomputed block (torch.utils.checkpoint around its forward) keeps only its inputs
 (`input_bytes`) from its forward to its backward, moves nothing over PCIe, and runs its
 forward once more in backward: its `forward_s` is added to the compute time. When it is
-recomputed, its activations are back on the device whole, above what the blocks before it keep.
+recomputed, its activations are back on the device whole, above what the blocks before it keep,
+and its inputs beside them (the checkpoint holds them: counted apart, since a block need not
+save its own input, as a bf16 Llama layer saves its norm's fp32 copy instead).
 
 The choice: among the placements that fit, the fastest; of equally fast ones, the one
 that pages the fewest blocks' activations, then the fewest blocks' weights. Activation
@@ -172,7 +174,7 @@ def activation_peak(inp: PlanInputs, act_paged, recompute=frozenset()) -> int:
             if j in act_paged:
                 below += b[j].act_bytes
         if i in recompute:
-            here = kept + x.act_bytes - x.cast_bytes + x.backward_bytes + below  # recomputed in backward
+            here = kept + x.input_bytes + x.act_bytes - x.cast_bytes + x.backward_bytes + below  # recomputed
             kept += x.input_bytes
         elif i in act_paged:
             here = kept + x.act_bytes + x.backward_bytes + below
