@@ -150,6 +150,7 @@ def _slot(shape, dtype, trainable, quant_format=None):
         quant_format=quant_format,
         quant_block=64,
         is_linear=len(shape) == 2,
+        shard=None,  # one process: no data-parallel shard
     )
 
 
