@@ -412,12 +412,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         pool runs first what the next forward reads first); gathered into native jobs by
         update_batches.py."""
         streamed = self._host_updates
-        place = {}  # param -> (its group, its position among all the optimizer's params)
+        # id(param) -> (its group, its position among all the optimizer's params); by id, as
+        # a tensor's own hash is a Python call
+        place = {}
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if p in grads:
-                    place[p] = (group, index)
+                place[id(p)] = (group, index)
                 index += 1
         # Compute's reads of the old weights, all queued before now: the pushes wait for them.
         mark = streamed.backend.record()
@@ -427,7 +428,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if not streamed.landed(record):  # the jobs gathered so far run while this one lands
                 batches.flush()
                 streamed.wait_landed(record)
-            group, i = place[p]
+            group, i = place[id(p)]
             state = self._state_for(p)
             state["step"] += 1
             batches.add(record, g, state, group, self._seed_for(i))
