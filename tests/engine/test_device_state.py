@@ -885,3 +885,67 @@ def test_what_a_raised_backward_completed_is_applied_before_a_checkpoint(read, m
 
     dev, host = _both_paths(monkeypatch, loop)
     assert dev[3] == host[3]
+
+
+# -- the host never waits for the device in a resident step (issue 23) ------------------------
+
+WARM_STEPS = 5  # past the adapter's timed passes (their events are read back), state placed
+
+
+def _resident_lora(device: str, fmt: str):
+    """A LoRA over a quantized resident base in device state, `WARM_STEPS` steps trained:
+    (step(i), engine). Its batches are made on the device first (a pageable copy waits)."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = lora_mlp()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, device=device, offload=True, quantize=fmt, **RESIDENT)
+    batches = [batch(i, device) for i in range(WARM_STEPS + 3)]
+
+    def step(i):
+        loss_fn(model, batches[i]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(WARM_STEPS):
+        step(i)
+    engine = model._trainstream_engine
+    assert engine.plan.device_state and all(u.streamed for u in engine.block_units)
+    return step, engine
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_a_resident_quantized_lora_step_waits_on_no_event(fmt, monkeypatch):
+    """The CPU backend's events stand for the GPU's: a step that would make the host wait for
+    the device (an event's synchronize, a device update's wait) calls DONE.synchronize."""
+    from trainstream.engine import device
+
+    step, engine = _resident_lora("cpu", fmt)
+    before = [p.detach().clone() for p in engine.optimizer.param_groups[0]["params"]]
+    waits = []
+    monkeypatch.setattr(device._DoneEvent, "synchronize", lambda self: waits.append(1))
+    for i in range(WARM_STEPS, WARM_STEPS + 3):
+        step(i)
+    assert waits == []
+    after = engine.optimizer.param_groups[0]["params"]
+    assert all(not torch.equal(a, b) for a, b in zip(after, before))  # the steps did train
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_gpu_a_resident_quantized_lora_step_never_synchronizes(fmt, monkeypatch):
+    """No host-device synchronization in a resident step: none that torch's sync debug mode
+    sees (.item() of a device tensor, a pageable copy, a stream or device synchronize), and
+    no event or stream synchronize of ours."""
+    step, _ = _resident_lora("cuda", fmt)
+    torch.cuda.synchronize()
+    waits = []
+    for owner in (torch.cuda.Event, torch.cuda.Stream):
+        original = owner.synchronize
+        monkeypatch.setattr(owner, "synchronize", lambda self, o=original, n=owner.__name__: (waits.append(n), o(self)))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(WARM_STEPS, WARM_STEPS + 3):
+            step(i)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert waits == []

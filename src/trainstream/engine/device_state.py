@@ -34,7 +34,10 @@ Invariants:
   counts are what the next reads);
 - on CUDA the update is the engine's AdamW kernel on the current stream (behind backward,
   ahead of the next forward: nothing else waits for it); on the CPU path the host AdamW,
-  which gives the same bits, done when update() returns, and settled at the next report.
+  which gives the same bits, done when update() returns, and settled at the next report;
+- a step makes the host wait for the device nowhere: the check's outcome is read once its
+  event has passed, and settling before the next update synchronizes only with an update
+  still running (the previous step's, as a rule long done).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class DeviceState:
         # optimizer's attach() hands its own on and forgets them).
         mine = {s.param for s in slots}
         self._carried = {p: m for p, m in getattr(optimizer, "_carried", {}).items() if p in mine}
-        self._ready: set = set()  # params whose master is made and whose moments are on the device
+        self._ready: set = set()  # slots whose master is made and whose moments are on the device
         # unit -> how many device-state params it has (on_grad, once per gradient): fixed at
         # wrap(), where the slots' flags are set for good.
         self._counts: dict = {}
@@ -112,7 +115,7 @@ class DeviceState:
         device, dtype = self.backend.device, self.optimizer.moment_dtype
         for s in slots:
             p = s.param
-            self._ready.add(p)
+            self._ready.add(s)
             if p.dtype != torch.float32 and p not in self.masters:
                 master = p.detach().to(dtype=torch.float32, copy=True)
                 kept = self._carried.pop(p, None)
@@ -230,12 +233,15 @@ class DeviceState:
     def take_edits(self, slots) -> None:
         """A param edited in place since its master last matched it: the master takes the
         edit (an fp32 param is its own master, and its edit is simply there)."""
+        masters, versions = self.masters, self._versions
+        if not masters:
+            return  # fp32 params only: each is its own master
         for s in slots:
             p = s.param
-            master = self.masters.get(p)
-            if master is not None and p._version != self._versions[p]:
+            master = masters.get(p)
+            if master is not None and p._version != versions[p]:
                 master.copy_(p.detach())
-                self._versions[p] = p._version
+                versions[p] = p._version
 
     def update(self, batches, grad_scale: float = 1.0, check: bool = False, step: int = 0) -> None:
         """AdamW over the batches' slots from their gradients, scaled by `grad_scale`
@@ -248,7 +254,7 @@ class DeviceState:
         slots = [s for _, ss in batches for s in ss]
         if not slots:
             return
-        self._place([s for s in slots if s.param not in self._ready])
+        self._place([s for s in slots if s not in self._ready])  # slots hash by identity, at C speed
         self.take_edits(slots)
         if check and self._queued:
             raise RuntimeError("trainstream internal: a device-state update was not settled before the next")
@@ -298,9 +304,13 @@ class DeviceState:
         and every batch after it were skipped on the device: their step counts, advanced
         when they were queued, are taken back. Returns a Skipped per update that was."""
         out = []
-        while self._queued and (wait or self._queued[0].event.query()):
-            q = self._queued.pop(0)
-            q.event.synchronize()
+        while self._queued:
+            q = self._queued[0]
+            if not q.event.query():
+                if not wait:
+                    break
+                q.event.synchronize()  # only for an update still running (as a rule long passed)
+            self._queued.pop(0)
             values = self._marks.tolist()  # one read: each batch's marks are a slice of the buffer
             bad = None
             for i, batch_marks in enumerate(q.marks):
