@@ -1002,7 +1002,7 @@ def test_the_forward_hook_is_off_while_nothing_is_pending_and_on_after_step():
     guard = opt._host_updates.guard
     torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
     for i, (x, y) in enumerate(batches(5, "cpu")):
-        assert guard.installed, "no forward before the first step() learned the readers yet"
+        assert hooks_of(guard) == 1, "no forward before the first step() learned the readers yet"
         losses = []
         for model in (ours, theirs):
             loss = loss_of(model, x, y)
@@ -1011,10 +1011,10 @@ def test_the_forward_hook_is_off_while_nothing_is_pending_and_on_after_step():
             losses.append((loss.item(), loss_of(model, x, y).item()))
         assert losses[0] == pytest.approx(losses[1], abs=1e-6, rel=0)
         if i >= 2:  # the readers were learned in the first windows
-            assert not guard.installed and hooks_of(guard) == 0
+            assert hooks_of(guard) == 0 and not guard.installed
         opt.step()
         torch_opt.step()
-        assert guard.installed and hooks_of(guard) == 1
+        assert hooks_of(guard) == 1
         opt.zero_grad()
         torch_opt.zero_grad()
     opt.synchronize()
