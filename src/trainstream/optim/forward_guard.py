@@ -60,8 +60,8 @@ class ForwardGuard:
         # in a plain training loop, from step() to the end of the next forward.
         self._hook: list = []  # the hook's handle while installed (a list: the finalizer holds it)
         self._closed = False
-        # The generation when this window began: a forward that learned something in this
-        # window (a module's first call in a context) keeps the hook on to its end, since the
+        # The generation when this window began: learning something in this window (a
+        # module's first call in a context) keeps the hook on to the window's end, as the
         # learning goes on in the modules it calls (a first call of the root would otherwise
         # cover every record at once and take the hook off before its children are seen).
         self._window_generation = None
