@@ -112,10 +112,14 @@ def test_quantized_weights_are_stored_as_codes_and_reported():
     assert sorted(s.name for s in quantized) == sorted(n for n in slots if FROZEN(n))
     for s in quantized:
         assert s.quant.format == "nf4" and s.quant.codes.dtype == torch.uint8
-        assert s.param.untyped_storage().nbytes() == 4 and torch.isnan(s.param).all()  # a placeholder between uses
+        assert torch.isnan(s.param).all() and s.param.stride() == (0,) * s.param.dim()  # a placeholder between uses
         assert s.dtype not in s.host  # no full-precision copy kept anywhere
-    # one NaN behind every placeholder of a dtype: no device allocation (nor kernel) per weight
+    # the NaNs behind the placeholders come from one allocation (no device allocation nor kernel
+    # per weight), an element each: a write that succeeds on an expanded tensor spoils only its own
     assert len({s.param.untyped_storage().data_ptr() for s in quantized}) == 1
+    assert len({s.param.data_ptr() for s in quantized}) == len(quantized)
+    quantized[0].param.data.zero_()
+    assert all(torch.isnan(s.param).all() for s in quantized[1:])
     assert slots["layers.0.ln1.weight"].quant is None and slots["layers.0.qkv.weight"].quant is not None
     report = trainstream.memory_report(model)
     assert report["params"]["quantize"] == "nf4"
