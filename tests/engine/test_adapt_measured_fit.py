@@ -20,7 +20,8 @@ def _wrapped(monkeypatch, measured_peak):
         model, None, device="cpu", lr=1e-2, offload=True, **AUTO, profile=machine(vram_gib=8 / 1024)
     )
     adapter = model._trainstream_engine.adapter
-    FakeDevice(adapter, measured_peak(adapter))
+    fake = FakeDevice(adapter, measured_peak(adapter))
+    fake.rises = True
     real = adapt.make_plan
 
     def predicted_past_the_card(inputs):  # every placement predicted a card's worth too large
@@ -30,15 +31,18 @@ def _wrapped(monkeypatch, measured_peak):
     monkeypatch.setattr(adapt, "make_plan", predicted_past_the_card)
 
     def step(i):
-        loss_fn(model, batch(i, "cpu")).backward()
+        loss = loss_fn(model, batch(i, "cpu"))
+        if fake.rises:  # the counter reads this step's own peak
+            fake.peak += 1
+        loss.backward()
         opt.step()
         opt.zero_grad()
 
-    return model, step
+    return model, step, fake
 
 
 def test_a_measured_fit_is_kept_when_no_placement_is_predicted_to_fit(monkeypatch):
-    model, step = _wrapped(monkeypatch, lambda adapter: 2 * MiB)
+    model, step, _ = _wrapped(monkeypatch, lambda adapter: 2 * MiB)
     before = trainstream.memory_report(model)["params"]
     for i in range(4):
         step(i)
@@ -51,9 +55,22 @@ def test_a_measured_fit_is_kept_when_no_placement_is_predicted_to_fit(monkeypatc
 
 
 def test_a_measured_misfit_still_pages_as_much_as_possible(monkeypatch):
-    model, step = _wrapped(monkeypatch, lambda adapter: adapter.usable + MiB)
+    model, step, _ = _wrapped(monkeypatch, lambda adapter: adapter.usable + MiB)
     for i in range(4):
         step(i)
     warnings = [h["message"] for h in _history(model, "warning")]
     assert "no placement is predicted to fit; paging as much as possible" in warnings
     assert _history(model, "replan")
+
+
+def test_a_peak_sampled_under_an_earlier_higher_counter_is_not_taken_as_a_fit(monkeypatch):
+    """The device's peak counter was set before wrap() (a model on the card first) and never
+    rises: the adapter only samples its blocks' boundaries, which miss the head's peak, so no
+    measured fit can be claimed (review R8 #2); the plan pages as much as it can."""
+    model, step, fake = _wrapped(monkeypatch, lambda adapter: 2 * MiB)
+    fake.peak, fake.rises = model._trainstream_engine.adapter.usable + 64 * MiB, False
+    for i in range(4):
+        step(i)
+    warnings = [h["message"] for h in _history(model, "warning")]
+    assert not any(m.endswith(": kept") for m in warnings), warnings
+    assert "no placement is predicted to fit; paging as much as possible" in warnings

@@ -507,6 +507,7 @@ class Adapter:
         self._collect_times()
         self.sample()
         observed = None
+        whole = False  # observed is this step's peak, not a lower bound of it (see below)
         peak = self.device_peak()
         step_start, self._peak_at_step_start = self._peak_at_step_start, None
         if peak is not None and step_start is not None:  # a device that counts its peak; a forward ran
@@ -519,6 +520,7 @@ class Adapter:
                 self.after_stack_measured = self.after_stack_provisional = True
             if peak > step_start:
                 observed = peak  # the counter rose during this step: its value is this step's peak
+                whole = True
             else:
                 # This step stayed below an earlier peak: its own, as sampled, and as the head adds
                 # at the stack's end (not a provisional figure: that is the earlier peak, not this
@@ -526,6 +528,7 @@ class Adapter:
                 observed = self.step_peak
                 if self.stack_end is not None and not self.after_stack_provisional:
                     observed = max(observed, self.stack_end + self.after_stack)
+                    whole = True  # else sampled at boundaries only: the head's peak is missing
         self.peak_timeline.add(self.steps, observed)
         if self.steps == self.SWITCH_AFTER and self.opts.offload == "auto":
             switch = self._stock_decision(stock_allowed, observed)
@@ -544,12 +547,14 @@ class Adapter:
         if not settling and (observed is None or observed <= self.usable):
             return None
         plan = self._plan()
-        if not plan.fits and observed is not None and observed <= self.usable:
+        if not plan.fits and whole and observed <= self.usable:
             # A measured fit outranks a predicted misfit: the prediction errs high (it adds
             # each term at its largest), so "paging as much as possible" would leave a
             # placement known to fit for one that is only predicted smaller (the 7B LoRA under
             # 8 GiB: all blocks recomputed measured 6.41 GiB, predicted 7.73 of 7.20 usable, and
-            # paging every activation instead cost 4x the step). The watchdog still acts on a
+            # paging every activation instead cost 4x the step). Only a whole measure counts:
+            # a peak sampled at block boundaries under an earlier, higher counter (a model on
+            # the device before wrap()) misses the head's. The watchdog still acts on a
             # measured peak past the usable memory.
             self.record(
                 "warning",
