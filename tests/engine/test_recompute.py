@@ -24,7 +24,7 @@ from models import MODELS, tiny_gpt, tiny_mlp
 import trainstream
 from trainstream.engine.adapt import Adapter
 from trainstream.planner import BlockBytes, PlanInputs, device_bytes, make_plan
-from trainstream.planner.plan import paging_s
+from trainstream.planner.plan import paging_s, placement_terms
 
 # -- the plan ------------------------------------------------------------------------------------
 
@@ -384,12 +384,48 @@ def test_the_guard_pages_a_block_whose_measured_forward_costs_more_than_paging()
         opt.zero_grad()
     unit = engine.block_units[1]
     acts = engine.activation_bytes[1]
-    paging = acts / 25e9
-    adapter.block_s = {b: 2 * paging for b in range(4)}
+    paging = acts / 25e9  # one way; paging costs it out in forward and again in for backward
+    # 3 forwards' worth of one way (was 2: the guard weighed one direction, where 2 now ties
+    # with out + in and a tie recomputes, as the plan breaks it).
+    adapter.block_s = {b: 3 * paging for b in range(4)}
     assert adapter._off_device(unit, acts)[0] == "page"
     adapter.block_s = {b: paging / 2 for b in range(4)}
     choice, why = adapter._off_device(unit, acts)
     assert choice == "recompute" and "recomputing is cheaper" in why
+
+
+def test_the_guard_weighs_a_forward_against_paging_out_in_forward_and_in_for_backward():
+    # [Note: step phases]: a paged block's activations go out during the forward and come
+    # back during backward, phases that do not overlap, so paging costs the step both ways.
+    # A forward 1.5 times one way is cheaper than the two (the guard weighed one way and
+    # paged it), as the plan finds for the same block.
+    model, batch, loss_fn = tiny_gpt()
+    link = dataclasses.replace(machine(), h2d_bytes_per_s=2e9, d2h_bytes_per_s=1e9)
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", offload=True, param_offload=False, activation_offload="auto", profile=link
+    )
+    engine = model._trainstream_engine
+    adapter = engine.adapter
+    for i in range(2):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    unit = engine.block_units[1]
+    acts = engine.activation_bytes[1]
+    out_s, in_s = acts / 1e9, acts / 2e9
+    adapter.block_s = {b: 1.5 * out_s for b in range(4)}  # past the busier way, under out + in
+    choice, why = adapter._off_device(unit, acts)
+    assert choice == "recompute" and "recomputing is cheaper" in why
+    assert f"{out_s * 1e3:.2f} ms out in forward + {in_s * 1e3:.2f} ms in for backward" in why
+    adapter.block_s = {b: 1.01 * (out_s + in_s) for b in range(4)}
+    choice, why = adapter._off_device(unit, acts)
+    assert choice == "page" and "paging is cheaper" in why
+    # What the plan's phases add to a step the links set (compute below them) for that block
+    # paged or recomputed: the same two costs.
+    x = BlockBytes(0, 0, 0, act_bytes=acts, forward_s=1.5 * out_s)
+    inp = PlanInputs([x], 0, 1 << 40, 2e9, 1e9, 0.0, 0, 0, recompute=True)
+    assert placement_terms(inp, [], [0], [])["step"] == pytest.approx(out_s + in_s)
+    assert placement_terms(inp, [], [], [0])["step"] == pytest.approx(1.5 * out_s)
 
 
 # -- the settled plan, on simulated times ------------------------------------------------------------
@@ -399,24 +435,49 @@ class SimulatedTimes:
     """The adapter's clock (its CPU marks) in simulated seconds: each block's forward takes
     `forward` (a pre-hook on its first leaf, which runs inside the engine's block forward,
     recomputes included), and before it the engine waits `wait` for its weights (their copy
-    or their update: inside the engine's weight guard)."""
+    or their update: inside the engine's weight guard). Each block's backward takes
+    `backward` (its compute ends as backward reaches the block below it, or the pass ends; a
+    recompute's forward inside it comes on top), and each of its paged activations' unpacks
+    waits `act_wait` for the copy."""
 
     def __init__(self):
         self.now = 0.0
-        self.forward = self.wait = 0.0
+        self.forward = self.wait = self.backward = self.act_wait = 0.0
+        self._in_block_backward = False
 
     def run_forward(self, module, args) -> None:
         self.now += self.forward
 
     def hook_engine(self, engine) -> None:
-        engine.adapter._mark = lambda: self.now
-        guard = engine.weights.guard
+        adapter = engine.adapter
+        adapter._mark = lambda: self.now
+        guard, unpack = engine.weights.guard, engine.acts.unpack
+        starts, ends = adapter.block_backward_starts, adapter.backward_ends
 
         def waiting(unit):
             self.now += self.wait
             guard(unit)
 
-        engine.weights.guard = waiting
+        def unpacking(packed):
+            self.now += self.act_wait
+            return unpack(packed)
+
+        def block_done():
+            if self._in_block_backward:
+                self.now += self.backward
+
+        def next_block(unit, fetched):
+            block_done()
+            self._in_block_backward = True
+            starts(unit, fetched)
+
+        def pass_done(fetched):
+            block_done()
+            self._in_block_backward = False
+            ends(fetched)
+
+        engine.weights.guard, engine.acts.unpack = waiting, unpacking
+        adapter.block_backward_starts, adapter.backward_ends = next_block, pass_done
 
 
 def settle_on_simulated_times(forward_share: float, wait_share: float, steps: int = 7):
@@ -454,6 +515,9 @@ def settle_on_simulated_times(forward_share: float, wait_share: float, steps: in
             adapter.usable = kept - 6 * (x.act_bytes - x.cast_bytes) + 6 * x.input_bytes
             paging = paging_s(inp, x)
             times.forward, times.wait = forward_share * paging, wait_share * paging
+            # Backward as the estimate from the trainable share takes it (1.0 here: every matrix
+            # frozen), so the plan weighs the same compute with backward timed as before.
+            times.backward = adapter.backward_per_forward * times.forward
         opt.step()
         opt.zero_grad()
         params = trainstream.memory_report(model)["params"]

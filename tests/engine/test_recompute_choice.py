@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import machine
+from helpers import machine, planned_recompute
 
 import trainstream
 from engine.test_recompute import SimulatedTimes, _block_of, _first_leaf
@@ -114,6 +114,74 @@ def test_backward_per_forward_counts_the_trainable_matrices():
     assert adapter.compute_s() == pytest.approx((1 + bpf) * 0.01 * len(adapter.block_units))
 
 
+def timed_backwards(monkeypatch, *, recomputed=(), activation_offload="auto"):
+    """A 4-block GPT (every weight trainable: backward estimated at two forwards) run 4 steps on
+    simulated times, `recomputed` blocks recomputed from wrap() on: each block's forward 4 ms
+    after a 2 ms wait for its weights, its backward 5.2 ms (1.3 forwards), each paged
+    activation's unpack waiting 3 ms for its copy. Returns (the adapter, the times, the
+    number of paged unpacks)."""
+    from models import tiny_gpt
+
+    times = SimulatedTimes()
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    for name, module in model.named_modules():
+        block = _block_of(model, name)
+        if block is not None and name == block[0] + "." + _first_leaf(block[1]):
+            module.register_forward_pre_hook(times.run_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    with planned_recompute(monkeypatch, list(recomputed)):
+        model, opt = trainstream.wrap(
+            model,
+            opt,
+            device="cpu",
+            offload=True,
+            param_offload=False,
+            activation_offload=activation_offload,
+            min_offload_bytes=0,  # a tiny GPT's saved tensors are paged too
+            profile=machine(),
+        )
+        engine = model._trainstream_engine
+        times.hook_engine(engine)
+        times.forward, times.wait, times.backward, times.act_wait = 0.004, 0.002, 0.0052, 0.003
+        unpacks = []
+        unpack = engine.acts.unpack
+        engine.acts.unpack = lambda packed: unpacks.append(1) or unpack(packed)
+        for i in range(4):
+            loss_fn(model, batch(i, "cpu")).backward()
+            opt.step()
+            opt.zero_grad()
+    return engine.adapter, times, len(unpacks)
+
+
+@pytest.mark.parametrize("case", ["recomputed", "paged"])
+def test_each_blocks_backward_is_timed_without_its_recompute_or_its_waits_and_reaches_the_plan(case, monkeypatch):
+    # Backward was estimated from the trainable share (2 forwards here, about 1 for a LoRA,
+    # where the H200 ran a 7B LoRA's backward at 1.29): each block's is timed from when its
+    # weights are there to when backward reaches the block below, without a recomputed
+    # block's forward again (and its weights' guard: the plan counts that forward apart, as
+    # forward_s) or the waits for its paged activations' copies (PCIe time), and the plan
+    # splits the compute by the timed ratio.
+    if case == "recomputed":
+        adapter, times, unpacks = timed_backwards(monkeypatch, recomputed=[0, 1, 2])
+        assert adapter.recomputed() == [0, 1, 2] and unpacks == 0
+    else:
+        adapter, times, unpacks = timed_backwards(monkeypatch, activation_offload=True)
+        assert adapter.current()[1] == [0, 1, 2, 3] and unpacks > 0
+    n = len(adapter.block_units)
+    assert adapter.backward_per_forward == 2.0  # the estimate, replaced once timed
+    assert sorted(adapter.block_s) == sorted(adapter.block_backward_s) == list(range(n))
+    assert all(s == pytest.approx(times.forward) for s in adapter.block_s.values())
+    assert all(s == pytest.approx(times.backward) for s in adapter.block_backward_s.values()), adapter.block_backward_s
+    inp = adapter._inputs(0)
+    assert inp.backward_per_forward == pytest.approx(1.3)
+    assert inp.compute_s == pytest.approx((times.forward + times.backward) * n)
+    # The plan's phases: the forward's compute is the forwards, backward's the timed backwards.
+    terms = placement_terms(inp, [], [], [])
+    assert terms["forward"] == pytest.approx(times.forward * n)
+    assert terms["backward"] == pytest.approx(times.backward * n)
+
+
 def lora_qwen2(layers: int = 3):
     """A tiny Qwen2 (transformers' decoder layers, called with keywords) with peft's LoRA on
     every block Linear, its base frozen."""
@@ -172,6 +240,8 @@ def settle_qwen2(forward_share: float, steps: int = 5):
             x = inp.blocks[0]
             adapter.usable = device_bytes(inp, set(), set()) - 6 * x.act_bytes + 6 * x.input_bytes
             times.forward = forward_share * paging_s(inp, x)
+            # Backward as the trainable share estimates it, so the timed plan weighs the same compute.
+            times.backward = adapter.backward_per_forward * times.forward
         opt.step()
         opt.zero_grad()
         params = trainstream.memory_report(model)["params"]

@@ -19,7 +19,9 @@
   frees from the readings, so less (or nothing) is seen freed.
 - The first forward passes count each block's saved activations (measure.py), and the
   passes after the first (which warms up: library handles, the allocator) time each
-  block's forward. After each of the first SETTLE_STEPS steps the planner replans
+  block's forward and its backward (from when its weights are there; a recomputed block's
+  forward again and the waits for paged activations inside its backward taken off), read
+  after the step. After each of the first SETTLE_STEPS steps the planner replans
   with those figures; a new placement is returned as a Replan, which the engine applies
   at the end of that step.
 - Later, the watchdog: when a step's peak passes the usable memory (longer sequences, a
@@ -29,7 +31,7 @@
   if what is allocated plus the activations the rest of the pass will save (as this
   pass's blocks have shown) would not fit, the block's activations leave the device: it is
   recomputed in backward when its measured forward takes no longer than paging its
-  activations over PCIe, or when no forward has been timed yet (the first pass: [Note:
+  activations out in forward and back in for backward (the plan's phases), or when no forward has been timed yet (the first pass: [Note:
   recompute before timing] in planner/plan.py), and paged otherwise, or when recomputing
   would keep as much (its inputs are as large as its activations). That keeps
   the very first pass, and a pass that suddenly grows, from running out of memory. It
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planner.plan import BACKWARD_PER_FORWARD, device_bytes, make_plan, placement_terms
+from ..planner.plan import BACKWARD_PER_FORWARD, device_bytes, make_plan, paging_cost_s, placement_terms
 from ..sizes import GiB, MiB
 from .measure import activations_as_placed, weight_copy_bytes
 from .placement import plan_inputs, usable_device_bytes
@@ -144,6 +146,12 @@ class Adapter:
         self._pass_growth = 1.0  # largest growth / measured activations of a block in this pass
         self.block_s: dict = {}  # block -> fastest forward measured (seconds)
         self._timing: dict = {}  # block -> (start, end) events or times of this pass
+        self.block_backward_s: dict = {}  # block -> fastest backward measured, its asides taken off (seconds)
+        # block -> [start, end, asides] of this timed pass's backward: marks, and the (start, end)
+        # marks of what ran inside it that is not its backward's compute (see aside_begins)
+        self._backward_timing: dict | None = None
+        self._backward_open = None  # the entry of the block whose backward runs now
+        self._aside = False  # an aside of the open block is being timed
         self.timed_passes = 0
         self.passes = 0  # training forward passes seen
         self._guarded: list = []  # blocks the guard paged in this pass (its history entry's list)
@@ -154,7 +162,7 @@ class Adapter:
         self.compute_dtype = None  # the autocast dtype the first pass ran under
         self.weights_auto = opts.param_offload == "auto"
         self.acts_auto = opts.activation_offload == "auto"
-        self.backward_per_forward = backward_per_forward(block_units)
+        self.backward_per_forward = backward_per_forward(block_units)  # the estimate, until backward is timed
 
     # -- measuring -------------------------------------------------------------------------------
 
@@ -187,6 +195,8 @@ class Adapter:
             self._peak_at_step_start = self.device_peak()
         self.sample()
         self._timing = {} if timed else None
+        self._backward_timing = {} if timed else None
+        self._backward_open, self._aside = None, False
         if self.compute_dtype is None and torch.is_autocast_enabled(self.backend.device.type):
             self.compute_dtype = torch.get_autocast_dtype(self.backend.device.type)
 
@@ -273,8 +283,10 @@ class Adapter:
 
     def block_backward_starts(self, unit, fetched_bytes: int) -> None:
         """Backward has reached `unit` (the block after it done, its memory let go): the block
-        before closes its measure, this one opens its own."""
+        before closes its measure and its backward's time, this one opens its own measure
+        (its time opens at backward_begins, once its weights are there)."""
         self._close_backward_block(fetched_bytes)
+        self._end_backward_time()
         now, peak = self.allocated(), self.device_peak()
         if now is not None:
             self._backward_mark = (unit, now, peak, fetched_bytes)
@@ -283,6 +295,38 @@ class Adapter:
         """The backward pass is done: the last block's measure closes (what runs after it, the
         optimizer's step, the next pass, is not its backward)."""
         self._close_backward_block(fetched_bytes)
+        self._end_backward_time()
+
+    def backward_begins(self, unit) -> None:
+        """`unit`'s weights are there for its backward (the compute stream waits for their copy
+        before this point) and its paged activations' copies are queued: its backward's time
+        starts here, as its forward's starts at forward_begins (a wait for weights is PCIe time,
+        which the plan counts apart). It ends as backward reaches the block below, or the pass ends."""
+        if self._backward_timing is not None:
+            self._backward_open = self._backward_timing[unit.block] = [self._mark(), None, []]
+
+    def aside_begins(self):
+        """What runs from here to aside_ends inside the open block's backward is not its
+        backward's compute: its recompute's forward (the plan counts that as the block's
+        forward_s, apart) or a wait for its paged activations' copy (PCIe time). Returns the
+        mark to hand to aside_ends; None when nothing is timed (or an aside is already open:
+        it holds this one)."""
+        if self._backward_open is None or self._aside:
+            return None
+        self._aside = True
+        return self._mark()
+
+    def aside_ends(self, start) -> None:
+        if start is None:
+            return
+        self._aside = False
+        if self._backward_open is not None:
+            self._backward_open[2].append((start, self._mark()))
+
+    def _end_backward_time(self) -> None:
+        if self._backward_open is not None:
+            self._backward_open[1] = self._mark()
+            self._backward_open = None
 
     def _close_backward_block(self, fetched_bytes: int | None = None) -> None:
         """If the device's peak rose during the marked block's backward, the rise above what
@@ -321,17 +365,18 @@ class Adapter:
         return time.perf_counter()
 
     def _collect_times(self) -> None:
+        """Read this timed pass's marks (after the step: no host sync inside it)."""
+        backward, self._backward_timing, self._backward_open = self._backward_timing, None, None
         if not self._timing:
             return
         for block, (start, end) in self._timing.items():
-            if end is None:
-                continue
-            if isinstance(start, float):
-                s = end - start
-            else:
-                end.synchronize()
-                s = start.elapsed_time(end) / 1e3
-            self.block_s[block] = min(s, self.block_s.get(block, s))
+            if end is not None:
+                s = _elapsed(start, end)
+                self.block_s[block] = min(s, self.block_s.get(block, s))
+        for block, (start, end, asides) in (backward or {}).items():
+            if end is not None:
+                s = max(_elapsed(start, end) - sum(_elapsed(a, z) for a, z in asides), 0.0)
+                self.block_backward_s[block] = min(s, self.block_backward_s.get(block, s))
         self._timing = None
         self.timed_passes += 1
 
@@ -341,15 +386,24 @@ class Adapter:
             return self.block_s[block]
         if not self.block_s:
             return None
-        times = sorted(self.block_s.values())
-        return times[len(times) // 2]
+        return _median(self.block_s.values())
+
+    def backward_ratio(self) -> float:
+        """Backward's compute per forward's: the median timed block backward over the median
+        timed forward (a block's recompute and its waits taken off: backward_begins, aside_begins),
+        else the estimate from the trainable share (backward_per_forward), until both are timed."""
+        if self.block_backward_s and self.block_s:
+            forward = _median(self.block_s.values())
+            if forward > 0:
+                return _median(self.block_backward_s.values()) / forward
+        return self.backward_per_forward
 
     def compute_s(self) -> float:
-        """Forward + backward of the stack: backward as `backward_per_forward` forwards."""
+        """Forward + backward of the stack: each block's forward as the median timed, and
+        backward_ratio() forwards for its backward."""
         if not self.block_s:
             return 0.0
-        times = sorted(self.block_s.values())
-        return (1.0 + self.backward_per_forward) * times[len(times) // 2] * len(self.block_units)
+        return (1.0 + self.backward_ratio()) * _median(self.block_s.values()) * len(self.block_units)
 
     # -- the online guard --------------------------------------------------------------------------
 
@@ -417,8 +471,10 @@ class Adapter:
 
     def _off_device(self, unit, per_block: int) -> tuple[str, str]:
         """The guard's choice for a block whose activations leave the device, "recompute" or
-        "page", and why: the cheaper of its forward again and its activations' PCIe time; with no
-        forward timed yet, recompute ([Note: recompute before timing] in planner/plan.py)."""
+        "page", and why: the cheaper of its forward again (in backward) and its activations' way
+        out in forward plus their way back in for backward, as the plan's phases count them
+        (paging_cost_s); with no forward timed yet, recompute ([Note: recompute before timing]
+        in planner/plan.py)."""
         acts = activations_as_placed(self.meter, unit, unit.paged) or per_block
         inputs = self.meter.activation_inputs.get(unit.block)
         if inputs is not None and inputs >= acts - self.meter.activation_cast.get(unit.block, 0):
@@ -428,8 +484,12 @@ class Adapter:
             return "recompute", (
                 "no forward timed yet: recomputing needs no pinned host memory, paging pins it for every block"
             )
-        paging = max(acts / self.profile.h2d_bytes_per_s, acts / self.profile.d2h_bytes_per_s)
-        numbers = f"forward {forward * 1e3:.2f} ms, paging {acts / GiB:.3f} GiB each way {paging * 1e3:.2f} ms"
+        h2d, d2h = self.profile.h2d_bytes_per_s, self.profile.d2h_bytes_per_s
+        paging = paging_cost_s(acts, h2d, d2h)
+        numbers = (
+            f"forward {forward * 1e3:.2f} ms, paging {acts / GiB:.3f} GiB {acts / d2h * 1e3:.2f} ms out in "
+            f"forward + {acts / h2d * 1e3:.2f} ms in for backward"
+        )
         if forward <= paging:
             return "recompute", f"recomputing is cheaper: {numbers}"
         return "page", f"paging is cheaper: {numbers}"
@@ -472,7 +532,7 @@ class Adapter:
         )
         if settled:
             inputs.settled = dict(self.settled_modes)
-        inputs.backward_per_forward = self.backward_per_forward
+        inputs.backward_per_forward = self.backward_ratio()
         fallback = max(self.backward_bytes.values(), default=0)  # a block whose backward set no peak
         for x, u in zip(inputs.blocks, self.block_units):
             x.backward_bytes = self.backward_bytes.get(u.block, fallback)
@@ -732,6 +792,19 @@ def backward_per_forward(units) -> float:
                 total += s.param.numel()
                 trainable += s.param.numel() if s.param.requires_grad else 0
     return 1.0 + trainable / total if total else BACKWARD_PER_FORWARD
+
+
+def _elapsed(start, end) -> float:
+    """Seconds between two of Adapter._mark's marks (perf_counter times, or CUDA events)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _median(values) -> float:
+    times = sorted(values)
+    return times[len(times) // 2]
 
 
 def _gib(n) -> str:

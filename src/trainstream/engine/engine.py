@@ -481,9 +481,16 @@ class Engine:
 
         @functools.wraps(forward)
         def recomputable(*args, **kwargs):
-            if engine._in_backward():
-                engine.enter_block(unit)  # the recompute: its weights back, as under a user's checkpoint
-            return forward(*args, **kwargs)
+            if not engine._in_backward():
+                return forward(*args, **kwargs)
+            # The recompute, inside the block's backward: its time is the block's forward_s
+            # again, not its backward's (a checkpoint that stops early leaves through finally).
+            aside = engine.adapter.aside_begins()
+            try:
+                engine.enter_block(unit)  # its weights back, as under a user's checkpoint
+                return forward(*args, **kwargs)
+            finally:
+                engine.adapter.aside_ends(aside)
 
         def paged_forward(*args, **kwargs):
             if not engine._in_backward():  # before the guard, which reads them
@@ -624,7 +631,11 @@ class Engine:
                 packed.slot, packed.dtypes, packed.dtype, packed.size, packed.stride, packed.offset
             )
         if isinstance(packed, PagedTensor):
-            return self.acts.unpack(packed)
+            aside = self.adapter.aside_begins()  # a wait for the copy is PCIe time, not backward's compute
+            try:
+                return self.acts.unpack(packed)
+            finally:
+                self.adapter.aside_ends(aside)
         return packed
 
     # -- backward ------------------------------------------------------------------------------
@@ -662,6 +673,7 @@ class Engine:
             self.weights.attach(unit, dtypes=unit.fetch_dtypes)
         for rec in unit.acts:
             self.acts.fetch(rec)
+        self.adapter.backward_begins(unit)
         if i > 0 and blocks[i - 1].streamed and blocks[i - 1].fetch_dtypes:
             self.weights.fetch(blocks[i - 1], ahead=True, dtypes=blocks[i - 1].fetch_dtypes)
         for j in range(i - 1, max(i - 1 - self.opts.prefetch_depth, -1), -1):

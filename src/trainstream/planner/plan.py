@@ -35,9 +35,13 @@ them, so a forward that pages more than its compute hides waits for its copies, 
 cannot start their way back before it starts (the 7B LoRA on the H200: 18.8 GB out and in
 behind 0.1 s of forward and 0.15 s of backward stepped at 0.875 s, the two directions' sum,
 where one max over the step predicted 0.47 s and hid paging under compute). Backward is taken
-as `backward_per_forward` forwards, as the adapter's compute_s counts it: one for the input
-gradients, and the trainable share of the block's matrices for the weight gradients (a frozen
-base's LoRA: about 1; a full fine-tune: 2). A paged block crosses once in each phase, in the
+as `backward_per_forward` forwards, as the adapter's compute_s counts it: the median timed
+block backward over the median timed forward (each block's backward timed from when its
+weights are there to when backward reaches the block below, its recompute's forward and its
+waits for paged activations taken off: Adapter.backward_begins, aside_begins), and until
+backward is timed, an estimate: one for the input gradients, and the trainable share of the
+block's matrices for the weight gradients (a frozen base's LoRA: about 1, where the H200 ran
+a 7B LoRA's backward at 1.29 forwards; a full fine-tune: 2). A paged block crosses once in each phase, in the
 dtype it computes in; a resident block's trainable weights cross once, in backward (the
 update's push). Saved activations of a paged block cross out in forward and in in backward.
 Gradients cross out in backward.
@@ -199,9 +203,18 @@ def device_bytes(inp: PlanInputs, paged, act_paged, recompute=()) -> int:
 
 
 def paging_s(inp: PlanInputs, x: BlockBytes) -> float:
-    """PCIe time of paging one block's activations: out in forward, in for backward (the two
-    directions overlap each other and compute; this is what they add to the busier link)."""
+    """PCIe time of paging one block's activations on the busier link (the order in which
+    blocks are recomputed rather than paged: _recompute_first)."""
     return max(x.act_bytes / inp.h2d_bytes_per_s, x.act_bytes / inp.d2h_bytes_per_s)
+
+
+def paging_cost_s(act_bytes: int, h2d_bytes_per_s: float, d2h_bytes_per_s: float) -> float:
+    """What paging a block's activations adds to the step where the links, not compute, set
+    each phase's time ([Note: step phases]): out in the forward phase, then in in the backward
+    phase, which do not overlap, so the two directions add. Recomputing it instead adds its
+    forward_s to the backward phase. The online guard weighs a block with these two, as the
+    events of a replan do."""
+    return act_bytes / d2h_bytes_per_s + act_bytes / h2d_bytes_per_s
 
 
 def recompute_frees(x: BlockBytes) -> bool:
