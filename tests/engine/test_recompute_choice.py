@@ -305,3 +305,43 @@ def test_a_replan_that_brings_every_blocks_activations_back_says_so():
     adapter.block_s = {b: 0.01 for b in range(len(adapter.block_units))}
     adapter._explain_leaving(make_plan(adapter._inputs(0)), [], [], [])
     assert trainstream.memory_report(model)["events"].endswith("every block keeps its activations")
+
+
+@pytest.mark.gpu
+def test_gpu_each_blocks_backward_is_timed_on_events_without_its_recompute(monkeypatch):
+    """On the GPU each block's backward is timed with CUDA events on the compute stream (read
+    after the step), its weights' wait (paged weights) and, for blocks 1-2, the recompute of its
+    forward taken off: a full fine-tune's backward (an input and a weight gradient per matrix)
+    is about two forwards, and a recomputed block's about a kept one's (with its recompute
+    counted in, it would be about 1.5 of them)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with planned_recompute(monkeypatch, [1, 2]):
+        model, opt = trainstream.wrap(model, opt, device="cuda", offload=True, param_offload=True)
+        for i in range(4):
+            x = torch.randint(0, 512, (8, 1024), generator=torch.Generator().manual_seed(i)).cuda()
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    adapter = model._trainstream_engine.adapter
+    assert adapter.recomputed() == [1, 2]
+    assert sorted(adapter.block_backward_s) == [0, 1, 2, 3]
+    ratio = adapter.backward_ratio()
+    assert 1.0 < ratio < 4.0, (adapter.block_s, adapter.block_backward_s)
+    assert adapter._inputs(0).backward_per_forward == ratio
+    b = adapter.block_backward_s
+    assert max(b[1], b[2]) < 1.3 * min(b[0], b[3]), b  # block 0's backward ends with the pass: not less
+    trainstream.unwrap(model)
