@@ -180,6 +180,9 @@ def test_each_blocks_backward_is_timed_without_its_recompute_or_its_waits_and_re
     terms = placement_terms(inp, [], [], [])
     assert terms["forward"] == pytest.approx(times.forward * n)
     assert terms["backward"] == pytest.approx(times.backward * n)
+    (said,) = [h for h in adapter.history if h["kind"] == "timing"]  # once, at the first timed step
+    assert said["step"] == 2 and said["backward_per_forward"] == pytest.approx(1.3) and said["estimated"] == 2.0
+    assert "backward timed: 1.30 forwards per block (median 5.20 ms against a forward's 4.00 ms" in said["message"]
 
 
 def lora_qwen2(layers: int = 3):

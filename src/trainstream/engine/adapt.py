@@ -564,7 +564,10 @@ class Adapter:
         `stock_allowed`: None if the run may switch to stock training, else why not."""
         self.steps += 1
         self._close_guard()
+        backward_timed = bool(self.block_backward_s)
         self._collect_times()
+        if self.block_backward_s and not backward_timed:
+            self._say_backward_timed()
         self.sample()
         observed = None
         whole = False  # observed is this step's peak, not a lower bound of it (see below)
@@ -662,6 +665,22 @@ class Adapter:
                 f"than max_activation_slowdown={self.opts.max_activation_slowdown}",
             )
         return Replan(new_paged, new_acts, new_rec)
+
+    def _say_backward_timed(self) -> None:
+        """The first timed backward: the ratio the plan splits the compute by from now on."""
+        if not self.block_s:
+            return
+        forward, backward = _median(self.block_s.values()), _median(self.block_backward_s.values())
+        self.record(
+            "timing",
+            f"backward timed: {self.backward_ratio():.2f} forwards per block (median {backward * 1e3:.2f} ms "
+            f"against a forward's {forward * 1e3:.2f} ms; {self.backward_per_forward:.2f} estimated from the "
+            "trainable share before)",
+            forward_s=forward,
+            backward_s=backward,
+            backward_per_forward=self.backward_ratio(),
+            estimated=self.backward_per_forward,
+        )
 
     def _explain_leaving(self, plan, paged: list, acts: list, recompute: list) -> None:
         """Say which blocks' activations a replan takes off the device and how, each block with
