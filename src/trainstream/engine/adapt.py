@@ -31,8 +31,9 @@
   if what is allocated plus the activations the rest of the pass will save (as this
   pass's blocks have shown) would not fit, the block's activations leave the device: it is
   recomputed in backward when its measured forward takes no longer than paging its
-  activations out in forward and back in for backward (the plan's phases), or when no forward has been timed yet (the first pass: [Note:
-  recompute before timing] in planner/plan.py), and paged otherwise, or when recomputing
+  activations out in forward and back in for backward (the plan's phases), or when no
+  forward has been timed yet (the first pass: [Note: recompute before timing] in
+  planner/plan.py), and paged otherwise, or when recomputing
   would keep as much (its inputs are as large as its activations). That keeps
   the very first pass, and a pass that suddenly grows, from running out of memory. It
   projects the end of the forward as the plan does (each block's measured activations,
