@@ -137,7 +137,7 @@ def test_the_function_gives_stock_autograds_input_gradient_bit_for_bit(x_shape, 
         xi = x.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             if use_function:
-                y = FrozenLinearFunction.apply(xi, w, b, None, _Attached(w), None)
+                y = FrozenLinearFunction.apply(xi, (w, b, None, _Attached(w), None))
             else:
                 y = F.linear(xi, w, b)
         y.backward(grad.to(y.dtype))

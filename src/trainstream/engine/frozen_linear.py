@@ -43,10 +43,14 @@ from .layout import Fetch
 
 
 class FrozenLinearFunction(torch.autograd.Function):
-    """y = x @ W.T (+ b) for a frozen W (and b): nothing saved; grad_x only."""
+    """y = x @ W.T (+ b) for a frozen W (and b): nothing saved; grad_x only. `frozen`: the
+    tuple (weight, bias, slot, pager, dtypes). x is the one input autograd sees: W and b need
+    no gradient, and each further argument of apply() costs a pass of torch's per-argument
+    Python (functorch's unwrap of each) on every call of every frozen Linear."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, slot, pager, dtypes):
+    def forward(ctx, x, frozen):
+        weight, bias, slot, pager, dtypes = frozen
         y = F.linear(x, weight, bias)
         inputs = x.shape[-1]
         rows = math.prod(x.shape[:-1])
@@ -74,7 +78,7 @@ class FrozenLinearFunction(torch.autograd.Function):
             gx = gx.reshape(x_shape)
         if gx.dtype != x_dtype:
             gx = gx.to(x_dtype)  # the backward of autocast's cast of x
-        return gx, None, None, None, None, None
+        return gx, None
 
 
 def _registrations(model: torch.nn.Module) -> dict:
@@ -168,7 +172,7 @@ class FrozenLinears:
                 and slot not in saved_elsewhere
                 and not compiling()
             ):
-                return apply(x, params["weight"], params.get("bias"), slot, pager, unit.fetch_dtypes)
+                return apply(x, (params["weight"], params.get("bias"), slot, pager, unit.fetch_dtypes))
             fetched = unit.fetched
             if fetched is None or unit.fetch is not attached or slot not in fetched:
                 return forward(x, *args, **kwargs)  # resident (or not attached): nothing streamed
