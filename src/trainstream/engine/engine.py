@@ -117,10 +117,20 @@ def _post_accumulate(engine_ref, slot_ref, param) -> None:
         engine.on_grad(slot)
 
 
-def _device_state_grad(engine_ref, slot_ref, param) -> None:
-    engine, slot = engine_ref(), slot_ref()
-    if engine is not None and slot is not None:
-        engine.on_device_state_grad(slot)
+class _DeviceStateGrad(_Installed):
+    """The post-accumulate-grad hook of a device-state param (install): one call per gradient
+    of every adapter tensor, so it calls the engine directly, with no partial in between."""
+
+    __slots__ = ("engine_ref", "slot_ref")
+
+    def __init__(self, engine_ref, slot_ref):
+        super().__init__(None)
+        self.engine_ref, self.slot_ref = engine_ref, slot_ref
+
+    def __call__(self, param) -> None:
+        engine, slot = self.engine_ref(), self.slot_ref()
+        if engine is not None and slot is not None:
+            engine.on_device_state_grad(slot)
 
 
 class Engine:
@@ -381,9 +391,7 @@ class Engine:
             if len(self.device_state):
                 for slot in unit.device_state_slots:
                     self._handles.append(
-                        slot.param.register_post_accumulate_grad_hook(
-                            _Installed(functools.partial(_device_state_grad, me, weakref.ref(slot)))
-                        )
+                        slot.param.register_post_accumulate_grad_hook(_DeviceStateGrad(me, weakref.ref(slot)))
                     )
         self.state_hooks.install()
         # model.to(), .double(), .half(), .cuda(), ... on the model or any submodule: each
