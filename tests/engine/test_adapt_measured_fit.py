@@ -74,3 +74,35 @@ def test_a_peak_sampled_under_an_earlier_higher_counter_is_not_taken_as_a_fit(mo
     warnings = [h["message"] for h in _history(model, "warning")]
     assert not any(m.endswith(": kept") for m in warnings), warnings
     assert "no placement is predicted to fit; paging as much as possible" in warnings
+
+
+def test_a_prediction_measured_too_high_is_taken_off_when_nothing_fits(monkeypatch):
+    """Every prediction carries the same overstatement (here a card's worth): nothing fits as
+    predicted, but the current placement's measured peak says by how much they are high, and
+    with that taken off the blocks paged at wrap() (half the card held back for unmeasured
+    activations) come back, as they do where the predictions are right."""
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(
+        model, None, device="cpu", lr=1e-2, offload=True, **AUTO, profile=machine(vram_gib=3 / 1024)
+    )
+    adapter = model._trainstream_engine.adapter
+    assert trainstream.memory_report(model)["params"]["paged_blocks"]  # paged at wrap()
+    fake = FakeDevice(adapter, 256 * 1024)
+    real = adapter._inputs
+
+    def overstated(correction, *args, **kwargs):
+        inputs = real(correction, *args, **kwargs)
+        inputs.fixed_bytes += inputs.usable_bytes
+        return inputs
+
+    monkeypatch.setattr(adapter, "_inputs", overstated)
+    for i in range(4):
+        loss = loss_fn(model, batch(i, "cpu"))
+        fake.peak += 1  # the counter reads each step's own peak
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert trainstream.memory_report(model)["params"]["paged_blocks"] == []
+    warnings = [h["message"] for h in _history(model, "warning")]
+    assert any("in place of its prediction" in m for m in warnings), warnings
+    assert "no placement is predicted to fit; paging as much as possible" not in warnings

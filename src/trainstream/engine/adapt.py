@@ -540,15 +540,17 @@ class Adapter:
             x.recomputable = u.no_recompute is None
         return inputs
 
-    def _plan(self):
+    def _plan(self, correction=None):
         """The plan for the next steps. Blocks keep the modes replans on timed forwards chose
         ([Note: settled modes] in planner/plan.py), unless that costs the fit, or the plan
         free to choose again is faster by more than SETTLED_MARGIN: the times a choice is
-        measured under move a little with it (its waits, its copies), and never undo it."""
-        held = make_plan(self._inputs(self.correction))
+        measured under move a little with it (its waits, its copies), and never undo it.
+        `correction`: bytes added to every prediction (default: the adapter's, never below 0)."""
+        correction = self.correction if correction is None else correction
+        held = make_plan(self._inputs(correction))
         if not self.settled_modes:
             return held
-        free = make_plan(self._inputs(self.correction, settled=False))
+        free = make_plan(self._inputs(correction, settled=False))
         if not held.fits or (free.fits and free.step_s < (1.0 - self.SETTLED_MARGIN) * held.step_s):
             return free
         return held
@@ -611,15 +613,29 @@ class Adapter:
         if not settling and (observed is None or observed <= self.usable):
             return None
         plan = self._plan()
+        if not plan.fits and whole and observed < predicted:
+            # Nothing is predicted to fit, and the prediction of the current placement was
+            # measured too high: plan again with what it overstated taken off every
+            # prediction (the 7B LoRA under 8 GiB: predicted 8.56 GiB where 7.22 was measured,
+            # and the same 1.3 GiB over every placement, so none "fit" and paging every
+            # activation, predicted smallest, cost 4x the step of recomputing them). Only here:
+            # where some placement fits as predicted, predictions keep their margin.
+            calibrated = self._plan(self.correction + observed - predicted)
+            if calibrated.fits:
+                self.record(
+                    "warning",
+                    f"no placement is predicted to fit; with the current one's measured peak "
+                    f"({_gib(observed)}) in place of its prediction ({predicted / GiB:.2f} GiB) one does",
+                    observed=observed,
+                    predicted=predicted,
+                )
+                plan = calibrated
         if not plan.fits and whole and observed <= self.usable:
-            # A measured fit outranks a predicted misfit: the prediction errs high (it adds
-            # each term at its largest), so "paging as much as possible" would leave a
-            # placement known to fit for one that is only predicted smaller (the 7B LoRA under
-            # 8 GiB: all blocks recomputed measured 6.41 GiB, predicted 7.73 of 7.20 usable, and
-            # paging every activation instead cost 4x the step). Only a whole measure counts:
-            # a peak sampled at block boundaries under an earlier, higher counter (a model on
-            # the device before wrap()) misses the head's. The watchdog still acts on a
-            # measured peak past the usable memory.
+            # A measured fit outranks a predicted misfit: "paging as much as possible" would
+            # leave a placement known to fit for one only predicted smaller. Only a whole
+            # measure counts: a peak sampled at block boundaries under an earlier, higher
+            # counter (a model on the device before wrap()) misses the head's. The watchdog
+            # still acts on a measured peak past the usable memory.
             self.record(
                 "warning",
                 f"no placement is predicted to fit (the smallest: {plan.device_bytes / GiB:.2f} of "
