@@ -348,3 +348,53 @@ def test_gpu_each_blocks_backward_is_timed_on_events_without_its_recompute(monke
     b = adapter.block_backward_s
     assert max(b[1], b[2]) < 1.3 * min(b[0], b[3]), b  # block 0's backward ends with the pass: not less
     trainstream.unwrap(model)
+
+
+def test_a_pass_that_pins_new_activation_slabs_is_not_timed():
+    # On the H200 the 7B LoRA's first pass that paged activations pinned their slabs inside
+    # its blocks' forwards: each read 296 ms where 6 ms is its own, and recomputing a block
+    # looked fifty times dearer than it is. Such a pass gives no times; the next one does.
+    from models import tiny_gpt
+
+    times = SimulatedTimes()
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    pinning, pinned = [False], [0]
+
+    def forward(module, args):
+        times.run_forward(module, args)
+        if pinning[0]:
+            times.now += 0.3  # fresh host memory pinned for the block's activations
+            pinned[0] += 1
+
+    for name, module in model.named_modules():
+        block = _block_of(model, name)
+        if block is not None and name == block[0] + "." + _first_leaf(block[1]):
+            module.register_forward_pre_hook(forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    model, opt = trainstream.wrap(
+        model,
+        opt,
+        device="cpu",
+        offload=True,
+        param_offload=False,
+        activation_offload=True,
+        min_offload_bytes=0,
+        profile=machine(),
+    )
+    engine = model._trainstream_engine
+    adapter = engine.adapter
+    times.hook_engine(engine)
+    times.forward = 0.004
+    slabs = adapter.slab_bytes
+    adapter.slab_bytes = lambda: slabs() + pinned[0]
+    timed_after = []
+    for i in range(3):
+        pinning[0] = i == 1  # the first timed pass pins
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+        timed_after.append(dict(adapter.block_s))
+    assert timed_after[1] == {}  # the pinning pass: no times (before: 0.304 s a block)
+    assert timed_after[2] and all(s == pytest.approx(0.004) for s in timed_after[2].values())
+    assert any("pinned new activation slabs is not timed" in h["message"] for h in adapter.history)

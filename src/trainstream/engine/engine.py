@@ -186,6 +186,7 @@ class Engine:
             layout.on_device,
             self.events,
         )
+        self.adapter.slab_bytes = lambda: self.acts.slab_bytes  # a pass that pins slabs is not timed
         self.state_hooks = StateHooks(model, self.units, backend, self.weights)
         self.linears = FrozenLinears(self.weights, self._hooks_for)  # [Note: frozen linears]
         self.moments = self._lay_out_moments() if plan.mapped_bytes else None
