@@ -650,9 +650,8 @@ class _NaNs:
     """The NaNs behind a pager's NaN placeholders: each placeholder expands an element of its
     own (a write that succeeds on an expanded tensor, zero_() or fill_(), spoils that weight's
     NaN and no other), carved from chunks allocated one per CHUNK weights of a dtype, so
-    placing a model queues one fill kernel per chunk, not one per quantized weight (196
-    allocations and fills, queued behind the pinning thread's host allocations, took about 3 s
-    of the 7B LoRA's 7 s wrap() under the profiler on the H200)."""
+    placing a model queues one allocation and fill kernel per chunk, not one per quantized
+    weight, each behind the pinning thread's host allocations (wrap() of a 7B LoRA has 196)."""
 
     CHUNK = 4096
 
