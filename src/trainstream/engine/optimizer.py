@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from .. import ops
-from ..ops.adamw import adamw_step_mapped
+from ..ops.adamw import adamw_step_mapped, group_hyper
 from ..optim.offload_adamw import OffloadAdamW, _check_moments
 from .adapt import SwitchToStock
 from .switch import MODE_KEY, saved_mode, why_not_resume_in_stock
@@ -393,7 +393,7 @@ class StreamedAdamW(OffloadAdamW):
                 seeds=[self._seed_for(i) ^ (self._shards[s.param][0] if self._shards else 0) for s, _, _, i in items],
                 threads=self.threads,
                 priority=priority,
-                **_hyper(group),
+                **group_hyper(group),
             )
             out.append((handle, [s for s, *_ in items]))
         return out
@@ -442,7 +442,7 @@ class StreamedAdamW(OffloadAdamW):
                     seeds=seeds,
                     max_blocks=max_blocks,
                     skip_flag=skip_flag,
-                    **_hyper(group),
+                    **group_hyper(group),
                 )
             elif skip_flag is not None and int(skip_flag) != 0:
                 continue  # as the kernel: nothing written
@@ -458,7 +458,7 @@ class StreamedAdamW(OffloadAdamW):
                     grad_scale=grad_scale,
                     seeds=seeds,
                     threads=self.threads,
-                    **_hyper(group),
+                    **group_hyper(group),
                 ).wait()
 
     def update_device_state(
@@ -492,7 +492,7 @@ class StreamedAdamW(OffloadAdamW):
             )
             seeds = [self._seed_for(i) for *_, i in items]
             if device.type == "cuda":
-                hyper = _hyper(group)
+                hyper = group_hyper(group)
                 adamw_step_mapped(device, *args, grad_scale=grad_scale, seeds=seeds, skip_flag=skip_flag, **hyper)
                 if rounded is not None:  # skipped, the master is unchanged: its rounding is the param's
                     torch._foreach_copy_(rounded, targets)
@@ -505,7 +505,7 @@ class StreamedAdamW(OffloadAdamW):
                     grad_scale=grad_scale,
                     seeds=seeds,
                     threads=self.threads,
-                    **_hyper(group),
+                    **group_hyper(group),
                 ).wait()
 
     def _batches(self, slots: list, grads: list, key):
@@ -525,20 +525,8 @@ class StreamedAdamW(OffloadAdamW):
         return list(batches.values())
 
 
-# The group keys the update reads (_hyper): share_param_groups writes them as checked.
+# The group keys the update reads (group_hyper): share_param_groups writes them as checked.
 _READ_BY_UPDATE = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
-
-
-def _hyper(group: dict) -> dict:
-    beta1, beta2 = group["betas"]
-    return dict(
-        lr=float(group["lr"]),
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        decoupled=group["decoupled_weight_decay"],
-    )
 
 
 def _check_groups(state_dict: dict, param_groups: list) -> None:

@@ -112,6 +112,20 @@ def _check_tensor(kind: str, i: int, t: torch.Tensor, numel: int, op: str = "ada
         raise ValueError(f"{op}: {kind}[{i}] has {t.numel()} elements, params[{i}] has {numel}")
 
 
+def group_hyper(group: dict) -> dict:
+    """The keyword arguments of adamw_step / adamw_step_gpu / adamw_step_mapped that a torch
+    AdamW param group sets."""
+    beta1, beta2 = group["betas"]
+    return dict(
+        lr=float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled=group["decoupled_weight_decay"],
+    )
+
+
 def adamw_step(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

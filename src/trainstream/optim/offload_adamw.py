@@ -363,7 +363,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             return loss
         try:
             for group in self.param_groups:
-                beta1, beta2 = group["betas"]
                 params, g_list, m_list, v_list, steps, seeds = [], [], [], [], [], []
                 for p in group["params"]:
                     index += 1
@@ -380,16 +379,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     seeds.append(self._seed_for(index - 1))
                 if not params:
                     continue
-                hyper = dict(
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    decoupled=group["decoupled_weight_decay"],
-                    grad_scale=grad_scale,
-                    seeds=seeds,
-                )
+                hyper = dict(ops.adamw.group_hyper(group), grad_scale=grad_scale, seeds=seeds)
                 if self.mode == "gpu":
                     ops.adamw_step_gpu(params, g_list, m_list, v_list, steps, grad_scale_tensor=clip, **hyper)
                     self._record_inflight(params[0].device)

@@ -49,7 +49,6 @@ class UpdateBatches:
             return
         self._items, self._numel = [], 0
         records = [item[0] for item in items]
-        beta1, beta2 = group["betas"]
         copies = [r.copy for r in records]
         handle = ops.adamw_step(
             [item[1] for item in items],
@@ -57,12 +56,7 @@ class UpdateBatches:
             [item[3]["exp_avg"] for item in items],
             [item[3]["exp_avg_sq"] for item in items],
             [int(item[3]["step"].item()) for item in items],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled=group["decoupled_weight_decay"],
+            **ops.adamw.group_hyper(group),
             grad_scale=self._grad_scale,
             seeds=[item[4] for item in items],
             param_copies=None if copies[0] is None else copies,
