@@ -114,12 +114,13 @@ def test_backward_per_forward_counts_the_trainable_matrices():
     assert adapter.compute_s() == pytest.approx((1 + bpf) * 0.01 * len(adapter.block_units))
 
 
-def timed_backwards(monkeypatch, *, recomputed=(), activation_offload="auto"):
+def timed_backwards(monkeypatch, *, recomputed=(), activation_offload="auto", forward_hook=None, each_step=None):
     """A 4-block GPT (every weight trainable: backward estimated at two forwards) run 4 steps on
     simulated times, `recomputed` blocks recomputed from wrap() on: each block's forward 4 ms
     after a 2 ms wait for its weights, its backward 5.2 ms (1.3 forwards), each paged
-    activation's unpack waiting 3 ms for its copy. Returns (the adapter, the times, the
-    number of paged unpacks)."""
+    activation's unpack waiting 3 ms for its copy. `forward_hook(times)`: the blocks' forward
+    pre-hook in place of times.run_forward; `each_step(i, adapter)`: called before step i.
+    Returns (the adapter, the times, the number of paged unpacks)."""
     from models import tiny_gpt
 
     times = SimulatedTimes()
@@ -128,7 +129,7 @@ def timed_backwards(monkeypatch, *, recomputed=(), activation_offload="auto"):
     for name, module in model.named_modules():
         block = _block_of(model, name)
         if block is not None and name == block[0] + "." + _first_leaf(block[1]):
-            module.register_forward_pre_hook(times.run_forward)
+            module.register_forward_pre_hook(forward_hook(times) if forward_hook else times.run_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     with planned_recompute(monkeypatch, list(recomputed)):
         model, opt = trainstream.wrap(
@@ -148,6 +149,8 @@ def timed_backwards(monkeypatch, *, recomputed=(), activation_offload="auto"):
         unpack = engine.acts.unpack
         engine.acts.unpack = lambda packed: unpacks.append(1) or unpack(packed)
         for i in range(4):
+            if each_step is not None:
+                each_step(i, engine.adapter)
             loss_fn(model, batch(i, "cpu")).backward()
             opt.step()
             opt.zero_grad()
@@ -350,51 +353,33 @@ def test_gpu_each_blocks_backward_is_timed_on_events_without_its_recompute(monke
     trainstream.unwrap(model)
 
 
-def test_a_pass_that_pins_new_activation_slabs_is_not_timed():
+def test_a_pass_that_pins_new_activation_slabs_is_not_timed(monkeypatch):
     # On the H200 the 7B LoRA's first pass that paged activations pinned their slabs inside
     # its blocks' forwards: each read 296 ms where 6 ms is its own, and recomputing a block
     # looked fifty times dearer than it is. Such a pass gives no times; the next one does.
-    from models import tiny_gpt
+    pinning, pinned, timed_after = [False], [0], []
 
-    times = SimulatedTimes()
-    torch.manual_seed(0)
-    model, batch, loss_fn = tiny_gpt()
-    pinning, pinned = [False], [0]
+    def pinning_forward(times):
+        def forward(module, args):
+            times.run_forward(module, args)
+            if pinning[0]:
+                times.now += 0.3  # fresh host memory pinned for the block's activations
+                pinned[0] += 1
 
-    def forward(module, args):
-        times.run_forward(module, args)
-        if pinning[0]:
-            times.now += 0.3  # fresh host memory pinned for the block's activations
-            pinned[0] += 1
+        return forward
 
-    for name, module in model.named_modules():
-        block = _block_of(model, name)
-        if block is not None and name == block[0] + "." + _first_leaf(block[1]):
-            module.register_forward_pre_hook(forward)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    model, opt = trainstream.wrap(
-        model,
-        opt,
-        device="cpu",
-        offload=True,
-        param_offload=False,
-        activation_offload=True,
-        min_offload_bytes=0,
-        profile=machine(),
-    )
-    engine = model._trainstream_engine
-    adapter = engine.adapter
-    times.hook_engine(engine)
-    times.forward = 0.004
-    slabs = adapter.slab_bytes
-    adapter.slab_bytes = lambda: slabs() + pinned[0]
-    timed_after = []
-    for i in range(3):
+    def each_step(i, adapter):
+        if i == 0:
+            slabs = adapter.slab_bytes
+            adapter.slab_bytes = lambda: slabs() + pinned[0]
+        else:
+            timed_after.append(dict(adapter.block_s))
         pinning[0] = i == 1  # the first timed pass pins
-        loss_fn(model, batch(i, "cpu")).backward()
-        opt.step()
-        opt.zero_grad()
-        timed_after.append(dict(adapter.block_s))
+
+    adapter, _, _ = timed_backwards(
+        monkeypatch, activation_offload=True, forward_hook=pinning_forward, each_step=each_step
+    )
+    assert timed_after[0] == {}  # the first pass is never timed
     assert timed_after[1] == {}  # the pinning pass: no times (before: 0.304 s a block)
     assert timed_after[2] and all(s == pytest.approx(0.004) for s in timed_after[2].values())
     assert any("pinned new activation slabs is not timed" in h["message"] for h in adapter.history)
