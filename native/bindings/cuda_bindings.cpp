@@ -29,12 +29,13 @@ void bind_cuda(py::module_& m) {
       "adamw_gpu_launch",
       [](int64_t tensors, int64_t scalars, int64_t grad_scale, int num_tensors, int64_t num_chunks,
          bool decoupled, int grad_dtype, int moment_dtype, int param_dtype, int device, int64_t stream,
-         int64_t max_blocks, int64_t skip_flag) {
+         int64_t max_blocks, int64_t skip_flag, int64_t tensor_skip) {
         GpuAdamWLaunch L;
         L.tensors = as_ptr<const GpuAdamWTensor>(tensors);
         L.scalars = as_ptr<const float>(scalars);
         L.grad_scale = as_ptr<const float>(grad_scale);
         L.skip_flag = as_ptr<const int32_t>(skip_flag);
+        L.tensor_skip = as_ptr<const int32_t>(tensor_skip);
         L.num_tensors = num_tensors;
         L.num_chunks = num_chunks;
         L.decoupled = decoupled;
@@ -49,7 +50,7 @@ void bind_cuda(py::module_& m) {
       py::arg("tensors"), py::arg("scalars"), py::arg("grad_scale"), py::arg("num_tensors"),
       py::arg("num_chunks"), py::arg("decoupled"), py::arg("grad_dtype"), py::arg("moment_dtype"),
       py::arg("param_dtype"), py::arg("device"), py::arg("stream"), py::arg("max_blocks") = 0,
-      py::arg("skip_flag") = 0);
+      py::arg("skip_flag") = 0, py::arg("tensor_skip") = 0);
   m.attr("GPU_ADAMW_CHUNK") = kGpuAdamWChunk;
 
   m.def(

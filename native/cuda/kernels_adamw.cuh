@@ -121,6 +121,7 @@ __device__ __forceinline__ void update4(const Scalars& s, float gs, int64_t i, c
 template <typename G, typename M, bool kDecoupled>
 __device__ void update_chunk(const GpuAdamWLaunch& L, int64_t chunk) {
   const int ti = find_tensor(L.tensors, L.num_tensors, chunk);
+  if (L.tensor_skip != nullptr && L.tensor_skip[ti] != 0) return;  // every chunk of a skipped tensor returns here
   const GpuAdamWTensor t = L.tensors[ti];
   const float* sp = L.scalars + int64_t(ti) * kGpuScalarFields;
   const Scalars s{sp[0], sp[1], sp[2], sp[3], sp[4], sp[5], sp[6], sp[7], sp[8]};

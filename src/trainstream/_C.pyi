@@ -75,6 +75,7 @@ def adamw_gpu_launch(
     stream: int,
     max_blocks: int = 0,
     skip_flag: int = 0,
+    tensor_skip: int = 0,
 ) -> None: ...
 def grad_sq_norms_launch(
     tensors: int, num_tensors: int, num_chunks: int, dtype: int, partials: int, out: int, device: int, stream: int

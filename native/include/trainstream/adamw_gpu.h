@@ -33,6 +33,10 @@ struct GpuAdamWLaunch {
   // Device int32, or nullptr: when it holds a non-zero value the kernel returns without
   // writing anything (the non-finite check set it earlier on the stream, grad_gpu.h).
   const int32_t* skip_flag;
+  // Device int32 per tensor of the launch, or nullptr: a tensor whose entry is non-zero is
+  // skipped (its params, masters and moments keep their bits), the others update as without
+  // it. The device state's check decides it per unit without a host sync (device_state.py).
+  const int32_t* tensor_skip;
   int num_tensors;
   int64_t num_chunks;
   // At most this many thread blocks, each looping over chunks (0: one block per chunk).

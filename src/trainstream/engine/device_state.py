@@ -47,15 +47,64 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from . import skip_order
+
+_LAYOUTS_KEPT = 4  # eager updates repeat one layout; a raised pass or a held window adds one
+
+
+class _Layout:
+    """One update's slots as its launches take them, built once and kept while they repeat.
+
+    - slots: the batches' slots one batch after another (the update's order); unit_start[i]:
+      the index of the first slot of slot i's batch (a skip runs from there to the end);
+    - mark_groups: the check's launches, one per gradient dtype, as update-order positions;
+      their marks lie one group after another, mark_order giving each mark's update-order
+      position (None: the update's order itself), to_update_order its inverse (on the device);
+    - launches: the optimizer's (device_state_launches), skip_ends: for each of their slots
+      laid out one launch after another, the update-order index of the last slot of its batch
+      (skip_order.skipped reads the running count of marks there);
+    - steps: each slot's ``state["step"]``; storage: each param's data_ptr(), which the
+      launches hold (a param given new storage makes a new layout)."""
+
+    def __init__(self, state: DeviceState, batches, slots: list, grad_dtypes: tuple, storage: list):
+        backend, n = state.backend, len(slots)
+        self.slots, self.storage = slots, storage
+        sizes = [len(ss) for _, ss in batches]
+        self.unit_start, first = [], 0
+        for size in sizes:
+            self.unit_start += [first] * size
+            first += size
+        by_dtype: dict = {}
+        for i, dtype in enumerate(grad_dtypes):
+            by_dtype.setdefault(dtype, []).append(i)
+        self.mark_groups = list(by_dtype.values())
+        order = [i for group in self.mark_groups for i in group]
+        self.mark_order = None if order == list(range(n)) else order
+        self.to_update_order = None
+        if self.mark_order is not None:
+            inverse = [0] * n
+            for j, i in enumerate(order):
+                inverse[i] = j
+            self.to_update_order = _index(inverse, backend)
+        self.launches = state.optimizer.device_state_launches(backend.device, slots, list(grad_dtypes), state.masters)
+        ends = skip_order.unit_ends(sizes)
+        self.skip_ends = _index([ends[i] for launch in self.launches for i in launch.positions], backend)
+        self.steps = [state.optimizer.state[s.param]["step"] for s in slots]
+
+
+def _index(values: list, backend) -> torch.Tensor:
+    """int64 indices on the compute device; on a GPU by a non-blocking copy from pinned memory
+    (a layout is built in backward's final callback, where a pageable copy would sync)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(backend.device, non_blocking=True) if backend.is_cuda else t
 
 
 @dataclass
 class Queued:
     """A device-state update queued behind the non-finite check, not settled yet."""
 
-    batches: list  # [(unit or None, slots)], in the order checked and updated
-    marks: list  # per batch: [(found, slots in found's order)], one per gradient dtype
-    event: object  # the end of its kernels (the backend's event; DONE on the CPU)
+    layout: _Layout  # its slots in the update's order, and how the check's marks are laid out
+    event: object  # the end of its kernels and the marks' copy (the backend's event; DONE on the CPU)
     step: int  # the step it belongs to, for the events
     grads: list  # the gradients its kernels read, held until they have run
 
@@ -91,6 +140,7 @@ class DeviceState:
         for s in slots:
             self._counts[s.unit] = self._counts.get(s.unit, 0) + 1
         self._queued: list = []  # Queued updates not settled yet, oldest first
+        self._layouts: dict = {}  # the updates' layouts (_Layout), by their slots, batches and dtypes
         # The check's marks, one int32 per slot, in a host buffer (pinned on a GPU) made here:
         # a pinned allocation on the autograd thread can synchronize the device, and a device
         # buffer's read would be a copy on the current stream, behind whatever follows the
@@ -105,6 +155,7 @@ class DeviceState:
         """The optimizer's state was replaced (load_state_dict): its moments go to the device
         before the next update."""
         self._ready.clear()
+        self._layouts.clear()  # their launches hold the moments replaced
 
     def _place(self, slots) -> None:
         """The moments of `slots` on the device in the moment dtype: those the optimizer holds
@@ -113,6 +164,8 @@ class DeviceState:
         each param that is not fp32, from the param (or the master carried in, where the param
         is what that rounds to)."""
         device, dtype = self.backend.device, self.optimizer.moment_dtype
+        if slots:
+            self._layouts.clear()  # a layout's launches hold the moments and masters made here
         for s in slots:
             p = s.param
             self._ready.add(s)
@@ -245,12 +298,13 @@ class DeviceState:
 
     def update(self, batches, grad_scale: float = 1.0, check: bool = False, step: int = 0) -> None:
         """AdamW over the batches' slots from their gradients, scaled by `grad_scale`
-        (clipping), batch by batch in order: one kernel per batch, param group and gradient
-        dtype. The gradients are taken: p.grad is None afterwards. `check`: each batch's
-        gradients are checked on the device first (ops.mark_nonfinite_, one launch per
-        dtype) into one flag that its kernels and every later batch's read: set, they write
-        nothing. Nothing is read back here: the outcome is a Queued record, settled later
-        (`settle`). `step`: the step label of the events."""
+        (clipping): one kernel per param group and (gradient dtype, master or not), whatever
+        the number of batches. The gradients are taken: p.grad is None afterwards. `check`:
+        the gradients are checked on the device first (ops.mark_nonfinite_, one launch per
+        dtype), and a slot whose batch or an earlier batch holds a gradient that is not
+        finite writes nothing (skip_order.py), as if the batches had gone one after another
+        behind one flag. Nothing is read back here: the outcome is a Queued record, settled
+        later (`settle`). `step`: the step label of the events."""
         slots = [s for _, ss in batches for s in ss]
         if not slots:
             return
@@ -258,51 +312,65 @@ class DeviceState:
         self.take_edits(slots)
         if check and self._queued:
             raise RuntimeError("trainstream internal: a device-state update was not settled before the next")
-        device = self.backend.device
-        flag = torch.zeros(1, dtype=torch.int32, device=device) if check else None
-        if check:
-            self._marks.zero_()
-        marks, kept, offset = [], [], 0
-        for _, ss in batches:
-            grads = self._grads(ss)
-            kept += grads
-            if check:
-                marks.append(self._mark_nonfinite(ss, grads, flag, offset))
-                offset += len(ss)
-            self.optimizer.update_device_state(device, ss, grads, self.masters, grad_scale, flag)
+        grads = self._grads(slots)
+        layout = self._layout_for(batches, slots, grads)
+        skip = self._check(layout, grads) if check else None
+        self.optimizer.update_device_state(layout.launches, layout.steps, grads, grad_scale, skip)
         for s in slots:
             s.param.grad = None  # consumed, as the host path's gradients are
-        if self.backend.is_cuda:
+        if check:
+            # Held until its event has passed (settle), which is after the kernels read them.
+            self._queued.append(Queued(layout, self.backend.record(), step, grads))
+        elif self.backend.is_cuda:
             # Autograd made the gradients on its own streams; the kernels read them on this one.
             stream = self.backend.compute_stream()
-            for g in kept:
+            for g in grads:
                 g.record_stream(stream)
-        if check:
-            self._queued.append(Queued(batches, marks, self.backend.record(), step, kept))
 
-    def _mark_nonfinite(self, slots, grads, flag, offset: int) -> list:
-        """[(found, slots)] with ops.mark_nonfinite_ queued over `grads`, one launch per
-        gradient dtype, each setting `flag` at a value that is not finite and marking its
-        gradients in the marks buffer from `offset` on."""
-        groups: dict = {}
-        for s, g in zip(slots, grads):
-            groups.setdefault(g.dtype, []).append((s, g))
-        out = []
-        for items in groups.values():
-            found = self._marks[offset : offset + len(items)]
-            offset += len(items)
-            ops.mark_nonfinite_([g for _, g in items], found, flag)
-            out.append((found, [s for s, _ in items]))
-        return out
+    def _layout_for(self, batches, slots, grads) -> _Layout:
+        """The update's layout (_Layout), kept while the batches, their gradients' dtypes and
+        the params' storage repeat (eager updates: backward's order, step after step)."""
+        key = (tuple(slots), tuple(len(ss) for _, ss in batches), tuple(g.dtype for g in grads))
+        storage = [s.param.data_ptr() for s in slots]
+        layout = self._layouts.get(key)
+        if layout is not None and layout.storage == storage:
+            return layout
+        if len(self._layouts) >= _LAYOUTS_KEPT:
+            self._layouts.pop(next(iter(self._layouts)))
+        layout = self._layouts[key] = _Layout(self, batches, slots, key[2], storage)
+        return layout
+
+    def _check(self, layout: _Layout, grads: list) -> torch.Tensor:
+        """Queue the check of `grads` (one ops.mark_nonfinite_ launch per gradient dtype) and
+        return each launch slot's skip (skip_order.skipped, laid out as the launches take
+        it). The marks land in the host buffer that settle() reads once the update's event
+        has passed: on a GPU through a non-blocking copy behind the kernels."""
+        n = len(grads)
+        if self.backend.is_cuda:
+            marks = torch.zeros(n + 1, dtype=torch.int32, device=self.backend.device)
+            found, flag = marks[:n], marks[n:]
+        else:
+            found, flag = self._marks[:n], torch.zeros(1, dtype=torch.int32)
+            found.zero_()
+        offset = 0
+        for positions in layout.mark_groups:
+            ops.mark_nonfinite_([grads[i] for i in positions], found[offset : offset + len(positions)], flag)
+            offset += len(positions)
+        in_order = found if layout.to_update_order is None else found.index_select(0, layout.to_update_order)
+        skip = skip_order.skipped(in_order, layout.skip_ends)
+        if self.backend.is_cuda:
+            self._marks[:n].copy_(found, non_blocking=True)  # pinned: no host sync
+        return skip
 
     def has_pending(self) -> bool:
         return bool(self._queued)
 
     def settle(self, wait: bool = False) -> list:
         """Settle, oldest first, the updates queued behind the check whose kernels have run
-        (all of them if `wait`, waiting for the last). A batch whose gradient was not finite
-        and every batch after it were skipped on the device: their step counts, advanced
-        when they were queued, are taken back. Returns a Skipped per update that was."""
+        (all of them if `wait`, waiting for the last). The batch holding the first gradient
+        found not finite and every batch after it were skipped on the device: their step
+        counts, advanced when they were queued, are taken back. Returns a Skipped per update
+        that was."""
         out = []
         while self._queued:
             q = self._queued[0]
@@ -311,24 +379,14 @@ class DeviceState:
                     break
                 q.event.synchronize()  # only for an update still running (as a rule long passed)
             self._queued.pop(0)
-            values = self._marks.tolist()  # one read: each batch's marks are a slice of the buffer
-            bad = None
-            for i, batch_marks in enumerate(q.marks):
-                for found, ss in batch_marks:
-                    start = found.storage_offset()
-                    hit = {s for s, m in zip(ss, values[start : start + len(ss)]) if m}
-                    if hit:
-                        bad = (i, next(s for s in q.batches[i][1] if s in hit))
-                        break
-                if bad is not None:
-                    break
-            if bad is None:
+            layout = q.layout
+            marks = self._marks[: len(layout.slots)].tolist()  # one read, in the check's order
+            first = skip_order.first_found(marks, layout.mark_order)
+            if first is None:
                 continue
-            i, first = bad
-            skipped = [s for _, ss in q.batches[i:] for s in ss]
-            for s in skipped:
-                self.optimizer.state[s.param]["step"] -= 1
-            out.append(Skipped(first, list(dict.fromkeys(s.unit for s in skipped)), q.step))
+            skipped = layout.slots[layout.unit_start[first] :]
+            torch._foreach_sub_([self.optimizer.state[s.param]["step"] for s in skipped], 1.0)
+            out.append(Skipped(layout.slots[first], list(dict.fromkeys(s.unit for s in skipped)), q.step))
         return out
 
     def nbytes(self) -> int:

@@ -12,16 +12,32 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from .. import ops
-from ..ops.adamw import adamw_step_mapped, group_hyper
+from ..ops.adamw import MappedAdamW, adamw_step_mapped, group_hyper
 from ..optim.offload_adamw import OffloadAdamW, _check_moments
 from .adapt import SwitchToStock
 from .switch import MODE_KEY, saved_mode, why_not_resume_in_stock
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the host AdamW reads fp32 or bf16 gradients
+
+
+@dataclass
+class DeviceStateLaunch:
+    """One kernel launch of the device state's update: the slots of one param group with one
+    gradient dtype, all with a master or none, and what stays fixed from step to step."""
+
+    group_index: int  # into optimizer.param_groups
+    positions: list  # the slots', in the update's order
+    seeds: list  # each param's stochastic-rounding seed (bf16 moments)
+    params: list  # each param's weights (p.data): the master itself, or its rounding
+    exp_avgs: list
+    exp_avg_sqs: list
+    masters: list | None  # the fp32 masters of params that are not fp32, or None
+    kernel: object  # MappedAdamW over them on CUDA, None on the CPU path
 
 
 class StreamedAdamW(OffloadAdamW):
@@ -461,63 +477,105 @@ class StreamedAdamW(OffloadAdamW):
                     **group_hyper(group),
                 ).wait()
 
+    def device_state_launches(self, device: torch.device, slots: list, grad_dtypes: list, masters: dict) -> list:
+        """The kernel launches of a device-state update over `slots` (device_state.py), whose
+        params, moments and `masters` (param -> fp32 master, for params that are not fp32)
+        are all on `device`: one per param group and (gradient dtype, master or not), as
+        DeviceStateLaunch records holding what stays fixed between steps. Built once per
+        layout of the update (the state must be placed, _place): a load of the state
+        replaces the moments, and the device state builds them again (adopt_state)."""
+        where = self._positions()
+        groups: dict = {}
+        for pos, (s, dtype) in enumerate(zip(slots, grad_dtypes)):
+            group_index, _ = where[s.param]
+            groups.setdefault((group_index, dtype, s.param in masters), []).append(pos)
+        out = []
+        for (group_index, _, mastered), positions in groups.items():
+            params = [slots[i].param for i in positions]
+            states = [self.state[p] for p in params]
+            exp_avgs = [st["exp_avg"] for st in states]
+            exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+            weights = [p.data for p in params]
+            # With a master the kernel (or the host AdamW) updates the master and writes the
+            # param its rounding to nearest even, in the same pass.
+            kept = [masters[p] for p in params] if mastered else None
+            seeds = [self._seed_for(where[p][1]) for p in params]
+            kernel = None
+            if device.type == "cuda":
+                kernel = MappedAdamW(device, weights, exp_avgs, exp_avg_sqs, masters=kept)
+            out.append(DeviceStateLaunch(group_index, positions, seeds, weights, exp_avgs, exp_avg_sqs, kept, kernel))
+        return out
+
     def update_device_state(
         self,
-        device: torch.device,
-        slots: list,
+        launches: list,
+        steps: list,
         grads: list,
-        masters: dict,
         grad_scale: float,
-        skip_flag: torch.Tensor | None = None,
+        tensor_skip: torch.Tensor | None = None,
     ) -> None:
-        """Device state (device_state.py): AdamW over `slots`, whose params, `grads`, moments
-        and `masters` (param -> fp32 master, for params that are not fp32) are all on `device`,
-        one launch per param group and (gradient dtype, master or not). On CUDA the engine's
-        kernel on the current stream (a master's param then gets its rounding to nearest even,
-        as the kernel and the host AdamW write a copy); on the CPU path the host AdamW, the
-        same bits, done when this returns. `skip_flag` (one int32 on `device`): set when the
-        update runs, it writes nothing; the step counts are advanced here all the same (the
-        caller takes them back once it has read the flag)."""
-        key = lambda s: s.param in masters  # noqa: E731  (a master: written, the param rounded from it)
-        for group, items in self._batches(slots, grads, key):
-            states = [st for _, _, st, _ in items]
-            targets = [masters.get(s.param, s.param.data) for s, *_ in items]
-            rounded = [s.param.data for s, *_ in items] if items[0][0].param in masters else None
-            args = (
-                targets,
-                [g for _, g, *_ in items],
-                [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states],
-                [int(st["step"].item()) for st in states],
-            )
-            seeds = [self._seed_for(i) for *_, i in items]
-            if device.type == "cuda":
-                hyper = group_hyper(group)
-                adamw_step_mapped(device, *args, grad_scale=grad_scale, seeds=seeds, skip_flag=skip_flag, **hyper)
-                if rounded is not None:  # skipped, the master is unchanged: its rounding is the param's
-                    torch._foreach_copy_(rounded, targets)
-            elif skip_flag is not None and int(skip_flag) != 0:
-                continue  # as the kernel: nothing written
+        """Device state (device_state.py): AdamW over the `launches` (device_state_launches)
+        from `grads` (one per slot, in the update's order). `steps`: each slot's
+        ``state["step"]``, advanced here for every slot (one foreach op), skipped or not (the
+        caller takes them back once it has read its check). On CUDA the engine's kernel on the
+        current stream, one launch each; on the CPU path the host AdamW, the same bits, done
+        when this returns. `tensor_skip` (int32, one per slot of the launches laid out one
+        after another, on the device): a slot whose value is non-zero when its launch runs
+        writes nothing."""
+        torch._foreach_add_(steps, 1.0)
+        counts = torch.stack(steps).tolist()  # one read of every step count
+        offset = 0
+        for launch in launches:
+            positions = launch.positions
+            end = offset + len(positions)
+            hyper = group_hyper(self.param_groups[launch.group_index])
+            gs = [grads[i] for i in positions]
+            step_counts = [int(counts[i]) for i in positions]
+            if launch.kernel is not None:
+                skip = tensor_skip[offset:end] if tensor_skip is not None else None
+                launch.kernel(gs, step_counts, grad_scale=grad_scale, seeds=launch.seeds, tensor_skip=skip, **hyper)
             else:
-                ops.adamw_step(
-                    *args,
-                    param_copies=rounded,
-                    grad_scale=grad_scale,
-                    seeds=seeds,
-                    threads=self.threads,
-                    **group_hyper(group),
-                ).wait()
+                skip = tensor_skip[offset:end].tolist() if tensor_skip is not None else None
+                self._update_on_host(launch, gs, step_counts, grad_scale, hyper, skip)
+            offset = end
+
+    def _update_on_host(self, launch, grads: list, steps: list, grad_scale: float, hyper: dict, skip) -> None:
+        """The CPU path's launch: the host AdamW over the slots `skip` (their check's outcome,
+        known at once on the CPU) leaves in. Each tensor's update is its own, so leaving one
+        out changes no other's bits."""
+        keep = [j for j in range(len(grads)) if not (skip and skip[j])]
+        if not keep:
+            return
+        pick = lambda xs: [xs[j] for j in keep]  # noqa: E731
+        mastered = launch.masters is not None
+        ops.adamw_step(
+            pick(launch.masters if mastered else launch.params),
+            pick(grads),
+            pick(launch.exp_avgs),
+            pick(launch.exp_avg_sqs),
+            pick(steps),
+            param_copies=pick(launch.params) if mastered else None,
+            grad_scale=grad_scale,
+            seeds=pick(launch.seeds),
+            threads=self.threads,
+            **hyper,
+        ).wait()
+
+    def _positions(self) -> dict:
+        """param -> (its param group's index, its index in the optimizer). Positions only:
+        load_state_dict replaces the group dicts, so those are looked up each time."""
+        if not hasattr(self, "_where"):
+            flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+            self._where = {p: (gi, i) for i, (gi, p) in enumerate(flat)}
+        return self._where
 
     def _batches(self, slots: list, grads: list, key):
         """Count a step for each slot's param and batch them by param group and `key`:
         yields (group, [(slot, grad, state, index in the optimizer)])."""
-        if not hasattr(self, "_where"):
-            # Positions only: load_state_dict replaces the group dicts, so look those up each time.
-            flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
-            self._where = {p: (gi, i) for i, (gi, p) in enumerate(flat)}
+        where = self._positions()
         batches = {}
         for s, g in zip(slots, grads):
-            group_index, index = self._where[s.param]
+            group_index, index = where[s.param]
             group = self.param_groups[group_index]
             state = self._state_for(s.param)
             state["step"] += 1

@@ -277,16 +277,9 @@ def adamw_step_gpu(
     device = params[0].device
     if device.type != "cuda":
         raise ValueError(f"adamw_step_gpu: params must be CUDA tensors, got {device}")
-    _gpu_launch(
-        device,
-        _check_cuda,
-        _check_pinned_moment,
-        params,
+    MappedAdamW(device, params, exp_avgs, exp_avg_sqs, masters=masters, zero_copy=True)(
         grads,
-        exp_avgs,
-        exp_avg_sqs,
         steps,
-        masters=masters,
         lr=lr,
         beta1=beta1,
         beta2=beta2,
@@ -301,140 +294,171 @@ def adamw_step_gpu(
 
 
 def adamw_step_mapped(
-    device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters=None, max_blocks: int = 0, **hyper
+    device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps, *, masters=None, **launch
 ) -> None:
-    """:func:`adamw_step_gpu` for the engine: params and grads may each be on `device` or
-    in pinned host memory (a paged block's host weights, gradients landed in host memory
-    for clipping or accumulation); the kernel reaches mapped host memory over PCIe.
-    The moments may be on `device` too (copied there for the update, engine/moments.py).
-    `max_blocks` > 0 caps the kernel's grid (see GpuAdamWLaunch.max_blocks); `skip_flag` as
-    in :func:`adamw_step_gpu`."""
+    """:func:`adamw_step_gpu` for the engine: params, grads, moments and masters may each be
+    on `device` or in pinned host memory (a paged block's host weights, gradients landed in
+    host memory for clipping or accumulation, moments copied to the device for the update
+    (engine/moments.py), the device state's masters); the kernel reaches mapped host memory
+    over PCIe. `launch` takes the keywords of :meth:`MappedAdamW.__call__`: the
+    hyper-parameters, `max_blocks` > 0 capping the kernel's grid (see
+    GpuAdamWLaunch.max_blocks), `skip_flag` as in :func:`adamw_step_gpu`, and `tensor_skip`
+    (one int32 per tensor on `device`): a tensor whose entry is non-zero when the kernel runs
+    keeps its bits (params, masters, moments), the others update as without it."""
     from .._native import require_cuda
 
     require_cuda("the GPU AdamW")
     if params:
-        _gpu_launch(
-            device,
-            _check_reachable,
-            _check_reachable,
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
-            masters=masters,
-            max_blocks=max_blocks,
-            **hyper,
-        )
+        MappedAdamW(device, params, exp_avgs, exp_avg_sqs, masters=masters)(grads, steps, **launch)
 
 
 def _check_pinned_moment(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:
     _check_pinned(kind, i, t, numel)
 
 
-def _gpu_launch(
-    device,
-    check_place,
-    check_moment,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    steps,
-    *,
-    masters,
-    lr,
-    beta1=0.9,
-    beta2=0.999,
-    eps=1e-8,
-    weight_decay=0.0,
-    decoupled=True,
-    grad_scale=1.0,
-    grad_scale_tensor=None,
-    seeds=None,
-    max_blocks: int = 0,
-    skip_flag=None,
-) -> None:
-    op = "adamw_step_gpu"
-    for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-        _args.tensors(op, name, value)
-    if masters is not None:
-        _args.tensors(op, "masters", masters)
-    if grad_scale_tensor is not None:
-        _args.tensor(op, "grad_scale_tensor", grad_scale_tensor)
-    if skip_flag is not None:
-        _args.tensor(op, "skip_flag", skip_flag)
-        if skip_flag.device != device or skip_flag.numel() != 1 or skip_flag.dtype != torch.int32:
-            raise ValueError(f"adamw_step_gpu: skip_flag must be one int32 value on {device}")
-    lr, beta1, beta2, eps, weight_decay, grad_scale = _scalars(op, lr, beta1, beta2, eps, weight_decay, grad_scale)
-    decoupled = _args.flag(op, "decoupled", decoupled)
-    n = len(params)
-    param_dtype = _check_same(
-        "params", params, (torch.float32,) if masters is None else (torch.float32, torch.bfloat16, torch.float16), n
-    )
-    grad_dtype, moment_dtype = _check_grad_and_moment_dtypes(grads, exp_avgs, exp_avg_sqs, n, "adamw_step_gpu")
-    if masters is not None:
-        _check_same("masters", masters, (torch.float32,), n)
-    steps = _args.integers(op, "steps", steps, n, low=1)
-    seeds = None if seeds is None else _args.integers(op, "seeds", seeds, n)
-    if grad_scale_tensor is not None and (
-        grad_scale_tensor.device != device or grad_scale_tensor.numel() != 1 or grad_scale_tensor.dtype != torch.float32
-    ):
-        raise ValueError(f"adamw_step_gpu: grad_scale_tensor must be one float32 value on {device}")
-    native = lib()
-    chunk = native.GPU_ADAMW_CHUNK
-    rows, scalars, first_chunk = [], [], 0
-    for i, p in enumerate(params):
-        numel = p.numel()
-        check_place("params", i, p, numel, device)
-        check_place("grads", i, grads[i], numel, device)
-        check_moment("exp_avgs", i, exp_avgs[i], numel, device)
-        check_moment("exp_avg_sqs", i, exp_avg_sqs[i], numel, device)
+_ROW = 8  # int64 fields of a GpuAdamWTensor (adamw_gpu.h), in its order
+_GRAD, _KEY = 1, 7  # the fields a launch fills in; the others are fixed at construction
+
+
+class MappedAdamW:
+    """The CUDA AdamW over one set of tensors, launched again with each step's gradients.
+
+    params (the weights written), exp_avgs / exp_avg_sqs and masters are checked and their
+    addresses taken here, once; each call checks only the gradients and its own arguments,
+    then queues one kernel on the current stream of `device`. The tensors given here must
+    keep their storage while this object is used (it holds them alive): the engine's device
+    state makes its tensors once and builds a new one after replacing any (device_state.py).
+    Places: on `device` or in pinned host memory (:func:`adamw_step_mapped`), or with
+    `zero_copy` params and grads on `device`, moments and masters pinned
+    (:func:`adamw_step_gpu`). Without masters the float32 params are the master weights; with
+    masters the params (float32, bfloat16 or float16) receive the new weights, rounded to
+    nearest even. Results equal :func:`adamw_step`'s bit for bit."""
+
+    def __init__(self, device, params, exp_avgs, exp_avg_sqs, *, masters=None, zero_copy: bool = False):
+        op = "adamw_step_gpu"
+        for name, value in (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+            _args.tensors(op, name, value)
         if masters is not None:
-            _check_pinned("masters", i, masters[i], numel)
-        step = int(steps[i])
-        if step < 1:
-            raise ValueError(f"adamw_step_gpu: steps[{i}] must be >= 1, got {step}")
-        floats, key = native.adamw_scalars(
-            float(lr),
-            float(beta1),
-            float(beta2),
-            float(eps),
-            float(weight_decay),
-            float(grad_scale),
-            step,
-            int(seeds[i]) & 0xFFFF_FFFF_FFFF_FFFF if seeds else 0,
+            _args.tensors(op, "masters", masters)
+        self.device, self.n = device, len(params)
+        self._check_place = _check_cuda if zero_copy else _check_reachable
+        check_moment = _check_pinned_moment if zero_copy else _check_reachable
+        n = self.n
+        self.param_dtype = _check_same(
+            "params", params, (torch.float32,) if masters is None else (torch.float32, torch.bfloat16, torch.float16), n
         )
-        rows.append(
-            [
-                masters[i].data_ptr() if masters is not None else 0,
-                grads[i].data_ptr(),
-                exp_avgs[i].data_ptr(),
-                exp_avg_sqs[i].data_ptr(),
-                p.data_ptr(),
-                numel,
-                first_chunk,
-                key,
-            ]
+        self.moment_dtype = _check_same("exp_avgs", exp_avgs, MOMENT_DTYPES, n)
+        if _check_same("exp_avg_sqs", exp_avg_sqs, MOMENT_DTYPES, n) != self.moment_dtype:
+            raise ValueError(f"{op}: exp_avgs and exp_avg_sqs must have the same dtype")
+        if masters is not None:
+            _check_same("masters", masters, (torch.float32,), n)
+        chunk = lib().GPU_ADAMW_CHUNK
+        fixed, self.numels, first_chunk = [], [], 0
+        for i, p in enumerate(params):
+            numel = p.numel()
+            self._check_place("params", i, p, numel, device)
+            check_moment("exp_avgs", i, exp_avgs[i], numel, device)
+            check_moment("exp_avg_sqs", i, exp_avg_sqs[i], numel, device)
+            if masters is not None:
+                check_moment("masters", i, masters[i], numel, device)
+            master = masters[i].data_ptr() if masters is not None else 0
+            fixed += [master, 0, exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), p.data_ptr(), numel, first_chunk, 0]
+            self.numels.append(numel)
+            first_chunk += -(-numel // chunk)
+        self.num_chunks = first_chunk
+        self._fixed = fixed
+        self._held = (list(params), list(exp_avgs), list(exp_avg_sqs), None if masters is None else list(masters))
+
+    def __call__(
+        self,
+        grads,
+        steps,
+        *,
+        lr,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled=True,
+        grad_scale=1.0,
+        grad_scale_tensor=None,
+        seeds=None,
+        max_blocks: int = 0,
+        skip_flag=None,
+        tensor_skip=None,
+    ) -> None:
+        """Queue the update from `grads` (one per tensor, float32 or bfloat16, one dtype) at
+        `steps` (each >= 1). `skip_flag`: one int32 on the device; non-zero when the kernel
+        runs, nothing is written. `tensor_skip`: one int32 per tensor on the device; a tensor
+        whose entry is non-zero when the kernel runs is not written, the others are. Both are
+        decided on the device, without a host sync."""
+        op, device, n = "adamw_step_gpu", self.device, self.n
+        _args.tensors(op, "grads", grads)
+        if grad_scale_tensor is not None:
+            _args.tensor(op, "grad_scale_tensor", grad_scale_tensor)
+        if skip_flag is not None:
+            _args.tensor(op, "skip_flag", skip_flag)
+            if skip_flag.device != device or skip_flag.numel() != 1 or skip_flag.dtype != torch.int32:
+                raise ValueError(f"{op}: skip_flag must be one int32 value on {device}")
+        if tensor_skip is not None:
+            _args.tensor(op, "tensor_skip", tensor_skip)
+            if (
+                tensor_skip.device != device
+                or tensor_skip.dtype != torch.int32
+                or tensor_skip.numel() != n
+                or not tensor_skip.is_contiguous()
+            ):
+                raise ValueError(f"{op}: tensor_skip must be a contiguous int32 tensor of {n} values on {device}")
+        hyper = _scalars(op, lr, beta1, beta2, eps, weight_decay, grad_scale)
+        decoupled = _args.flag(op, "decoupled", decoupled)
+        grad_dtype = _check_same("grads", grads, GRAD_DTYPES, n)
+        steps = _args.integers(op, "steps", steps, n, low=1)
+        seeds = [0] * n if seeds is None else _args.integers(op, "seeds", seeds, n)
+        if grad_scale_tensor is not None and (
+            grad_scale_tensor.device != device
+            or grad_scale_tensor.numel() != 1
+            or grad_scale_tensor.dtype != torch.float32
+        ):
+            raise ValueError(f"{op}: grad_scale_tensor must be one float32 value on {device}")
+        native = lib()
+        rows, check, numels = list(self._fixed), self._check_place, self.numels
+        for i, g in enumerate(grads):
+            check("grads", i, g, numels[i], device)
+            rows[i * _ROW + _GRAD] = g.data_ptr()
+        # The scalars depend on (hyper-parameters, step), the stochastic rounding's key on
+        # (seed, step): computed once per distinct step, and per tensor only for bf16
+        # moments (the kernel reads the key for nothing else).
+        scalars = []
+        if self.moment_dtype == torch.bfloat16:
+            for i, step in enumerate(steps):
+                floats, key = native.adamw_scalars(*hyper, step, seeds[i] & 0xFFFF_FFFF_FFFF_FFFF)
+                rows[i * _ROW + _KEY] = key
+                scalars += floats
+                scalars.append(0.0)
+        else:
+            per_step: dict = {}
+            for step in steps:
+                row = per_step.get(step)
+                if row is None:
+                    row = per_step[step] = native.adamw_scalars(*hyper, step, 0)[0] + [0.0]
+                scalars += row
+        # The launch's tables travel H2D on the same stream as the kernel (pinned, non-blocking:
+        # no host sync); the caching allocators keep both alive until the stream is past them.
+        tensors_dev = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        scalars_dev = torch.tensor(scalars, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
+        native.adamw_gpu_launch(
+            tensors_dev.data_ptr(),
+            scalars_dev.data_ptr(),
+            grad_scale_tensor.data_ptr() if grad_scale_tensor is not None else 0,
+            n,
+            self.num_chunks,
+            bool(decoupled),
+            _dtypes.code(grad_dtype),
+            _dtypes.code(self.moment_dtype),
+            _dtypes.code(self.param_dtype),
+            device.index,
+            current_stream_handle(device.index),
+            int(max_blocks),
+            skip_flag.data_ptr() if skip_flag is not None else 0,
+            tensor_skip.data_ptr() if tensor_skip is not None else 0,
         )
-        scalars.append(floats + [0.0])
-        first_chunk += -(-numel // chunk)
-    # The launch's tables travel H2D on the same stream as the kernel (pinned, non-blocking:
-    # no host sync); the caching allocators keep both alive until the stream is past them.
-    tensors_dev = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    scalars_dev = torch.tensor(scalars, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
-    native.adamw_gpu_launch(
-        tensors_dev.data_ptr(),
-        scalars_dev.data_ptr(),
-        grad_scale_tensor.data_ptr() if grad_scale_tensor is not None else 0,
-        n,
-        first_chunk,
-        bool(decoupled),
-        _dtypes.code(grad_dtype),
-        _dtypes.code(moment_dtype),
-        _dtypes.code(param_dtype),
-        device.index,
-        current_stream_handle(device.index),
-        int(max_blocks),
-        skip_flag.data_ptr() if skip_flag is not None else 0,
-    )
