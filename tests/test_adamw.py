@@ -443,6 +443,68 @@ def test_gpu_adamw_on_a_capped_grid_with_mapped_host_tensors(max_blocks):
         assert_same_bits(cases[i][2], host[i][2])
 
 
+def _device_state_case(device, moment_dtype: torch.dtype, with_masters: bool):
+    """The device state's launch: weights, gradients, moments and (for bf16 weights) fp32
+    masters, all on `device`, fresh copies of the same values at every call."""
+    cases = [make_state(n, torch.float32, moment_dtype, seed=30 + i) for i, n in enumerate([5, 16385, 40_000, 7])]
+    masters = [c[0].to(device) for c in cases] if with_masters else None
+    weights = [c[0].to(device, torch.bfloat16 if with_masters else torch.float32) for c in cases]
+    grads, exp_avgs, exp_avg_sqs = ([c[k].to(device) for c in cases] for k in (1, 2, 3))
+    return weights, grads, exp_avgs, exp_avg_sqs, masters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_masters", [False, True], ids=["fp32 weights", "bf16 weights, device masters"])
+def test_gpu_adamw_mapped_tensor_skip_leaves_only_the_skipped_tensors_alone(moment_dtype, with_masters):
+    """tensor_skip set for tensors 1 and 3: they keep their bits (weights, moments, masters);
+    tensors 0 and 2 get exactly the bits of the same launch without tensor_skip."""
+    from trainstream.ops.adamw import adamw_step_mapped
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    skipped, plain = (
+        _device_state_case(device, moment_dtype, with_masters),
+        _device_state_case(device, moment_dtype, with_masters),
+    )
+    groups = [g for k, g in enumerate(skipped) if k != 1 and g is not None]  # what the kernel writes
+    before = [[t.clone() for t in g] for g in groups]
+    steps, seeds = [1, 2, 3, 4], [7, 8, 9, 10]
+    skip = torch.tensor([0, 1, 0, 1], dtype=torch.int32, device=device)
+    w, g, m, v, mst = skipped
+    adamw_step_mapped(device, w, g, m, v, steps, masters=mst, seeds=seeds, tensor_skip=skip, **HYPER)
+    w, g, m, v, mst = plain
+    adamw_step_mapped(device, w, g, m, v, steps, masters=mst, seeds=seeds, **HYPER)
+    torch.cuda.synchronize()
+    updated = [g for k, g in enumerate(plain) if k != 1 and g is not None]
+    for k, (group, old, new) in enumerate(zip(groups, before, updated)):
+        for i in range(4):
+            if i in (1, 3):
+                assert_same_bits(group[i], old[i])
+            else:
+                assert_same_bits(group[i], new[i])
+                if not (k == 0 and with_masters):  # a bf16 weight may round back to its old value
+                    assert not torch.equal(group[i], old[i])
+
+
+@pytest.mark.gpu
+def test_gpu_adamw_refuses_a_tensor_skip_that_is_not_one_device_int32_per_tensor():
+    from trainstream.ops.adamw import adamw_step_mapped
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    p = [torch.zeros(4, device=device), torch.zeros(4, device=device)]
+    m, v = [t.clone() for t in p], [t.clone() for t in p]
+    for bad in (
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int64, device=device),
+        torch.zeros(3, dtype=torch.int32, device=device),
+        torch.zeros(4, dtype=torch.int32, device=device)[::2],
+    ):
+        with pytest.raises(ValueError, match=r"^adamw_step_gpu: tensor_skip must be a contiguous int32 tensor of 2"):
+            adamw_step_mapped(device, p, [t.clone() for t in p], m, v, [1, 1], lr=1e-3, tensor_skip=bad)
+    with pytest.raises(TypeError, match=r"^adamw_step_gpu: tensor_skip must be a torch.Tensor"):
+        adamw_step_mapped(device, p, [t.clone() for t in p], m, v, [1, 1], lr=1e-3, tensor_skip=[0, 1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gpu_adamw_with_host_masters_writes_the_gpu_copy(param_dtype):

@@ -246,12 +246,26 @@ def _nan_at(model, step: int, steps: list):
     return p.register_hook(hook)
 
 
-def _run_with_nan(options, *, nonfinite="skip", clip=None, steps=4, nan_step=1, device="cpu"):
+def _run_with_nan(
+    options, *, nonfinite="skip", clip=None, steps=4, nan_step=1, device="cpu", case="one group", snapshots=None
+):
+    """`case`: "two groups" (odd and even layers, other hyper-parameters), "bf16 model" (fp32
+    masters on the engine's side); `snapshots`: a list that gets the trainable weights after
+    each step."""
     torch.manual_seed(0)
     model, batch, loss_fn = lora_mlp()
+    if case == "bf16 model":
+        model = model.to(torch.bfloat16)
     if options is None:
         model = model.to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if case == "two groups":
+        odd = {id(p) for i, block in enumerate(model.layers) if i % 2 for p in block.parameters()}
+        params = [
+            {"params": [p for p in params if id(p) not in odd]},
+            {"params": [p for p in params if id(p) in odd], "lr": 3e-3, "weight_decay": 0.0},
+        ]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     if options is not None:
         model, opt = trainstream.wrap(
             model, opt, device=device, offload=True, max_grad_norm=clip, nonfinite=nonfinite, **options
@@ -272,7 +286,24 @@ def _run_with_nan(options, *, nonfinite="skip", clip=None, steps=4, nan_step=1, 
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
+        if snapshots is not None:
+            if options is not None:
+                opt.synchronize()
+            snapshots.append(
+                {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+            )
     return losses, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}, (model, opt)
+
+
+def _assert_skipped_from_block_2_on(snapshots, nan_step=1):
+    """Backward completes block 3 first: its update stands at the step of the NaN (in block 2),
+    blocks 2, 1 and 0 keep their bits."""
+    before, after = snapshots[nan_step - 1], snapshots[nan_step]
+    for name in before:
+        if name.startswith("layers.3."):
+            assert not torch.equal(before[name], after[name]), name
+        else:
+            assert_same_bits(before[name], after[name])
 
 
 def _skip_lines(model) -> list:
@@ -310,6 +341,57 @@ def test_a_nonfinite_gradient_skips_what_the_host_path_skips(clip, monkeypatch):
     assert [int(st["step"]) for st in host[2][1].state_dict()["state"].values()] == [
         int(st["step"]) for st in opt.state_dict()["state"].values()
     ]
+
+
+@pytest.mark.parametrize("case", ["two groups", "bf16 model"])
+def test_a_nonfinite_gradient_skips_from_its_unit_on_across_groups_and_masters(case, monkeypatch):
+    """Eager updates: every unit goes in one launch per param group and (gradient dtype,
+    master or not), each slot skipped by its unit's place in backward's order; the same bits,
+    step counts, count and events as the host path, which goes unit by unit."""
+    snapshots = []
+    run = _run_with_nan(RESIDENT, case=case, snapshots=snapshots)
+    _assert_device_state(run)
+    model, opt = run[2]
+    assert opt.skipped_steps == 1
+    _assert_skipped_from_block_2_on(snapshots)
+    _host_path(monkeypatch)
+    host = _run_with_nan(RESIDENT, case=case)
+    assert_same_bits(run, host)
+    assert host[2][1].skipped_steps == 1 and _skip_lines(host[2][0]) == _skip_lines(model)
+    assert [int(st["step"]) for st in host[2][1].state_dict()["state"].values()] == [
+        int(st["step"]) for st in opt.state_dict()["state"].values()
+    ]
+
+
+def test_an_eager_update_of_28_units_is_one_adamw_call_and_one_check(monkeypatch):
+    """nonfinite="skip" with eager updates decides per unit in backward's order, yet the whole
+    device state goes in one host AdamW call and one mark_nonfinite_ call per step (one param
+    group, one gradient dtype), not one of each per unit."""
+    from trainstream import ops
+
+    torch.manual_seed(0)
+    model = LoraMLP(layers=28)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **RESIDENT)
+    engine = model._trainstream_engine
+    assert len(engine.device_state) == 4 * 28 and engine._device_state_by_unit()
+    calls = dict.fromkeys(["adamw_step", "mark_nonfinite_"], 0)
+    for name in calls:
+        original = getattr(ops, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, counted)
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    for i in range(3):
+        calls.update(dict.fromkeys(calls, 0))
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert calls == {"adamw_step": 1, "mark_nonfinite_": 1}, i
+    assert all(not torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], before))
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -755,19 +837,28 @@ def test_gpu_a_peft_lora_over_a_quantized_resident_base_matches_stock_peft():
 
 
 @pytest.mark.gpu
-def test_gpu_a_nonfinite_gradient_skips_the_device_state_update():
-    """The check runs on the device ahead of each unit's kernels, which read its flag: the
+@pytest.mark.parametrize("case", ["one group", "two groups", "bf16 model"])
+def test_gpu_a_nonfinite_gradient_skips_the_device_state_update(case, monkeypatch):
+    """The check runs on the device ahead of the kernels, which read each slot's skip: the
     unit found and those after it in backward's order are skipped (eager updates; block 3,
-    which backward completed first, keeps its update), as on the host path and the CPU path."""
-    run = _run_with_nan(RESIDENT, device="cuda")
+    which backward completed first, keeps its update), as on the host path and the CPU path,
+    in one launch per param group and (gradient dtype, master or not)."""
+    snapshots = []
+    run = _run_with_nan(RESIDENT, device="cuda", case=case, snapshots=snapshots)
     _assert_device_state(run)
     model, opt = run[2]
     steps = {n: int(opt.state[p]["step"]) for n, p in model.named_parameters() if p.requires_grad}
     assert opt.skipped_steps == 1 and all(v == (4 if n.startswith("layers.3.") else 3) for n, v in steps.items())
     assert "step 2: the gradient of layers.2.fc1.lora_a is not finite" in trainstream.memory_report(model)["events"]
-    cpu = _run_with_nan(RESIDENT)
-    assert max_diff(cpu[1], run[1]) < 5e-5  # the same updates (matmuls round apart between devices)
+    _assert_skipped_from_block_2_on(snapshots)
+    cpu = _run_with_nan(RESIDENT, case=case)
+    if case != "bf16 model":  # bf16 matmuls round apart between devices by more
+        assert max_diff(cpu[1], run[1]) < 5e-5  # the same updates (matmuls round apart between devices)
     assert _skip_lines(model) == _skip_lines(cpu[2][0])
+    _host_path(monkeypatch)
+    host = _run_with_nan(RESIDENT, device="cuda", case=case)
+    assert_same_bits(run, host)  # the same gradients, the host AdamW's operations one by one
+    assert _skip_lines(host[2][0]) == _skip_lines(model)
 
 
 @pytest.mark.gpu

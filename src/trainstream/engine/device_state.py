@@ -15,11 +15,13 @@ A gradient that is not finite skips what the host path skips: in a held window (
 accumulation) the whole update; with eager updates (neither), the unit found and every unit
 after it in the order backward completed them (`on_grad` records it, as the host path hands
 units on in that order), those before it standing. The check is lazy, as the device check of
-optimizer_mode="gpu" (nonfinite.py): ops.mark_nonfinite_ runs on the device ahead of each
-batch's kernels and sets a flag they read (skip_flag), never cleared within the update, so a
-batch found not finite and every later one write nothing; the host learns the outcome later
-(`settle`), reading the marks once the kernels have run, and takes the skipped step counts
-back. ``zero_grad()`` clears ``p.grad`` as torch does (the optimizer's own zero_grad).
+optimizer_mode="gpu" (nonfinite.py): ops.mark_nonfinite_ marks each gradient on the device
+ahead of the kernels, one launch per gradient dtype, and skip_order.py turns the marks into a
+skip per slot (its unit or an earlier one holds a mark) that the kernels read, one launch
+per param group and (gradient dtype, master or not) for every unit at once; the host learns
+the outcome later (`settle`), reading the marks once the kernels have run, and takes the
+skipped step counts back. ``zero_grad()`` clears ``p.grad`` as torch does (the optimizer's
+own zero_grad).
 
 Invariants:
 - the moments are ``optimizer.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` on the device in the

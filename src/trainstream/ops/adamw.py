@@ -335,6 +335,9 @@ class MappedAdamW:
     nearest even. Results equal :func:`adamw_step`'s bit for bit."""
 
     def __init__(self, device, params, exp_avgs, exp_avg_sqs, *, masters=None, zero_copy: bool = False):
+        from .._native import require_cuda
+
+        require_cuda("the GPU AdamW")
         op = "adamw_step_gpu"
         for name, value in (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
             _args.tensors(op, name, value)
