@@ -641,6 +641,23 @@ def test_a_loop_without_zero_grad_trains_as_the_host_path(monkeypatch):
     _both_paths(monkeypatch, loop, max_grad_norm=0.05)
 
 
+def test_a_step_count_set_by_hand_is_taken_in_as_on_the_host_path(monkeypatch):
+    """Device state keeps its step counts as views of one tensor (one op advances them all):
+    a count replaced in the optimizer's state between steps is the one the next update reads
+    and advances, as the host path reads it."""
+
+    def loop(model, opt, batch, loss_fn):
+        _steps(model, opt, batch, loss_fn, 0, 2)
+        opt.synchronize()
+        for p in [p for p in model.parameters() if p.requires_grad][::3]:
+            opt.state[p]["step"] = torch.tensor(10.0)
+        _steps(model, opt, batch, loss_fn, 2, 2)
+        return sorted(int(st["step"]) for st in opt.state_dict()["state"].values())
+
+    dev, host = _both_paths(monkeypatch, loop)
+    assert dev[3] == host[3] and set(dev[3]) == {4, 12}
+
+
 def test_step_after_every_micro_batch_with_accumulation_as_the_host_path(monkeypatch):
     """accumulation_steps=2 but step() after each pass: each step() ends a window of one pass
     (the last partial batch of an epoch), which counts that pass once."""

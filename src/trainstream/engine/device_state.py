@@ -25,8 +25,9 @@ own zero_grad).
 
 Invariants:
 - the moments are ``optimizer.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` on the device in the
-  plan's moment dtype, ``["step"]`` a float32 CPU tensor as on the host path: state_dict()
-  is torch's format, and a load lands the moments back on the device (adopt_state);
+  plan's moment dtype, ``["step"]`` a float32 CPU tensor as on the host path (a 0-dim view
+  of one tensor of every slot's count, so that one op advances them): state_dict() is
+  torch's format, and a load lands the moments back on the device (adopt_state);
 - a master is this module's, not the optimizer state's (the host path keeps its masters
   outside state_dict() too); the param holds the master rounded to nearest even. A user's
   in-place edit of the param moves its version counter, and the master takes the edit
@@ -44,6 +45,7 @@ Invariants:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +67,10 @@ class _Layout:
     - launches: the optimizer's (device_state_launches), skip_ends: for each of their slots
       laid out one launch after another, the update-order index of the last slot of its batch
       (skip_order.skipped reads the running count of marks there);
-    - steps: each slot's ``state["step"]``; storage: each param's data_ptr(), which the
-      launches hold (a param given new storage makes a new layout)."""
+    - states: each slot's optimizer state, step_views the step counts it holds (views of
+      DeviceState._step_counts), step_positions / step_index where those are; storage: each
+      param's data_ptr(), which the launches hold (a param given new storage makes a new
+      layout)."""
 
     def __init__(self, state: DeviceState, batches, slots: list, grad_dtypes: tuple, storage: list):
         backend, n = state.backend, len(slots)
@@ -91,7 +95,11 @@ class _Layout:
         self.launches = state.optimizer.device_state_launches(backend.device, slots, list(grad_dtypes), state.masters)
         ends = skip_order.unit_ends(sizes)
         self.skip_ends = _index([ends[i] for launch in self.launches for i in launch.positions], backend)
-        self.steps = [state.optimizer.state[s.param]["step"] for s in slots]
+        self.states = [state.optimizer.state[s.param] for s in slots]  # the dicts: a load replaces them
+        self.step_views = [state._step_views[state._slot_index[s]] for s in slots]
+        self.step_positions = [state._slot_index[s] for s in slots]  # into DeviceState._step_counts
+        every = n == len(state.slots)  # each slot once: all of them, in another order
+        self.step_index = None if every else torch.tensor(self.step_positions, dtype=torch.int64)
 
 
 def _index(values: list, backend) -> torch.Tensor:
@@ -143,6 +151,11 @@ class DeviceState:
             self._counts[s.unit] = self._counts.get(s.unit, 0) + 1
         self._queued: list = []  # Queued updates not settled yet, oldest first
         self._layouts: dict = {}  # the updates' layouts (_Layout), by their slots, batches and dtypes
+        # Every placed slot's ``state["step"]`` is a 0-dim view of one entry of this float32
+        # CPU tensor (still torch's format), so that one op advances or reads them all.
+        self._step_counts = torch.zeros(max(len(slots), 1), dtype=torch.float32)
+        self._step_views = [self._step_counts[i] for i in range(len(slots))]
+        self._slot_index = {s: i for i, s in enumerate(slots)}
         # The check's marks, one int32 per slot, in a host buffer (pinned on a GPU) made here:
         # a pinned allocation on the autograd thread can synchronize the device, and a device
         # buffer's read would be a copy on the current stream, behind whatever follows the
@@ -180,11 +193,60 @@ class DeviceState:
                 self._versions[p] = p._version
             state = self.optimizer.state[s.param]
             state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+            self._own_step(state, s)
             for key in ("exp_avg", "exp_avg_sq"):
                 if key not in state:
                     state[key] = torch.zeros(s.param.shape, dtype=dtype, device=device)
                 elif state[key].device != device or state[key].dtype != dtype:
                     state[key] = state[key].to(device=device, dtype=dtype).contiguous()
+
+    def _own_step(self, state: dict, slot) -> None:
+        """`slot`'s step count becomes its view of _step_counts, holding the value the state
+        holds (a loaded or converted state's, or one a user set)."""
+        i = self._slot_index[slot]
+        view = self._step_views[i]
+        if state["step"] is not view:
+            self._step_counts[i] = float(state["step"])
+            state["step"] = view
+
+    def _advance_steps(self, layout: _Layout) -> list:
+        """Count a step for each of the layout's slots (one op) and return their counts, as
+        ints in the layout's order. A step count replaced since it was placed (by hand) is
+        taken in first."""
+        if not all(map(operator.is_, [st["step"] for st in layout.states], layout.step_views)):
+            for st, s in zip(layout.states, layout.slots):
+                self._own_step(st, s)
+        if layout.step_index is None:
+            self._step_counts += 1
+        else:
+            self._step_counts[layout.step_index] += 1
+        counts = self._step_counts.tolist()
+        return [int(counts[i]) for i in layout.step_positions]
+
+    def master_of(self, p):
+        """`p`'s fp32 master (on the device): the one made at its first update, else one
+        carried or loaded in that `p` still rounds to (its first update takes it), else None
+        (`p` itself is where that update starts)."""
+        master = self.masters.get(p)
+        if master is None:
+            kept = self._carried.get(p)
+            if kept is not None and torch.equal(kept.to(p.device, p.dtype), p.detach()):
+                return kept
+        return master
+
+    def take_master(self, p, master: torch.Tensor) -> bool:
+        """A loaded fp32 master of `p` (optimizer.load_state_dict): taken where `p` holds what
+        it rounds to, else the weights win. Before `p`'s first update it is carried to that
+        update (_place checks it again there). Returns whether it was taken."""
+        if not torch.equal(p.detach(), master.to(p.device, p.dtype)):
+            return False
+        made = self.masters.get(p)
+        if made is None:
+            self._carried[p] = master
+        else:
+            made.copy_(master)
+            self._versions[p] = p._version  # p holds its rounding: no edit left to take
+        return True
 
     # -- the window's gradients -------------------------------------------------------------
 
@@ -317,7 +379,8 @@ class DeviceState:
         grads = self._grads(slots)
         layout = self._layout_for(batches, slots, grads)
         skip = self._check(layout, grads) if check else None
-        self.optimizer.update_device_state(layout.launches, layout.steps, grads, grad_scale, skip)
+        steps = self._advance_steps(layout)  # skipped or not: settle() takes the skipped back
+        self.optimizer.update_device_state(layout.launches, steps, grads, grad_scale, skip)
         for s in slots:
             s.param.grad = None  # consumed, as the host path's gradients are
         if check:
@@ -387,7 +450,8 @@ class DeviceState:
             if first is None:
                 continue
             skipped = layout.slots[layout.unit_start[first] :]
-            torch._foreach_sub_([self.optimizer.state[s.param]["step"] for s in skipped], 1.0)
+            positions = layout.step_positions[layout.unit_start[first] :]
+            self._step_counts[torch.tensor(positions, dtype=torch.int64)] -= 1
             out.append(Skipped(layout.slots[first], list(dict.fromkeys(s.unit for s in skipped)), q.step))
         return out
 
