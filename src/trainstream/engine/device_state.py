@@ -223,31 +223,6 @@ class DeviceState:
         counts = self._step_counts.tolist()
         return [int(counts[i]) for i in layout.step_positions]
 
-    def master_of(self, p):
-        """`p`'s fp32 master (on the device): the one made at its first update, else one
-        carried or loaded in that `p` still rounds to (its first update takes it), else None
-        (`p` itself is where that update starts)."""
-        master = self.masters.get(p)
-        if master is None:
-            kept = self._carried.get(p)
-            if kept is not None and torch.equal(kept.to(p.device, p.dtype), p.detach()):
-                return kept
-        return master
-
-    def take_master(self, p, master: torch.Tensor) -> bool:
-        """A loaded fp32 master of `p` (optimizer.load_state_dict): taken where `p` holds what
-        it rounds to, else the weights win. Before `p`'s first update it is carried to that
-        update (_place checks it again there). Returns whether it was taken."""
-        if not torch.equal(p.detach(), master.to(p.device, p.dtype)):
-            return False
-        made = self.masters.get(p)
-        if made is None:
-            self._carried[p] = master
-        else:
-            made.copy_(master)
-            self._versions[p] = p._version  # p holds its rounding: no edit left to take
-        return True
-
     # -- the window's gradients -------------------------------------------------------------
 
     def with_grads(self) -> list:
