@@ -28,8 +28,10 @@ Invariants:
   plan's moment dtype, ``["step"]`` a float32 CPU tensor as on the host path (a 0-dim view
   of one tensor of every slot's count, so that one op advances them): state_dict() is
   torch's format, and a load lands the moments back on the device (adopt_state);
-- a master is this module's, not the optimizer state's (the host path keeps its masters
-  outside state_dict() too); the param holds the master rounded to nearest even. A user's
+- a master is this module's, not the optimizer state's: the optimizer's state_dict() reads
+  it (master_of) and its load_state_dict() hands a saved one in (take_master), as for the
+  host path's ([Note: masters in state dicts], optimizer.py); the param holds the master
+  rounded to nearest even. A user's
   in-place edit of the param moves its version counter, and the master takes the edit
   before the next update (take_edits); the update's own writes go through ``p.data``,
   whose counter is its own;
@@ -222,6 +224,31 @@ class DeviceState:
             self._step_counts[layout.step_index] += 1
         counts = self._step_counts.tolist()
         return [int(counts[i]) for i in layout.step_positions]
+
+    def master_of(self, p):
+        """`p`'s fp32 master (on the device): the one made at its first update, else one
+        carried or loaded in that `p` still rounds to (its first update takes it), else None
+        (`p` itself is where that update starts)."""
+        master = self.masters.get(p)
+        if master is None:
+            kept = self._carried.get(p)
+            if kept is not None and torch.equal(kept.to(p.device, p.dtype), p.detach()):
+                return kept
+        return master
+
+    def take_master(self, p, master: torch.Tensor) -> bool:
+        """A loaded fp32 master of `p` (optimizer.load_state_dict): taken where `p` holds what
+        it rounds to, else the weights win. Before `p`'s first update it is carried to that
+        update (_place checks it again there). Returns whether it was taken."""
+        if not torch.equal(p.detach(), master.to(p.device, p.dtype)):
+            return False
+        made = self.masters.get(p)
+        if made is None:
+            self._carried[p] = master
+        else:
+            made.copy_(master)
+            self._versions[p] = p._version  # p holds its rounding: no edit left to take
+        return True
 
     # -- the window's gradients -------------------------------------------------------------
 

@@ -194,36 +194,129 @@ class StreamedAdamW(OffloadAdamW):
         self._engine = engine
         self._carry_masters()
 
+    # [Note: masters in state dicts] A param that is not fp32 (a bf16 model, bf16 adapters) is
+    # updated through an fp32 master that the engine keeps (Slot.master, a data-parallel
+    # rank's Slot.master_shard, DeviceState.masters); the param holds its rounding to nearest
+    # even. state_dict() saves it under "master" (OffloadAdamW's key and format: fp32, CPU,
+    # the param's shape), so that a resumed run continues from the master's low bits, not
+    # from the bf16 weights widened. A loaded master is taken only where the param holds
+    # what it rounds to; elsewhere the weights win (a torch AdamW that loaded ours keeps the
+    # key, cast to bf16 and stale, and saves it again). A checkpoint's two state dicts may
+    # load in either order: a master that the weights do not round to yet is checked again
+    # at state_dict() and, the last time, at the next forward, which comes after both loads.
+
     # bf16 param -> the fp32 master a converted OffloadAdamW kept of it (its state's "master",
     # loaded before the engine existed), for the engine's master at attach().
     _carried: dict = {}
+    # param -> a master loaded after wrap(), not settled yet (checked until the next forward).
+    # The loaded tensors themselves, not copies: a full fine-tune's masters are 4 bytes a
+    # parameter, which a copy would hold twice until then.
+    _loaded: dict = {}
+    _loaded_hook = None  # the model's forward pre-hook that settles them
 
     def _load_master(self, p: torch.Tensor, value) -> None:
-        if self._engine is None:  # after wrap() the engine's masters stand, as before
+        if self._engine is None:
             if "_carried" not in vars(self):
                 self._carried = {}
             self._carried[p] = value.detach().to(device="cpu", dtype=torch.float32, copy=True)
+            return
+        if "_loaded" not in vars(self):
+            self._loaded = {}
+        self._loaded[p] = value.detach().to(device="cpu", dtype=torch.float32)
 
     def _carry_masters(self) -> None:
-        """A carried master replaces the engine's (the param's bf16 weights, widened) where the
-        weights are what it rounds to; otherwise the weights win, as OffloadAdamW decides."""
+        """A carried master replaces the engine's (the param's weights, widened) where the
+        weights are what it rounds to; otherwise the weights win, as OffloadAdamW decides. A
+        device-state param's carried master went to the device state when it was built
+        (device_state.py), which takes it at its first update."""
         carried, self._carried = self._carried, {}
-        for unit in self._engine.units if carried else ():
-            for s in unit.slots:
-                master = carried.get(s.param)
-                if s.master_shard is not None and s.dtype != torch.float32 and master is not None:
-                    # Data parallel: the weights this rank keeps whole (host for a paged unit,
-                    # else the device's) decide; its shard of the master is taken.
-                    held = s.host.get(s.dtype) if s.unit.paged else s.param.data.cpu()
-                    if master.shape == s.param.shape and torch.equal(held, master.to(s.dtype)):
-                        lo, hi = s.shard
-                        s.master_shard.copy_(master.reshape(-1)[lo:hi])
-                    continue
-                held = s.host.get(s.dtype) if s.dtype != torch.float32 else None
-                if master is None or held is None or s.host.get(torch.float32) is None:
-                    continue
-                if master.shape == s.master.shape and torch.equal(held, master.to(s.dtype)):
-                    s.master.copy_(master)
+        for s in self._slots_with_masters() if carried else ():
+            if s.param in carried and not s.device_state:
+                self._take_master(s, carried[s.param])
+
+    def _slots_with_masters(self) -> list:
+        """The engine's slots of trainable params that are not fp32 (each has an fp32 master),
+        in the engine's unit order."""
+        return [s for u in self._engine.units for s in u.slots if s.trainable and s.dtype != torch.float32]
+
+    def _take_master(self, s, master: torch.Tensor) -> bool:
+        """`master` (fp32, on the CPU) becomes slot `s`'s fp32 master if the param holds what it
+        rounds to: its host weights for a paged unit, the device's otherwise (data parallel:
+        this rank's elements of it are taken). Returns whether it was taken."""
+        p = s.param
+        if master.shape != p.shape:
+            return False
+        if s.device_state:
+            return self._engine.device_state.take_master(p, master)
+        # An in-place edit not taken yet (a restore through p.copy_) is taken first: the check
+        # reads the values it left, and a later take would widen them over the master.
+        self._engine.weights.take_edits(s.unit)
+        held = s.host[s.dtype] if s.unit.paged else p.data
+        if not torch.equal(held, master.to(device=held.device, dtype=s.dtype)):
+            return False
+        if s.master_shard is not None:
+            lo, hi = s.shard
+            s.master_shard.copy_(master.reshape(-1)[lo:hi])
+        else:
+            s.master.copy_(master.view(s.master.shape))
+        return True
+
+    def _settle_loaded_masters(self, last: bool) -> None:
+        """Take every loaded master the weights now round to ([Note: masters in state dicts]).
+        `last`: the next forward has come; what is left is not taken (the weights win), the
+        events say how many, and the loaded masters are let go."""
+        loaded = self._loaded
+        if not loaded or self._engine is None:
+            if last:
+                self._remove_loaded_hook()
+            return
+        self._engine.synchronize()  # no update in flight writes the masters or the weights compared
+        taken = sum(self._take_master(s, loaded[s.param]) for s in self._slots_with_masters() if s.param in loaded)
+        if not last:
+            return
+        self._loaded = {}
+        self._remove_loaded_hook()
+        left = len(loaded) - taken
+        self._engine.events.add(
+            f"resume: {taken} loaded fp32 master(s) taken"
+            + (
+                f"; {left} not (their params do not hold what they round to: those masters start from the weights)"
+                if left
+                else ""
+            )
+        )
+
+    def _hook_loaded_masters(self) -> None:
+        """Settle the loaded masters for the last time at the model's next forward, before the
+        engine's own pre-hook (the weakref: the hook is the model's, the optimizer is not)."""
+        if self._loaded_hook is not None or not self._loaded:
+            return
+        me = weakref.ref(self)
+
+        def settle(module, args):
+            opt = me()
+            if opt is not None:
+                opt._settle_loaded_masters(last=True)
+
+        self._loaded_hook = self._engine.model.register_forward_pre_hook(settle, prepend=True)
+
+    def _remove_loaded_hook(self) -> None:
+        if self._loaded_hook is not None:
+            self._loaded_hook.remove()
+            self._loaded_hook = None
+
+    def _master_of(self, s):
+        """Slot `s`'s fp32 master for state_dict(): CPU, the param's shape, apart from the
+        live one (a view of the host arena would be saved by torch.save with its whole piece,
+        and the next update writes it); None where the param is its master for now (a
+        device-state param before its first update). Data parallel: gathered whole from
+        every rank's shard (a collective: every rank asks for the same slots in order)."""
+        if s.device_state:
+            master = self._engine.device_state.master_of(s.param)
+            return None if master is None else master.detach().to(device="cpu", copy=True)
+        if s.master_shard is not None:
+            return self._full_tensor(s.master_shard, s.param)
+        return s.master.detach().clone().view(s.param.shape)
 
     def detach(self) -> None:
         """The model was unwrapped: state_dict() still works, step() no longer does. The
@@ -231,6 +324,8 @@ class StreamedAdamW(OffloadAdamW):
         a stock step clips)."""
         if self._engine is not None:
             self._stock_grad_norm = self._engine.last_grad_norm
+        self._remove_loaded_hook()
+        self._loaded = {}  # the engine's masters are gone with it
         self._engine = None
 
     def switch_to_stock(self, max_grad_norm: float | None) -> None:
@@ -339,13 +434,36 @@ class StreamedAdamW(OffloadAdamW):
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
-        sd = self._stock.state_dict() if self._stock is not None else super().state_dict()
-        if self._stock is None and self._shards:  # data parallel: whole moments, torch's format, every rank
+        """torch AdamW's format, after synchronize(); each param that is not fp32 also has its
+        fp32 master under "master" ([Note: masters in state dicts]). Data parallel: whole
+        moments and masters on every rank (every rank calls it: the gathers are collectives).
+        After the switch to stock, the fused AdamW's own."""
+        if self._stock is not None:
+            sd = self._stock.state_dict()
+        else:
+            self._settle_loaded_masters(last=False)  # a master loaded before the weights: taken by now
+            sd = super().state_dict()
             ids = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-            for p, st in self._gathered_state().items():
-                sd["state"][ids[p]] = st
+            if self._shards:  # data parallel: whole moments, torch's format, every rank
+                for p, st in self._gathered_state().items():
+                    sd["state"][ids[p]] = st
+            if self._engine is not None:
+                self._add_masters(sd, ids)
         sd[MODE_KEY] = "stock" if self._stock is not None else "offload"  # switch.py, [Note: resuming ...]
         return sd
+
+    def _add_masters(self, sd: dict, ids: dict) -> None:
+        """Each master into its param's entry of `sd`, where the param has state (torch
+        AdamW takes an entry without "step" for a param never updated). The entries are new
+        dicts: torch's state_dict() hands out this optimizer's own."""
+        for s in self._slots_with_masters():
+            pid = ids.get(s.param)
+            st = sd["state"].get(pid)
+            if not st:
+                continue
+            master = self._master_of(s)
+            if master is not None:
+                sd["state"][pid] = {**st, "master": master}
 
     def resume_in(self, mode: str | None, source: str) -> None:
         """A state saved in `mode` is about to load (switch.py, [Note: resuming in the saved
@@ -375,6 +493,7 @@ class StreamedAdamW(OffloadAdamW):
             self._keep_group_dicts(groups)
             self._stock.param_groups = self.param_groups
             return
+        self._loaded = {}  # this state's masters replace any loaded before (_load_master)
         super().load_state_dict(state_dict)
         self._keep_group_dicts(groups)
         if self._shards:  # data parallel: whole moments loaded, this rank's elements kept
@@ -382,6 +501,10 @@ class StreamedAdamW(OffloadAdamW):
         self._into_mapped()  # the kernel keeps reading the buffers it was given at wrap()
         if self._engine is not None:  # device state: the loaded moments go back to the device
             self._engine.device_state.adopt_state()
+            # The masters: taken now where the model's state dict was loaded first, else by
+            # the next forward ([Note: masters in state dicts]).
+            self._settle_loaded_masters(last=False)
+            self._hook_loaded_masters()
 
     def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with

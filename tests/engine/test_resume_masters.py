@@ -1,0 +1,255 @@
+"""Resume is exact for a model that is not fp32: the wrapped optimizer's state_dict() carries
+each bf16 param's fp32 master under "master" (OffloadAdamW's key and format), and a master
+loaded after wrap() replaces the engine's where the param holds what it rounds to
+(engine/optimizer.py, [Note: masters in state dicts]).
+
+The reference is the run that never stopped: 3 steps, a checkpoint of the model's and the
+optimizer's state dicts (through torch.save, as a user or the HF Trainer writes it), 3 more
+steps; a fresh model, wrapped, loads the checkpoint (in either order) and takes the same 3
+steps, which must give the same losses and weights bit for bit. Without the masters the
+resumed run starts from the bf16 weights widened and parts from the reference at once
+(lr 1e-2 moves a weight by many bf16 ulps a step, so the masters' low bits matter)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from helpers import PAGED, RESIDENT, assert_same_bits
+from models import tiny_gpt, tiny_mlp
+
+import trainstream
+from trainstream.api import _engine_of
+
+LR = 1e-2
+SPLIT, STEPS = 3, 6  # the checkpoint is taken after SPLIT of STEPS steps
+
+
+def _bf16_mlp(seed: int, device: str = "cpu"):
+    torch.manual_seed(seed)
+    model, batch, loss_fn = tiny_mlp(layers=4, dim=64)
+    return model.to(torch.bfloat16), (lambda i: batch(i, device).to(torch.bfloat16)), loss_fn
+
+
+def _bf16_lora(seed: int, device: str = "cpu"):
+    """A tiny GPT in bf16 with peft LoRA adapters (r=4) on each block's qkv and fc, the
+    adapters bf16 too (peft would make them fp32 when it casts them itself): a trainable set
+    small enough for device state."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)  # one base for every run: only the adapters start elsewhere
+    base, batch, _ = tiny_gpt()
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, target_modules=["qkv", "fc"], lora_dropout=0.0, init_lora_weights=False)
+    model = peft.get_peft_model(base, config).to(torch.bfloat16)
+    return model, (lambda i: batch(i, device)), (lambda m, b: m(*b))
+
+
+def _wrapped(make, seed: int, device: str = "cpu", **options):
+    model, batch, loss_fn = make(seed, device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    opts = dict(device=device, threads=1, profile=False, offload=True)
+    opts.update(options)
+    model, opt = trainstream.wrap(model, opt, **opts)
+    return model, opt, batch, loss_fn
+
+
+def _train(model, opt, batch, loss_fn, first: int, last: int) -> list:
+    losses = []
+    for i in range(first, last):
+        loss = loss_fn(model, batch(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _checkpoint(model, opt) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def _read(checkpoint: bytes) -> dict:
+    return torch.load(io.BytesIO(checkpoint), weights_only=True, map_location="cpu")
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert_same_bits(a[k], b[k])
+
+
+def _uninterrupted(make, **options):
+    """STEPS steps with a checkpoint after SPLIT: (losses of the steps after it, the final
+    weights, the checkpoint, the run's events)."""
+    model, opt, batch, loss_fn = _wrapped(make, 0, **options)
+    _train(model, opt, batch, loss_fn, 0, SPLIT)
+    checkpoint = _checkpoint(model, opt)
+    after = _train(model, opt, batch, loss_fn, SPLIT, STEPS)
+    return after, _weights(model), checkpoint, trainstream.memory_report(model)["events"]
+
+
+def _resumed(make, checkpoint: bytes, order: str, **options):
+    """A fresh model (other initial weights), wrapped, loads `checkpoint` in `order` and
+    trains the steps after it: (losses, final weights, events)."""
+    model, opt, batch, loss_fn = _wrapped(make, 1, **options)
+    saved = _read(checkpoint)
+    if order == "model first":
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optim"])
+    else:
+        opt.load_state_dict(saved["optim"])
+        model.load_state_dict(saved["model"])
+    losses = _train(model, opt, batch, loss_fn, SPLIT, STEPS)
+    return losses, _weights(model), trainstream.memory_report(model)["events"]
+
+
+ORDERS = ["model first", "optimizer first"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("options", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_a_bf16_model_resumes_bit_for_bit(options, order, device):
+    losses, weights, checkpoint, _ = _uninterrupted(_bf16_mlp, device=device, **options)
+    saved = _read(checkpoint)["optim"]["state"]
+    assert saved and all(st["master"].dtype == torch.float32 for st in saved.values())
+    got_losses, got_weights, events = _resumed(_bf16_mlp, checkpoint, order, device=device, **options)
+    assert got_losses == losses
+    _same_weights(got_weights, weights)
+    assert f"resume: {len(saved)} loaded fp32 master(s) taken\n" in events + "\n"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_bf16_lora_adapters_in_device_state_resume_bit_for_bit(order, device):
+    losses, weights, checkpoint, events = _uninterrupted(_bf16_lora, device=device, **RESIDENT)
+    assert "device state: the" in events  # the adapters' whole state stays on the device
+    saved = _read(checkpoint)["optim"]["state"]
+    assert len(saved) == 4 * 2 * 2 and all("master" in st for st in saved.values())  # A and B of 2 modules, 4 blocks
+    got_losses, got_weights, _ = _resumed(_bf16_lora, checkpoint, order, device=device, **RESIDENT)
+    assert got_losses == losses
+    _same_weights(got_weights, weights)
+
+
+def test_the_saved_master_is_the_engines_and_not_the_weights_widened():
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 0, **RESIDENT)
+    _train(model, opt, batch, loss_fn, 0, SPLIT)
+    sd = opt.state_dict()
+    engine = _engine_of(model)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    slots = {s.param: s for u in engine.units for s in u.slots}
+    low_bits = False
+    for i, p in enumerate(params):
+        master = sd["state"][i]["master"]
+        assert master.shape == p.shape and master.dtype == torch.float32 and master.device.type == "cpu"
+        assert_same_bits(master, slots[p].master.view(p.shape))
+        assert_same_bits(master.to(torch.bfloat16), p.detach())  # the weights are its rounding
+        low_bits |= not torch.equal(master, p.detach().float())
+    assert low_bits
+    assert "master" not in opt.state[params[0]]  # the entries are the state dict's, not the optimizer's
+    _train(model, opt, batch, loss_fn, SPLIT, SPLIT + 1)
+    assert not torch.equal(sd["state"][0]["master"], opt.state_dict()["state"][0]["master"])  # a copy, not live
+
+
+@pytest.mark.parametrize("options", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_a_master_the_weights_do_not_round_to_is_not_taken(options):
+    """The checkpoint's optimizer state with other weights (the fresh model's own): the
+    weights win, the master starts from them widened, and the events say so."""
+    _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **options)
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 1, **options)
+    before = _weights(model)
+    opt.load_state_dict(_read(checkpoint)["optim"])
+    with torch.no_grad():
+        loss_fn(model, batch(SPLIT))  # the next forward settles the loaded masters
+    masters = {i: st["master"] for i, st in opt.state_dict()["state"].items()}
+    names = list(before)  # the MLP's weights, in the optimizer's order
+    assert len(masters) == len(names)
+    for i, name in enumerate(names):
+        assert_same_bits(masters[i], before[name].float())
+    events = trainstream.memory_report(model)["events"]
+    assert f"resume: 0 loaded fp32 master(s) taken; {len(names)} not" in events
+
+
+def test_an_edit_between_the_loads_lets_the_weights_win_for_that_param_only():
+    """Model, optimizer, then one weight edited in place before the next forward: that
+    param's master starts from its new weights; the others keep their loaded masters."""
+    _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
+    saved = _read(checkpoint)
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 1, **RESIDENT)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # exact in bf16
+    with torch.no_grad():
+        loss_fn(model, batch(SPLIT))
+    sd = opt.state_dict()
+    assert_same_bits(sd["state"][0]["master"], model[0].weight.detach().float())
+    for i in range(1, 4):
+        assert_same_bits(sd["state"][i]["master"], saved["optim"]["state"][i]["master"])
+    assert "resume: 3 loaded fp32 master(s) taken; 1 not" in trainstream.memory_report(model)["events"]
+
+
+def _torch_adamw(seed: int, start: dict | None = None):
+    model, batch, loss_fn = _bf16_mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
+    if start is not None:
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optim"])
+    return model, opt, batch, loss_fn
+
+
+def test_a_torch_adamw_state_dict_loads_and_the_masters_start_from_the_weights():
+    model, opt, batch, loss_fn = _torch_adamw(0)
+    _train(model, opt, batch, loss_fn, 0, SPLIT)
+    saved = _read(_checkpoint(model, opt))
+    wrapped, wopt, _, _ = _wrapped(_bf16_mlp, 1, **RESIDENT)
+    wrapped.load_state_dict(saved["model"])
+    wopt.load_state_dict(saved["optim"])
+    _train(wrapped, wopt, batch, loss_fn, SPLIT, SPLIT + 1)
+    # The reference: the same load and step, the masters made from the weights by wrap().
+    ref, ropt, _, _ = _wrapped(lambda s, device: (_torch_adamw(s, saved)[0], batch, loss_fn), 1, **RESIDENT)
+    ropt.load_state_dict(saved["optim"])
+    _train(ref, ropt, batch, loss_fn, SPLIT, SPLIT + 1)
+    _same_weights(_weights(wrapped), _weights(ref))
+    got, want = wopt.state_dict()["state"], ropt.state_dict()["state"]
+    for i in want:
+        for key in ("step", "exp_avg", "exp_avg_sq", "master"):
+            assert_same_bits(got[i][key], want[i][key])
+
+
+def test_wrapped_to_torch_adamw_and_back():
+    """Our checkpoint into torch AdamW (which keeps "master", cast to bf16, stale while it
+    trains the params itself, and saves it again), 2 steps there, back into a wrapped model:
+    the stale master is not taken, and the run is the one that loads torch's checkpoint
+    with no master at all."""
+    _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
+    plain, popt, batch, loss_fn = _torch_adamw(1, _read(checkpoint))
+    assert all(st["master"].dtype == torch.bfloat16 for st in popt.state_dict()["state"].values())
+    _train(plain, popt, batch, loss_fn, SPLIT, SPLIT + 2)
+    back = _read(_checkpoint(plain, popt))
+    stripped = {
+        "model": back["model"],
+        "optim": {
+            **back["optim"],
+            "state": {i: {k: v for k, v in st.items() if k != "master"} for i, st in back["optim"]["state"].items()},
+        },
+    }
+    runs = []
+    for start in (back, stripped):
+        model, opt, _, _ = _wrapped(_bf16_mlp, 2, **RESIDENT)
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optim"])
+        losses = _train(model, opt, batch, loss_fn, SPLIT + 2, STEPS)
+        runs.append((losses, _weights(model), opt.state_dict()["state"]))
+    assert runs[0][0] == runs[1][0]
+    _same_weights(runs[0][1], runs[1][1])
+    for i, st in runs[1][2].items():
+        assert_same_bits(runs[0][2][i]["master"], st["master"])
