@@ -223,6 +223,10 @@ def _check_pinned(kind: str, i: int, t: torch.Tensor, numel: int) -> None:
 def _check_cuda(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"adamw_step_gpu: {kind}[{i}] must be on {device}, got {t.device}")
+    _check_extent(kind, i, t, numel)
+
+
+def _check_extent(kind: str, i: int, t: torch.Tensor, numel: int) -> None:
     if not t.is_contiguous():
         raise ValueError(f"adamw_step_gpu: {kind}[{i}] must be contiguous")
     if t.numel() != numel:
@@ -231,7 +235,10 @@ def _check_cuda(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.de
 
 def _check_reachable(kind: str, i: int, t: torch.Tensor, numel: int, device: torch.device) -> None:
     """On `device`, or in pinned host memory, which the kernel reads over PCIe."""
-    if t.device.type == "cpu":
+    where = t.device  # a new torch.device at every read: read once
+    if where == device:
+        _check_extent(kind, i, t, numel)
+    elif where.type == "cpu":
         _check_pinned(kind, i, t, numel)
     else:
         _check_cuda(kind, i, t, numel, device)
