@@ -116,7 +116,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("options", [RESIDENT, PAGED], ids=["resident", "paged"])
+@pytest.mark.parametrize(
+    "options",
+    [RESIDENT, PAGED, dict(RESIDENT, optimizer_mode="gpu"), dict(PAGED, optimizer_mode="gpu")],
+    ids=["resident", "paged", "gpu mode resident", "gpu mode paged"],
+)
 def test_a_bf16_model_resumes_bit_for_bit(options, order, device):
     losses, weights, checkpoint, _ = _uninterrupted(_bf16_mlp, device=device, **options)
     saved = _read(checkpoint)["optim"]["state"]
