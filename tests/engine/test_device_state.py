@@ -363,6 +363,17 @@ def test_a_nonfinite_gradient_skips_from_its_unit_on_across_groups_and_masters(c
     ]
 
 
+def _count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
+    """`owner.name` counts its calls in ``calls[name]`` and does what it did."""
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+
+
 def test_an_eager_update_of_28_units_is_one_adamw_call_and_one_check(monkeypatch):
     """nonfinite="skip" with eager updates decides per unit in backward's order, yet the whole
     device state goes in one host AdamW call and one mark_nonfinite_ call per step (one param
@@ -377,13 +388,7 @@ def test_an_eager_update_of_28_units_is_one_adamw_call_and_one_check(monkeypatch
     assert len(engine.device_state) == 4 * 28 and engine._device_state_by_unit()
     calls = dict.fromkeys(["adamw_step", "mark_nonfinite_"], 0)
     for name in calls:
-        original = getattr(ops, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(ops, name, counted)
+        _count_calls(monkeypatch, ops, name, calls)
     before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
     for i in range(3):
         calls.update(dict.fromkeys(calls, 0))
@@ -391,6 +396,33 @@ def test_an_eager_update_of_28_units_is_one_adamw_call_and_one_check(monkeypatch
         opt.step()
         opt.zero_grad()
         assert calls == {"adamw_step": 1, "mark_nonfinite_": 1}, i
+    assert all(not torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], before))
+
+
+@pytest.mark.gpu
+def test_gpu_an_eager_update_of_28_units_is_one_kernel_launch_and_one_check(monkeypatch):
+    """On CUDA: one MappedAdamW launch and one mark_nonfinite_ launch per step for 28 units."""
+    from trainstream import ops
+    from trainstream.ops import adamw
+
+    torch.manual_seed(0)
+    model = LoraMLP(layers=28)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, device="cuda", offload=True, **RESIDENT)
+    engine = model._trainstream_engine
+    assert len(engine.device_state) == 4 * 28 and engine._device_state_by_unit()
+    calls = {"__call__": 0, "mark_nonfinite_": 0}
+    _count_calls(monkeypatch, adamw.MappedAdamW, "__call__", calls)
+    _count_calls(monkeypatch, ops, "mark_nonfinite_", calls)
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    for i in range(3):
+        calls.update(dict.fromkeys(calls, 0))
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).cuda()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert calls == {"__call__": 1, "mark_nonfinite_": 1}, i
+    torch.cuda.synchronize()
     assert all(not torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], before))
 
 
