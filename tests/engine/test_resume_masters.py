@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import PAGED, RESIDENT, assert_same_bits
 from models import tiny_gpt, tiny_mlp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trainstream
 from trainstream.api import _engine_of
@@ -55,10 +56,13 @@ def _wrapped(make, seed: int, device: str = "cpu", **options):
 
 
 def _train(model, opt, batch, loss_fn, first: int, last: int) -> list:
+    """Steps `first` to `last`; attention by the math kernel, whose backward is
+    deterministic on a GPU too (two runs are compared bit for bit)."""
     losses = []
     for i in range(first, last):
-        loss = loss_fn(model, batch(i))
-        loss.backward()
+        with sdpa_kernel(SDPBackend.MATH):
+            loss = loss_fn(model, batch(i))
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -257,3 +261,41 @@ def test_wrapped_to_torch_adamw_and_back():
     _same_weights(runs[0][1], runs[1][1])
     for i, st in runs[1][2].items():
         assert_same_bits(runs[0][2][i]["master"], st["master"])
+
+
+class _OffloadOnHost(trainstream.OffloadAdamW):
+    """OffloadAdamW streaming CPU params as it streams GPU ones (tests/test_offload_adamw_cuda.py
+    does the same): a bf16 param gets an fp32 master in host memory, saved under "master"."""
+
+    _stream_host_params = True
+
+
+def _offload_run(seed: int, start: dict | None, first: int, last: int):
+    model, batch, loss_fn = _bf16_mlp(seed)
+    opt = _OffloadOnHost(model.parameters(), lr=LR, weight_decay=0.01)
+    if start is not None:
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optim"])
+    losses = _train(model, opt, batch, loss_fn, first, last)
+    opt.synchronize()
+    return losses, model, opt
+
+
+def test_offload_adamw_and_the_wrapped_optimizer_resume_from_each_other_bit_for_bit():
+    """The same key and format both ways: 3 steps of one, its checkpoint into the other, 3
+    more steps there, against the first continuing on its own."""
+    losses, weights, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
+    got, model, _ = _offload_run(1, _read(checkpoint), SPLIT, STEPS)  # wrapped -> OffloadAdamW
+    assert got == losses
+    _same_weights(_weights(model), weights)
+
+    _, model, opt = _offload_run(0, None, 0, SPLIT)
+    checkpoint = _checkpoint(model, opt)
+    assert all(st["master"].dtype == torch.float32 for st in _read(checkpoint)["optim"]["state"].values())
+    batch, loss_fn = _bf16_mlp(0)[1:]
+    want = _train(model, opt, batch, loss_fn, SPLIT, STEPS)  # OffloadAdamW uninterrupted
+    opt.synchronize()
+    for order in ORDERS:  # OffloadAdamW -> wrapped
+        got_losses, got_weights, _ = _resumed(_bf16_mlp, checkpoint, order, **RESIDENT)
+        assert got_losses == want
+        _same_weights(got_weights, _weights(model))
