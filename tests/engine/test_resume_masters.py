@@ -299,3 +299,19 @@ def test_offload_adamw_and_the_wrapped_optimizer_resume_from_each_other_bit_for_
         got_losses, got_weights, _ = _resumed(_bf16_mlp, checkpoint, order, **RESIDENT)
         assert got_losses == want
         _same_weights(got_weights, _weights(model))
+
+
+def test_the_hook_that_settles_loaded_masters_goes_at_the_next_forward():
+    """A load whose masters the weights do not round to yet hooks the model's next forward;
+    that forward settles them and the hook goes, so later forwards pay nothing."""
+    _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 1, **RESIDENT)
+    hooks = len(model._forward_pre_hooks)
+    opt.load_state_dict(_read(checkpoint)["optim"])
+    assert len(model._forward_pre_hooks) == hooks + 1
+    with torch.no_grad():
+        loss_fn(model, batch(SPLIT))
+    assert len(model._forward_pre_hooks) == hooks
+    opt.load_state_dict(_read(checkpoint)["optim"])  # and an unwrap() before the forward takes it off
+    trainstream.unwrap(model)
+    assert not model._forward_pre_hooks

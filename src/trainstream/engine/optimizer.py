@@ -20,6 +20,7 @@ from .. import ops
 from ..ops.adamw import MappedAdamW, adamw_step_mapped, group_hyper
 from ..optim.offload_adamw import OffloadAdamW, _check_moments
 from .adapt import SwitchToStock
+from .engine import _Installed
 from .switch import MODE_KEY, saved_mode, why_not_resume_in_stock
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the host AdamW reads fp32 or bf16 gradients
@@ -298,7 +299,8 @@ class StreamedAdamW(OffloadAdamW):
             if opt is not None:
                 opt._settle_loaded_masters(last=True)
 
-        self._loaded_hook = self._engine.model.register_forward_pre_hook(settle, prepend=True)
+        # _Installed: a copy or pickle of the model refuses at once, as for the engine's hooks.
+        self._loaded_hook = self._engine.model.register_forward_pre_hook(_Installed(settle), prepend=True)
 
     def _remove_loaded_hook(self) -> None:
         if self._loaded_hook is not None:
