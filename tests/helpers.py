@@ -220,6 +220,7 @@ class FakeDevice:
         self.now, self.peak = now, now
         adapter.allocated = lambda: self.now
         adapter.device_peak = lambda: self.peak
+        adapter.counters = lambda: {"current": self.now, "peak": self.peak}  # both in one read
 
 
 def on_a_nearly_full_card(make):

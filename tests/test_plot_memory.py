@@ -32,6 +32,7 @@ class FakeDevice:
         self.now, self.peak = now, now
         adapter.allocated = lambda: self.now
         adapter.device_peak = lambda: self.peak
+        adapter.counters = lambda: {"current": self.now, "peak": self.peak}  # both in one read
 
 
 def run_with_moves():

@@ -114,3 +114,46 @@ def test_transformers_fused_experts_are_matmul_weights_and_their_biases_are_not(
 
     mine = Experts()
     assert not _is_matmul_weight(mine, "gate_up_proj", mine.gate_up_proj)
+
+
+# -- a unit's views: cached, made again when a plan field changes ------------------------------------
+
+
+def test_a_units_views_follow_every_write_of_its_plan_fields():
+    """What a unit streams and holds by kind is cached (read at every block boundary); a write
+    of any plan field (Unit.paged, act_paged, recompute; Slot.quant_format, device_state), by
+    whoever makes it, makes it again and moves PlanEpoch on; a copy of the unit over slots of
+    its own (the planner's trials) gets views of its own slots."""
+    from trainstream.engine.layout import PlanEpoch, Slot, Unit
+
+    def slot(name, shape, trainable):
+        return Slot(
+            torch.nn.Parameter(torch.zeros(shape), requires_grad=trainable), name, torch.float32, trainable, True
+        )
+
+    w, b, lora = slot("w", (8, 8), False), slot("b", (8,), False), slot("lora", (2, 8), True)
+    unit = Unit("block 0", 0, [w, b, lora])
+    for s in unit.slots:
+        s.unit = unit
+    assert not unit.streamed and unit.streamed_slots == () and unit.fetch_nbytes == 0
+    assert unit.views is unit.views and unit.trainable == [lora]
+    epoch = PlanEpoch.value
+    w.quant_format = "nf4"
+    assert unit.streamed and unit.streamed_slots == (w,) and unit.fetch_nbytes == 8 * 8 * 4
+    assert PlanEpoch.value > epoch
+    lora.device_state = True
+    assert unit.device_state_slots == (lora,) and unit.pageable_slots == (w, b) and unit.trainable == []
+    unit.paged = True
+    assert unit.streamed_slots == (w, b) and unit.fetch_nbytes == (64 + 8) * 4
+    epoch = PlanEpoch.value
+    unit.act_paged = True
+    unit.recompute = False
+    assert PlanEpoch.value == epoch + 2
+
+    trial = copy.copy(unit)
+    trial.slots = [copy.copy(s) for s in unit.slots]
+    for s in trial.slots:
+        s.unit = trial
+    assert trial.streamed_slots == tuple(trial.slots[:2])  # its own slots, not the original's
+    trial.paged = False
+    assert trial.streamed_slots == (trial.slots[0],) and unit.streamed_slots == (w, b)

@@ -189,3 +189,90 @@ def test_an_edit_before_a_block_moves_between_paged_and_resident_is_kept():
         opt.step()
         opt.zero_grad()
     assert max_diff(reference.state_dict(), model.state_dict()) < 2e-5
+
+
+# -- a unit's fetch layout: made once per plan (issue 23) -------------------------------------------
+
+GPT_FROZEN = lambda n: n.startswith("layers.") and n.endswith(("qkv.weight", "fc.weight", "out.weight"))  # noqa: E731
+
+
+def _gpt_run(opts, steps, between=None):
+    """tiny_gpt with its block matrices frozen, wrapped with `opts`, trained `steps` steps;
+    `between(engine, step)` runs after each step. Returns (losses, state, engine)."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    for n, p in model.named_parameters():
+        p.requires_grad_(not GPT_FROZEN(n))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **opts)
+    engine = model._trainstream_engine
+    losses = []
+    for i in range(steps):
+        loss = loss_fn(model, batch(i, "cpu"))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if between is not None:
+            between(engine, i)
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return losses, state, engine
+
+
+def test_a_quantized_units_fetches_reuse_one_layout_and_one_dtypes_dict(monkeypatch):
+    """A resident quantized unit is dequantized twice a step, into a fresh buffer each time,
+    laid out once: where each weight lies, its codes, and the dtypes dict every forward (and
+    its backward) hands on as the unit's fetch_dtypes. No layout is made after the first step."""
+    from trainstream.engine import params
+    from trainstream.engine.layout import Fetch
+
+    _, _, engine = _gpt_run(dict(RESIDENT, quantize="nf4"), steps=2)
+    dtypes = {u: u.fetch_dtypes for u in engine.block_units}
+    assert all(dtypes.values())
+    made = []
+
+    class Counted(params._FetchLayout):
+        def __init__(self, *args):
+            made.append(args)
+            super().__init__(*args)
+
+    monkeypatch.setattr(params, "_FetchLayout", Counted)
+    seen = []
+    real_fetch = engine.weights.fetch
+
+    def fetch(unit, **kwargs):
+        released = unit.fetch is Fetch.RELEASED  # else the call has nothing to do
+        real_fetch(unit, **kwargs)
+        if released:
+            seen.append((unit, unit.fetch_dtypes, unit.fetched))
+
+    monkeypatch.setattr(engine.weights, "fetch", fetch)
+    loss_fn, batch = tiny_gpt()[2], tiny_gpt()[1]
+    loss_fn(engine.model, batch(9, "cpu")).backward()
+    assert not made
+    assert {u for u, _, _ in seen} == set(engine.block_units)
+    assert all(d is dtypes[u] for u, d, _ in seen)
+    # forward and backward each fetch (the last block keeps its forward's weights for its backward)
+    fetches = [sum(u is unit for u, _, _ in seen) for unit in engine.block_units]
+    assert fetches == [2] * (len(fetches) - 1) + [1], fetches
+
+
+def test_a_quantized_block_paged_mid_run_fetches_all_its_weights_and_keeps_the_bits():
+    """A resident quantized block moved to host memory between steps (a replan) is laid out
+    again: its fetch brings every weight it keeps in host memory (its codes across PCIe and
+    its plain weights), and training gives the bits of the run that never moved it."""
+
+    def page_block_1(engine, step):
+        if step == 1:
+            engine.apply(Replan([1], [], []))
+            unit = engine.block_units[1]
+            assert unit.paged and set(unit.streamed_slots) == set(unit.pageable_slots)
+
+    opts = dict(RESIDENT, quantize="nf4")
+    stayed = _gpt_run(opts, steps=4)
+    moved = _gpt_run(opts, steps=4, between=page_block_1)
+    assert_same_bits(stayed[:2], moved[:2])
+    layouts = moved[2].weights._layouts
+    unit = moved[2].block_units[1]
+    views, by_dtype = layouts[unit]
+    assert views is unit.views and all(set(layout.slots) == set(unit.pageable_slots) for layout in by_dtype.values())

@@ -171,14 +171,22 @@ class Adapter:
 
     # -- measuring -------------------------------------------------------------------------------
 
+    def counters(self):
+        """The allocator's counters, {"current": bytes allocated now, "peak": the device's peak
+        counter}, in one read; None where they cannot be measured (the CPU backend). Each
+        measuring point reads them once (a read of the allocator's statistics costs tens of
+        microseconds on a GPU, and the points run at every block boundary)."""
+        backend = self.backend
+        return backend.allocated() if backend.is_cuda else None
+
     def allocated(self):
         """Device bytes allocated now; None where it cannot be measured (the CPU backend)."""
-        backend = self.backend
-        return backend.allocated()["current"] if backend.is_cuda else None
+        counters = self.counters()
+        return None if counters is None else counters["current"]
 
     def device_peak(self):
-        backend = self.backend
-        return backend.allocated()["peak"] if backend.is_cuda else None
+        counters = self.counters()
+        return None if counters is None else counters["peak"]
 
     def sample(self, now=None) -> None:
         """Raise the step's peak to what is allocated (`now`, when the caller just read it)."""
@@ -228,7 +236,8 @@ class Adapter:
             self._timing[unit.block] = [self._mark(), None]
 
     def block_ends(self, unit, fetched_bytes: int) -> None:
-        now = self.allocated()
+        counters = self.counters()
+        now = None if counters is None else counters["current"]
         self.sample(now)
         if now is not None and self._enter_alloc is not None and not unit.act_paged and not unit.recompute:
             # Weights fetched during the block (its own, the next block's ahead) are not activations.
@@ -246,7 +255,7 @@ class Adapter:
         if self._timing is not None and unit.block in self._timing:
             self._timing[unit.block][1] = self._mark()
         if now is not None and unit is self.block_units[-1]:
-            self.stack_end, self._peak_at_stack_end, self._head_open = now, self.device_peak(), True
+            self.stack_end, self._peak_at_stack_end, self._head_open = now, counters["peak"], True
 
     def forward_returns(self) -> None:
         """The model's forward returned (autocast, if any, still holds its copies)."""
@@ -266,11 +275,14 @@ class Adapter:
 
     def backward_reaches_stack(self) -> None:
         """Backward has come through the head and the loss to the last block."""
-        self.sample()
-        now = self.allocated()
-        if now is not None and self._head_open:
+        counters = self.counters()
+        if counters is None:
+            return  # nothing measured (the CPU backend)
+        now = counters["current"]
+        self.sample(now)
+        if self._head_open:
             self.held_after_stack = max(self.held_after_stack, now - self.stack_end)
-        self._close_head(self.device_peak())
+        self._close_head(counters["peak"])
 
     def _close_head(self, peak) -> None:
         """If the device's peak rose since the stack's end, the new peak is what ran after the
@@ -292,11 +304,11 @@ class Adapter:
         """Backward has reached `unit` (the block after it done, its memory let go): the block
         before closes its measure and its backward's time, this one opens its own measure
         (its time opens at backward_begins, once its weights are there)."""
-        self._close_backward_block(fetched_bytes)
+        counters = self.counters()  # one read: the block before's close and this one's mark
+        self._close_backward_block(fetched_bytes, counters)
         self._end_backward_time()
-        now, peak = self.allocated(), self.device_peak()
-        if now is not None:
-            self._backward_mark = (unit, now, peak, fetched_bytes)
+        if counters is not None:
+            self._backward_mark = (unit, counters["current"], counters["peak"], fetched_bytes)
 
     def backward_ends(self, fetched_bytes: int) -> None:
         """The backward pass is done: the last block's measure closes (what runs after it, the
@@ -335,18 +347,19 @@ class Adapter:
             self._backward_open[1] = self._mark()
             self._backward_open = None
 
-    def _close_backward_block(self, fetched_bytes: int | None = None) -> None:
+    def _close_backward_block(self, fetched_bytes: int | None = None, counters=None) -> None:
         """If the device's peak rose during the marked block's backward, the rise above what
         was allocated as it began is that backward's: its recompute (when recomputed), its
         gradients, and the next block's weights and paged activations coming in (taken off).
         Under an earlier peak nothing is learnt, nor for a block whose own paged activations
         arrive around the mark. What is left is the plan's backward_bytes for the block (the
-        weight gradients are counted there already: one block's, in the fixed part)."""
+        weight gradients are counted there already: one block's, in the fixed part). `counters`:
+        the allocator's, when the caller just read them."""
         mark, self._backward_mark = self._backward_mark, None
         if mark is None:
             return
         unit, start, peak_then, fetched_then = mark
-        peak = self.device_peak()
+        peak = counters["peak"] if counters is not None else self.device_peak()
         if peak is None or peak <= peak_then or unit.act_paged:
             return
         rise = peak - start

@@ -38,7 +38,7 @@ from .device_state import DeviceState
 from .distributed import DataParallel, StockGradients, agree
 from .frozen_linear import FrozenLinears
 from .grads import GradSettings, GradStreamer
-from .layout import Fetch, set_device_state, set_recompute
+from .layout import Fetch, PlanEpoch, set_device_state, set_recompute
 from .measure import ActivationMeter
 from .moments import MomentStager, lay_out
 from .params import WeightPager
@@ -197,6 +197,13 @@ class Engine:
             optimizer, [s for u in self.update_order() for s in u.device_state_slots], backend
         )
         self._entered: set = set()  # blocks whose backward has started this pass
+        # Whether backward marks each block's start (watch_backward), and the PlanEpoch it was
+        # decided at: it changes only with a unit's plan fields (a replan, the online guard).
+        self._marks_blocks = False
+        self._marks_epoch = -1
+        # unit -> its saved-tensor hooks (pack, unpack) and its backward-start hook, made once
+        self._unit_hooks: dict = {}
+        self._backward_hooks: dict = {}
         self._handles: list = []
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
         self._applies: dict = {}  # module -> its own _apply attribute, if it had one (install)
@@ -502,7 +509,10 @@ class Engine:
                 engine.adapter.aside_ends(aside)
 
         def paged_forward(*args, **kwargs):
-            if not engine._in_backward():  # before the guard, which reads them
+            # Nothing before the block's forward runs can start a backward: one test for what
+            # runs before it (enter_block, the fault tests' entry point, tests again).
+            in_backward = engine._in_backward()
+            if not in_backward and engine.meter.measuring:  # before the guard, which reads them
                 engine.meter.count_inputs(unit, _tensors_in((args, kwargs)), engine.backend.device)
             engine.enter_block(unit)
             # A checkpoint around the block has its own saved-tensor hooks: ours would
@@ -511,28 +521,23 @@ class Engine:
             # A block whose streamed weights are all frozen Linears' saves none of them
             # ([Note: frozen linears]) and needs no hooks of ours either.
             foreign = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            grad = torch.is_grad_enabled()
             # The planner's recompute: a checkpoint of ours, never inside someone else's, nor
             # in backward (a forward recomputing there is already one). It keeps the block's
             # inputs only; its RNG state is kept, so dropout recomputes the same bits.
-            recompute = (
-                unit.recompute
-                and torch.is_grad_enabled()
-                and not foreign
-                and not _checkpoints_itself(forward)
-                and not engine._in_backward()
-            )
+            recompute = unit.recompute and grad and not foreign and not in_backward and not _checkpoints_itself(forward)
             if recompute:
                 refused = why_not_recompute(getattr(forward, "__self__", None) or torch.nn.Module(), args, kwargs)
                 if refused is not None:
                     engine.recompute_refused(unit, refused)
                     recompute = False
-            measure = not recompute and engine._start_counting()
+            measure = not recompute and not in_backward and engine.meter.start()
             try:
                 saves_weights = unit.streamed and not foreign and not engine.linears.serves(unit)
                 if recompute:
                     out = recompute_call(recomputable, args, kwargs, engine.backend.device)
-                elif (unit.act_paged or measure or saves_weights) and torch.is_grad_enabled():
-                    with torch.autograd.graph.saved_tensors_hooks(functools.partial(engine.pack, unit), engine.unpack):
+                elif (unit.act_paged or measure or saves_weights) and grad:
+                    with torch.autograd.graph.saved_tensors_hooks(*engine._hooks_for(unit)):
                         out = forward(*args, **kwargs)
                 else:
                     out = forward(*args, **kwargs)
@@ -552,22 +557,31 @@ class Engine:
 
     def enter_block(self, unit) -> None:
         if self._in_backward():
-            # A block recomputing its forward in backward (checkpointing). Backward is done with
-            # the blocks above the one after it; under reentrant checkpointing no backward hook
-            # of theirs released their fetched or dequantized weights.
-            for done in self.block_units[unit.block + 2 :]:
-                if done.streamed and done.fetch is not Fetch.RELEASED:
-                    self.weights.release(done)
-            self.weights.guard(unit)
-            return
-        choice = self.adapter.block_starts(unit, self.weights.fetched_bytes) if torch.is_grad_enabled() else None
-        if choice == "page":  # the online guard: this block's activations would not fit
-            self.acts.page(unit, True)
-        elif choice == "recompute":  # the guard again: recomputed in backward instead
-            self._activations_leave(unit, recompute=True)
-        self.acts.drop(unit)
+            self._enter_recompute(unit)
+        else:
+            self._enter_forward(unit)
+
+    def _enter_recompute(self, unit) -> None:
+        """A block recomputing its forward in backward (checkpointing). Backward is done with
+        the blocks above the one after it; under reentrant checkpointing no backward hook of
+        theirs released their fetched or dequantized weights."""
+        for done in self.block_units[unit.block + 2 :]:
+            if done.streamed and done.fetch is not Fetch.RELEASED:
+                self.weights.release(done)
         self.weights.guard(unit)
-        if torch.is_grad_enabled():
+
+    def _enter_forward(self, unit) -> None:
+        grad = torch.is_grad_enabled()
+        if grad:
+            choice = self.adapter.block_starts(unit, self.weights.fetched_bytes)
+            if choice == "page":  # the online guard: this block's activations would not fit
+                self.acts.page(unit, True)
+            elif choice == "recompute":  # the guard again: recomputed in backward instead
+                self._activations_leave(unit, recompute=True)
+        if unit.acts:
+            self.acts.drop(unit)
+        self.weights.guard(unit)
+        if grad:
             self.adapter.forward_begins(unit)
         nxt = unit.block + 1
         if nxt < len(self.block_units) and self.block_units[nxt].streamed:
@@ -592,8 +606,10 @@ class Engine:
             self.events.add(f"block {unit.block}: its activations paged instead of recomputed: {reason}")
 
     def exit_block(self, unit) -> None:
-        if self._in_backward():
-            return
+        if not self._in_backward():
+            self._exit_forward(unit)
+
+    def _exit_forward(self, unit) -> None:
         if torch.is_grad_enabled():
             self.adapter.block_ends(unit, self.weights.fetched_bytes)
         if not unit.streamed:
@@ -601,9 +617,6 @@ class Engine:
         last = unit.block == len(self.block_units) - 1
         if not (last and torch.is_grad_enabled()):  # the last block's backward comes first: keep it
             self.weights.release(unit)
-
-    def _start_counting(self) -> bool:
-        return not self._in_backward() and self.meter.start()
 
     def _stop_counting(self, unit, counted: bool) -> None:
         self.meter.stop(unit, counted)
@@ -631,8 +644,11 @@ class Engine:
         return self.acts.pack(t, unit)
 
     def _hooks_for(self, unit) -> tuple:
-        """The saved-tensor hooks (pack, unpack) of `unit`'s block."""
-        return functools.partial(self.pack, unit), self.unpack
+        """The saved-tensor hooks (pack, unpack) of `unit`'s block (made once per unit)."""
+        hooks = self._unit_hooks.get(unit)
+        if hooks is None:
+            hooks = self._unit_hooks[unit] = (functools.partial(self.pack, unit), self.unpack)
+        return hooks
 
     def unpack(self, packed):
         if isinstance(packed, SavedWeight):
@@ -650,14 +666,32 @@ class Engine:
     # -- backward ------------------------------------------------------------------------------
 
     def watch_backward(self, unit, out) -> None:
-        if not torch.is_grad_enabled() or self._in_backward():
+        if not self._in_backward():
+            self._watch(unit, out)
+
+    def marks_blocks(self) -> bool:
+        """Does backward mark each block's start (block_backward_starts)? When some block
+        streams its weights, pages its activations or is recomputed (a recomputed block's
+        backward is measured there too: Adapter.block_backward_starts). Decided again only
+        after a plan field of some unit changed (PlanEpoch)."""
+        if self._marks_epoch != PlanEpoch.value:
+            self._marks_blocks = any(u.streamed or u.act_paged or u.recompute for u in self.block_units)
+            self._marks_epoch = PlanEpoch.value
+        return self._marks_blocks
+
+    def _watch(self, unit, out) -> None:
+        """`unit`'s forward returned `out` (not in backward): mark its backward's start."""
+        if not torch.is_grad_enabled() or not self.marks_blocks():
             return
-        # A recomputed block's backward is measured there too (Adapter.block_backward_starts).
-        if not any(u.streamed or u.act_paged or u.recompute for u in self.block_units):
-            return
+        hook = self._backward_hooks.get(unit)
+        if hook is None:
+            hook = self._backward_hooks[unit] = functools.partial(self._block_output_grad, unit)
         for t in _tensors_in(out):
             if t.requires_grad:
-                t.register_hook(lambda grad, unit=unit: self.block_backward_starts(unit))
+                t.register_hook(hook)
+
+    def _block_output_grad(self, unit, grad) -> None:
+        self.block_backward_starts(unit)
 
     def block_backward_starts(self, unit) -> None:
         """Backward has reached `unit`'s output: the block after it is done, this one is
@@ -674,7 +708,8 @@ class Engine:
             done = blocks[i + 1]
             if done.streamed:
                 self.weights.release(done)
-            self.acts.drop(done)
+            if done.acts:
+                self.acts.drop(done)
         self.adapter.block_backward_starts(unit, self.weights.fetched_bytes)
         if unit.streamed and unit.fetch_dtypes:
             # Attached, not only fetched: a checkpointed part of the block recomputes its
@@ -686,7 +721,8 @@ class Engine:
         if i > 0 and blocks[i - 1].streamed and blocks[i - 1].fetch_dtypes:
             self.weights.fetch(blocks[i - 1], ahead=True, dtypes=blocks[i - 1].fetch_dtypes)
         for j in range(i - 1, max(i - 1 - self.opts.prefetch_depth, -1), -1):
-            self.acts.prefetch(blocks[j])
+            if blocks[j].acts:
+                self.acts.prefetch(blocks[j])
 
     def after_backward(self) -> None:
         self.adapter.sample()

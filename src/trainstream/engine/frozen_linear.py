@@ -81,6 +81,21 @@ class FrozenLinearFunction(torch.autograd.Function):
         return gx, None
 
 
+def _direct_apply():
+    """FrozenLinearFunction's apply without torch.autograd.Function.apply's Python around it
+    (its setup_context test, functorch's check and its unwrap of each argument): the C apply
+    that one ends in, bound to the Function. The caller takes it only outside functorch's
+    transforms, which the Python apply would hand to functorch (and refuse: the Function has
+    no setup_context), and unwraps x itself as that one does. Where this torch does not offer
+    it, the Python apply."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    raw = getattr(base, "__dict__", {}).get("apply")
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    if raw is None or unwrap is None or not hasattr(raw, "__get__"):
+        return None, None
+    return raw.__get__(None, FrozenLinearFunction), unwrap
+
+
 def _registrations(model: torch.nn.Module) -> dict:
     """Each parameter (by id) -> how many (module, name) pairs register it in `model`."""
     counts: dict = {}
@@ -150,6 +165,8 @@ class FrozenLinears:
     def _forward_of(self, module, slot, forward):
         pager, hooks_for, unit = self.pager, self.hooks_for, slot.unit
         apply = FrozenLinearFunction.apply
+        direct, unwrap_if_dead = _direct_apply()
+        transforms_active = torch._C._are_functorch_transforms_active
         top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
         grad_enabled, compiling = torch.is_grad_enabled, torch.compiler.is_compiling
         params = module._parameters  # module.weight / module.bias, without nn.Module.__getattr__
@@ -172,7 +189,10 @@ class FrozenLinears:
                 and slot not in saved_elsewhere
                 and not compiling()
             ):
-                return apply(x, (params["weight"], params.get("bias"), slot, pager, unit.fetch_dtypes))
+                frozen = (params["weight"], params.get("bias"), slot, pager, unit.fetch_dtypes)
+                if direct is not None and not transforms_active():
+                    return direct(unwrap_if_dead(x), frozen)
+                return apply(x, frozen)
             fetched = unit.fetched
             if fetched is None or unit.fetch is not attached or slot not in fetched:
                 return forward(x, *args, **kwargs)  # resident (or not attached): nothing streamed

@@ -13,6 +13,42 @@ import torch
 from ..quant.weight import code_layout, quantized_nbytes
 
 
+class PlanEpoch:
+    """Moves on at every write of a plan field (_PlanField) of any unit or slot: a cache over
+    many units (the engine's "does any block need backward hooks") is current while the epoch
+    it was computed at is."""
+
+    value = 0
+
+
+class _PlanField:
+    """A dataclass field of Slot or Unit that decides what a unit streams or how its block runs
+    (Unit.paged, act_paged, recompute; Slot.quant_format, device_state). Every write, whoever
+    makes it (the pager, the activation pager, layout.set_*, the planner on its trial copies),
+    drops the unit's cached views (Unit.views) and moves PlanEpoch on, so no cache of them can
+    outlive a change. The value lives in the instance's __dict__ under `_<name>`."""
+
+    def __init__(self, default):
+        self.default = default
+
+    def __set_name__(self, owner, name):
+        self.key = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self.default  # the dataclass's default for the field
+        return obj.__dict__[self.key]
+
+    def __set__(self, obj, value):
+        d = obj.__dict__
+        d[self.key] = value
+        unit = obj if isinstance(obj, Unit) else d.get("unit")
+        if unit is not None:
+            unit.__dict__["_views"] = None
+            unit.__dict__.pop("trainable", None)  # the cached_property: device_state decides it
+        PlanEpoch.value += 1
+
+
 @dataclass(eq=False)
 class Slot:
     param: torch.nn.Parameter
@@ -24,12 +60,12 @@ class Slot:
     # Trainable and kept whole on the compute device (the plan's device_state, device_state.py):
     # weights, gradient (p.grad, as torch keeps it), moments and any fp32 master. No host
     # buffer, no gradient hook, never paged (a paged unit pages its other slots only).
-    device_state: bool = False
+    device_state: bool = _PlanField(False)
     # Frozen weights stored quantized (wrap(quantize=...)): the format and block size, and the
     # QuantizedWeight once made (WeightPager.place). Its codes live on the device for a resident
     # unit, in host transfer memory for a paged one; the weight itself exists only while a
     # forward or backward uses it, dequantized like a paged weight is fetched.
-    quant_format: str | None = None
+    quant_format: str | None = _PlanField(None)
     quant_block: int = 64
     quant: object = None
     # Host weights by dtype. Trainable: host[float32] is the master the optimizer updates,
@@ -110,11 +146,11 @@ class Unit:
     name: str
     block: int | None  # index in the block stack; None outside it
     slots: list
-    paged: bool = False  # weights live in host memory and are fetched for each use
-    act_paged: bool = False  # saved activations go to host memory during forward
+    paged: bool = _PlanField(False)  # weights live in host memory and are fetched for each use
+    act_paged: bool = _PlanField(False)  # saved activations go to host memory during forward
     # Forward under torch.utils.checkpoint (non-reentrant): only the block's inputs are kept,
     # its forward runs again in backward. Never set together with act_paged.
-    recompute: bool = False
+    recompute: bool = _PlanField(False)
     # Why this block is never recomputed (engine/recompute_call.py), once a call showed it.
     no_recompute: str | None = None
     # Updates of this unit's weights that may still be running: host optimizer jobs, or
@@ -144,37 +180,67 @@ class Unit:
     def trainable(self) -> list:
         """The slots the optimizer updates through the host path: gradients landed, updates
         queued per unit (fixed at wrap(); read on every gradient). Device-state slots are not
-        among them (set_device_state drops this cache)."""
+        among them (a write of Slot.device_state drops this cache: _PlanField)."""
         return [s for s in self.slots if s.trainable and not s.device_state]
 
     @property
-    def device_state_slots(self) -> list:
-        """The trainable slots whose whole state stays on the compute device."""
-        return [s for s in self.slots if s.device_state]
+    def views(self) -> UnitViews:
+        """What the unit streams and holds by kind, as the plan fields say now: computed at the
+        first read after any of them changed (_PlanField drops it), read on every hook. The
+        unit's slots are fixed once built (build_units appends them before any read)."""
+        views = self.__dict__.get("_views")
+        # A copy of the unit (copy.copy: the planner's trials) carries the original's views,
+        # made over the original's slots: made again for the copy's.
+        if views is None or views.unit is not self or views.slots is not self.slots:
+            views = self.__dict__["_views"] = UnitViews(self)
+        return views
 
     @property
-    def pageable_slots(self) -> list:
+    def device_state_slots(self) -> tuple:
+        """The trainable slots whose whole state stays on the compute device."""
+        return self.views.device_state_slots
+
+    @property
+    def pageable_slots(self) -> tuple:
         """The slots a paged unit keeps in host memory: every one but the device-state ones."""
-        return [s for s in self.slots if not s.device_state]
+        return self.views.pageable_slots
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
     @property
-    def streamed_slots(self) -> list:
+    def streamed_slots(self) -> tuple:
         """Slots whose weights are brought to the device for each use and released after:
         all of a paged unit's, and the quantized ones of a resident unit (dequantized there)."""
-        return self.pageable_slots if self.paged else [s for s in self.slots if s.quant_format is not None]
+        return self.views.streamed_slots
 
     @property
     def streamed(self) -> bool:
-        return self.paged or any(s.quant_format is not None for s in self.slots)
+        return self.views.streamed
 
     @property
     def fetch_nbytes(self) -> int:
         """Device bytes one fetch holds (quantized weights count dequantized)."""
-        return sum(s.full_nbytes for s in self.streamed_slots)
+        return self.views.fetch_nbytes
+
+
+class UnitViews:
+    """A unit's slots by kind, for its plan fields as they were when made (Unit.views): a new
+    one is made after any change, so an object identity check tells a cache built on these
+    (the pager's fetch layouts) whether it is current."""
+
+    __slots__ = ("unit", "slots", "device_state_slots", "pageable_slots", "streamed_slots", "streamed", "fetch_nbytes")
+
+    def __init__(self, unit: Unit):
+        self.unit, self.slots = unit, unit.slots  # what they were made for (Unit.views checks)
+        slots = unit.slots
+        self.device_state_slots = tuple(s for s in slots if s.device_state)
+        self.pageable_slots = tuple(s for s in slots if not s.device_state)
+        quantized = tuple(s for s in slots if s.quant_format is not None)
+        self.streamed_slots = self.pageable_slots if unit.paged else quantized
+        self.streamed = unit.paged or bool(quantized)
+        self.fetch_nbytes = sum(s.full_nbytes for s in self.streamed_slots)
 
 
 def _own_parameters(model: torch.nn.Module) -> list:
@@ -450,7 +516,6 @@ def set_device_state(units: list, names) -> None:
     for u in units:
         for s in u.slots:
             s.device_state = s.trainable and s.name in names
-        u.__dict__.pop("trainable", None)
 
 
 def set_recompute(unit: Unit, on: bool) -> None:

@@ -79,6 +79,10 @@ class WeightPager:
         self.fetched_storages: dict = {}
         self.resident_storages: set = set()  # device storage pointers of resident weights
         self.fetched_bytes = 0  # device bytes fetched since wrap (growth that is not activations)
+        # unit -> (its Unit.views, {autocast dtype: _FetchLayout}): how its fetches are laid out,
+        # for its plan fields as they were (a change makes new views, and the layouts new ones)
+        self._layouts: dict = {}
+        self._fetches: dict = {}  # unit -> _Fetched, while unit.fetched is set
         self.arena = None  # the host transfer memory, once place() has carved it
         self._before = None  # set by place(), until placed(): see unplace()
         self.unreadable: list = []  # paged params whose placeholder is NaN, not their values
@@ -177,6 +181,7 @@ class WeightPager:
         self._before = None
         self.resident_storages.clear()
         self.fetched_storages.clear()
+        self._layouts.clear()
 
     def _place_quantized(self, s, paged: bool, buffers) -> None:
         """Quantize a frozen weight where it is (host or device); keep the codes in host
@@ -381,6 +386,7 @@ class WeightPager:
             s.placeholder = self._readable_placeholder(s)
             s.param.data = s.placeholder
         unit.paged, unit.stale, unit.h2d_event = True, False, None
+        self._layouts.pop(unit, None)  # its codes moved: laid out again at the next fetch
 
     def _to_resident(self, unit) -> None:
         self.release(unit)
@@ -397,6 +403,7 @@ class WeightPager:
                 s.host.clear()
                 s.spare = None
         unit.paged, unit.fetch_dtypes = False, {}
+        self._layouts.pop(unit, None)  # its codes moved: laid out again at the next fetch
 
     # -- paged units ---------------------------------------------------------------------------
 
@@ -446,7 +453,8 @@ class WeightPager:
         the dtypes follow the autocast state; in backward they repeat the forward's."""
         if unit.fetch is not Fetch.RELEASED:
             return
-        nbytes = unit.fetch_nbytes
+        layout = self._layout(unit, dtypes)
+        nbytes = layout.views.fetch_nbytes
         if ahead:
             if not self.ledger.may_fetch_ahead(nbytes):
                 return  # over the in-flight cap: fetched on demand when its turn comes
@@ -454,62 +462,88 @@ class WeightPager:
         if unit.paged:  # the optimizer may still be writing these weights (quantized ones are frozen)
             self._after_updates(unit, self.backend.copy_in)
             self.take_edits(unit)
-        slots = unit.streamed_slots
-        if dtypes is None:
-            autocast = _autocast_dtype(self.backend.device.type)
-            dtypes = {s: self._dtype_for(s, autocast) for s in slots}
+        dtypes = layout.dtypes
         backend = self.backend
         with backend.on(backend.copy_in):
-            quantized = [s for s in slots if s.quant is not None]
-            dequantized = self._dequantize(quantized, dtypes) if quantized else {}
+            storages = []  # (tensor, storage pointer, byte spans of the weights in it)
+            dequantized = {}
+            if layout.quantized:
+                flat, dequantized = self._dequantize(layout)
+                storages.append((flat, flat.untyped_storage().data_ptr(), layout.spans))
             fetched = {}
-            for s in slots:
+            for s in layout.slots:
                 dev = dequantized.get(s)
                 if dev is None:
                     src = self._host_source(s, dtypes[s])
                     dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)
                     dev.copy_(src, non_blocking=True)
+                    storages.append((dev, dev.untyped_storage().data_ptr(), [(0, dev.numel() * dev.element_size(), s)]))
                 fetched[s] = dev
         unit.fetched, unit.fetch_dtypes = fetched, dtypes
-        self.fetched_bytes += _held_bytes(fetched.values())
+        self._fetches[unit] = _Fetched(layout, storages)
+        self.fetched_bytes += layout.held_nbytes
         unit.fetch_event = backend.record(backend.copy_in)
         unit.fetch = Fetch.AHEAD if ahead else Fetch.FETCHED
         if ahead:
             self.ledger.fetched_ahead(nbytes)
 
+    def _layout(self, unit, dtypes: dict | None):
+        """How `unit`'s fetch in `dtypes` (None: the autocast state's) is laid out: made once per
+        unit and autocast dtype while its plan fields stand, so every forward under one autocast
+        state fetches in the same dtypes dict (the unit's fetch_dtypes), which its backward
+        hands back. Other dtypes (a forward's before a replan) get a layout of their own."""
+        views = unit.views
+        entry = self._layouts.get(unit)
+        if entry is None or entry[0] is not views:
+            entry = self._layouts[unit] = (views, {})
+        layouts = entry[1]
+        if dtypes is None:
+            autocast = _autocast_dtype(self.backend.device.type)
+            layout = layouts.get(autocast)
+            if layout is None:
+                dtypes = {s: self._dtype_for(s, autocast) for s in views.streamed_slots}
+                layout = layouts[autocast] = _FetchLayout(views, dtypes, self.backend.device, self.DEQUANT_ALIGN)
+            return layout
+        for layout in layouts.values():
+            if layout.dtypes is dtypes:
+                return layout
+        return _FetchLayout(views, dtypes, self.backend.device, self.DEQUANT_ALIGN)
+
     # Byte alignment of each weight in a unit's dequantized buffer: where a fresh allocation
     # would start (the kernels' vector path needs 16, the matmuls reading it prefer more).
     DEQUANT_ALIGN = 256
 
-    def _dequantize(self, slots: list, dtypes: dict) -> dict:
-        """Views of one new device buffer, slot -> its weight in `dtypes[slot]`, dequantized
+    def _dequantize(self, layout) -> tuple:
+        """Views of one new device buffer, slot -> its weight in its layout's dtype, dequantized
         on the current stream (the copy-in stream) from each slot's codes: one allocation
         and one native call per (format, block size) for the unit, rather than one of each
-        per weight. A paged unit's codes and scales cross PCIe first."""
+        per weight. A paged unit's codes and scales cross PCIe first. The buffer is a fresh
+        allocation each call; where each weight lies in it is the layout's. Returns the buffer
+        and the views."""
         device = self.backend.device
-        align = self.DEQUANT_ALIGN
-        spans, total = [], 0
-        for s in slots:
-            nbytes = s.param.numel() * dtypes[s].itemsize
-            spans.append((total, nbytes))
-            total += -(-nbytes // align) * align
-        flat = torch.empty(total, dtype=torch.uint8, device=device)
-        views, groups = {}, {}
-        for s, (start, nbytes) in zip(slots, spans):
-            views[s] = flat[start : start + nbytes].view(dtypes[s]).view(s.param.shape)
-            q = s.quant if s.quant.device == device else s.quant.to(device, non_blocking=True)
-            group = groups.setdefault((q.format, q.block_size), ([], [], []))
-            group[0].append(q.codes)
-            group[1].append(q.absmax)
-            group[2].append(views[s])
-        for (fmt, block_size), (codes, absmax, outs) in groups.items():
-            qops.dequantize_many_trusted(fmt, codes, absmax, outs, block_size)
-        return views
+        flat = torch.empty(layout.buffer_nbytes, dtype=torch.uint8, device=device)
+        typed, views = {}, {}
+        for s, dtype, shape, stride, offset in layout.places:
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = flat.view(dtype)  # whole: the buffer's size is a multiple of DEQUANT_ALIGN
+            views[s] = base.as_strided(shape, stride, offset)
+        for (fmt, block_size), slots, codes, absmax in layout.groups:
+            if codes is None:  # the codes are not on the device (a paged unit's): across PCIe first
+                moved = [s.quant if s.quant.device == device else s.quant.to(device, non_blocking=True) for s in slots]
+                codes, absmax = [q.codes for q in moved], [q.absmax for q in moved]
+            qops.dequantize_many_trusted(fmt, codes, absmax, [views[s] for s in slots], block_size)
+        return flat, views
 
     def attach(self, unit, *, dtypes: dict | None = None) -> None:
         """Point the unit's params at their fetched device tensors (fetching now if no
         prefetch did) and make compute wait for the copy."""
-        if unit.fetch is not Fetch.RELEASED and dtypes is not None and unit.fetch_dtypes != dtypes:
+        if (
+            unit.fetch is not Fetch.RELEASED
+            and dtypes is not None
+            and unit.fetch_dtypes is not dtypes
+            and unit.fetch_dtypes != dtypes
+        ):
             self.release(unit)  # fetched for a forward in another dtype (say, a no-grad eval)
         if unit.fetch is Fetch.ATTACHED:
             return
@@ -519,15 +553,14 @@ class WeightPager:
         compute = backend.compute_stream()
         for s, dev in unit.fetched.items():
             s.param.data = dev
-            ptr = dev.untyped_storage().data_ptr()
-            spans = self.fetched_storages.get(ptr)
-            if spans is None:  # the first weight seen in this storage: it is kept for compute once
-                backend.keep_until(dev, compute)
-                spans = self.fetched_storages[ptr] = []
-            start = dev.storage_offset() * dev.element_size()
-            spans.append((start, start + dev.numel() * dev.element_size(), s))
+        # Each storage is kept for compute once and named with the byte spans of the weights
+        # in it (a unit's dequantized weights share one).
+        record = self._fetches[unit]
+        for t, ptr, spans in record.storages:
+            backend.keep_until(t, compute)
+            self.fetched_storages[ptr] = spans
         if unit.fetch is Fetch.AHEAD:
-            self.ledger.used(unit.fetch_nbytes)
+            self.ledger.used(record.layout.views.fetch_nbytes)
         unit.fetch = Fetch.ATTACHED
 
     def release(self, unit) -> None:
@@ -535,13 +568,15 @@ class WeightPager:
         has passed the work already queued on it."""
         if unit.fetch is Fetch.RELEASED:
             return
-        for s, dev in unit.fetched.items():
-            self.fetched_storages.pop(dev.untyped_storage().data_ptr(), None)
+        for s in unit.fetched:
             s.param.data = s.placeholder
+        record = self._fetches.pop(unit)
+        for _, ptr, _ in record.storages:
+            self.fetched_storages.pop(ptr, None)
         # The memory returns to the allocator once compute passes this point.
-        self.ledger.add(self.backend.record(), _held_bytes(unit.fetched.values()))
+        self.ledger.add(self.backend.record(), record.layout.held_nbytes)
         if unit.fetch is Fetch.AHEAD:
-            self.ledger.used(unit.fetch_nbytes)
+            self.ledger.used(record.layout.views.fetch_nbytes)
         unit.fetched, unit.fetch, unit.fetch_event = None, Fetch.RELEASED, None
 
     def fetched_slot(self, t: torch.Tensor, ptr: int):
@@ -667,11 +702,58 @@ class _NaNs:
         return chunk[taken : taken + 1].expand(s.param.shape)
 
 
-def _held_bytes(tensors) -> int:
-    """Device bytes the storages under `tensors` hold, each storage once (a unit's
-    dequantized weights are views of one buffer, alignment gaps included)."""
-    storages = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class _FetchLayout:
+    """How one unit's streamed weights are fetched in one set of dtypes (WeightPager._layout):
+    made once, kept while the unit's plan fields stand (`views`, its Unit.views when made).
+    `dtypes` is the dict the fetches hand on as unit.fetch_dtypes; the quantized weights are
+    dequantized into one buffer of `buffer_nbytes` per fetch, each at `places`' offset (a
+    fresh allocation's alignment), their codes read by (format, block size) group."""
+
+    __slots__ = ("views", "dtypes", "slots", "quantized", "buffer_nbytes", "held_nbytes", "places", "spans", "groups")
+
+    def __init__(self, views, dtypes: dict, device, align: int):
+        self.views, self.dtypes = views, dtypes
+        self.slots = views.streamed_slots
+        self.quantized = tuple(s for s in self.slots if s.quant is not None)
+        places, spans, total = [], [], 0
+        for s in self.quantized:
+            dtype = dtypes[s]
+            nbytes = s.param.numel() * dtype.itemsize
+            shape = tuple(s.param.shape)
+            # (slot, dtype, shape, stride, offset in elements of dtype): a contiguous view
+            places.append((s, dtype, shape, _contiguous_strides(shape), total // dtype.itemsize))
+            spans.append((total, total + nbytes, s))  # the bytes it views (fetched_slot reads them)
+            total += -(-nbytes // align) * align
+        self.places, self.spans, self.buffer_nbytes = places, spans, total
+        # Device bytes one fetch holds: the buffer, and each other weight's own tensor.
+        self.held_nbytes = total + sum(s.param.numel() * dtypes[s].itemsize for s in self.slots if s.quant is None)
+        groups: dict = {}
+        for s in self.quantized:
+            groups.setdefault((s.quant.format, s.quant.block_size), []).append(s)
+        # ((format, block size), slots, codes, absmax): the codes and scales listed once when
+        # they live on the device (a resident unit's: fixed until the unit moves, which makes
+        # a new layout); None when they cross PCIe for each fetch (a paged unit's).
+        self.groups = []
+        for key, slots in groups.items():
+            here = all(s.quant.device == device for s in slots)
+            codes = [s.quant.codes for s in slots] if here else None
+            absmax = [s.quant.absmax for s in slots] if here else None
+            self.groups.append((key, slots, codes, absmax))
+
+
+class _Fetched:
+    """A fetch of a unit's weights while it lasts: its layout, and each device storage it holds
+    as (tensor, storage pointer, [(first byte, end byte, slot)] of the weights in it)."""
+
+    __slots__ = ("layout", "storages")
+
+    def __init__(self, layout: _FetchLayout, storages: list):
+        self.layout, self.storages = layout, storages

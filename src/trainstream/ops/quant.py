@@ -134,8 +134,9 @@ def _run_many(fmt: int, codes: Sequence, absmax: Sequence, outs: Sequence, block
     device = outs[0].device
     if device.type != "cuda":
         pool = get_pool()
+        queue = native.quant_queue
         jobs = [
-            native.quant_queue(
+            queue(
                 pool,
                 True,
                 fmt,
@@ -152,19 +153,26 @@ def _run_many(fmt: int, codes: Sequence, absmax: Sequence, outs: Sequence, block
             job.wait()
         return
     _require_cuda()
-    by_dtype: dict = {}
-    for c, a, out in zip(codes, absmax, outs):
-        by_dtype.setdefault(out.dtype, []).append((c, a, out))
     stream = current_stream_handle(device.index)
-    for dtype, group in by_dtype.items():
+    dtype = outs[0].dtype
+    if all(out.dtype is dtype for out in outs):  # the common case, one launch: no regrouping
+        groups = {dtype: (codes, absmax, outs)}
+    else:
+        groups = {}
+        for c, a, out in zip(codes, absmax, outs):
+            group = groups.setdefault(out.dtype, ([], [], []))
+            group[0].append(c)
+            group[1].append(a)
+            group[2].append(out)
+    for dtype, (cs, ams, os_) in groups.items():
         native.dequantize_batch_cuda(
             fmt,
             _dtypes.code(dtype),
-            [c.data_ptr() for c, _, _ in group],
-            [a.data_ptr() for _, a, _ in group],
-            [out.data_ptr() for _, _, out in group],
-            [out.numel() for _, _, out in group],
-            [block_size] * len(group),
+            [c.data_ptr() for c in cs],
+            [a.data_ptr() for a in ams],
+            [out.data_ptr() for out in os_],
+            [out.numel() for out in os_],
+            [block_size] * len(os_),
             device.index,
             stream,
         )
@@ -188,13 +196,24 @@ def _dequantize_impl(fmt: int, codes, absmax, shape, dtype, block_size: int) -> 
     return out
 
 
+def _plain(tensors) -> bool:
+    """Every one of `tensors` is a torch.Tensor itself (no subclass, no fake): one set of
+    their types, built in C, rather than a test per tensor in Python (an engine's fetch
+    passes each of a unit's codes, scales and outputs)."""
+    types = set(map(type, tensors))
+    return not types or types == _TENSOR_ONLY
+
+
+_TENSOR_ONLY = {torch.Tensor}
+
+
 def _direct(*tensors) -> bool:
     """Run the implementation without torch.library's dispatch? Its layers cost tens of
     microseconds a call, as much as dequantizing a 7B model's weight takes on a GPU, and a
     LoRA step dequantizes every frozen weight twice. Only for plain tensors in eager code:
     traced code (torch.compile, export), fake or subclassed tensors and active dispatch
     modes take the registered op."""
-    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors):
+    if torch.compiler.is_compiling() or not _plain(tensors):
         return False
     dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
     return dispatch_modes is not None and dispatch_modes() == 0
