@@ -254,7 +254,7 @@ def test_a_forward_never_taken_backward_does_not_keep_the_model(opts):
 BLOCKS = 28
 
 
-def _lora_llama(quantize, **options):
+def _lora_llama(quantize, device="cpu", **options):
     """A 28-block Llama (tiny widths) with peft's LoRA r=2 on the 7 block Linears: the adapters
     are about 5% of the parameters, so they train as device state, as the issue's 3B run does;
     wrapped with its weights resident, quantized or not, and a step function."""
@@ -273,12 +273,12 @@ def _lora_llama(quantize, **options):
     model = peft.get_peft_model(model, config)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     options = {**RESIDENT, **options}
-    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, quantize=quantize, **options)
+    model, opt = trainstream.wrap(model, opt, device=device, offload=True, quantize=quantize, **options)
     engine = model._trainstream_engine
     assert engine.plan.device_state and len(engine.block_units) == BLOCKS
 
     def step(i):
-        loss_fn(model, batch(i)).backward()
+        loss_fn(model, batch(i, device)).backward()
         opt.step()
         opt.zero_grad()
 
@@ -379,3 +379,24 @@ def test_backward_marks_the_blocks_once_a_unit_leaves_the_device_between_steps()
     step(5)
     assert sorted(calls) == list(range(BLOCKS))
     assert engine.acts.paged_bytes > paged_before  # block 5's activations left and came back
+
+
+@pytest.mark.gpu
+def test_gpu_a_lora_step_reads_the_allocator_once_per_measuring_point(monkeypatch):
+    """On CUDA: the reads of the allocator's counters in a warm resident NF4 LoRA step, four
+    per block (forward's start and end, backward's start before and after the block above is
+    let go) and a few per pass."""
+    from trainstream.engine.device import Backend
+
+    engine, step = _lora_llama("nf4", device="cuda")
+    reads = []
+    real = Backend.allocated
+
+    def allocated(self):
+        reads.append(1)
+        return real(self)
+
+    monkeypatch.setattr(Backend, "allocated", allocated)
+    step(4)
+    torch.cuda.synchronize()
+    assert 4 * BLOCKS <= len(reads) <= 4 * BLOCKS + 12, len(reads)

@@ -462,7 +462,8 @@ class Engine:
         for unit in self.block_units:
             if unit.streamed and unit.fetch is not Fetch.RELEASED:
                 self.weights.release(unit)  # left over from a forward without backward
-            self.acts.drop(unit)  # so too its storages (a graph still alive holds its own), before the pass
+            if unit.acts:  # so too its storages (a graph still alive holds its own), before the pass
+                self.acts.drop(unit)
         self.acts.new_pass()
         self.meter.new_pass()
         if torch.is_grad_enabled():
@@ -730,7 +731,8 @@ class Engine:
         for unit in self.block_units:
             if unit.streamed:
                 self.weights.release(unit)
-            self.acts.drop(unit)
+            if unit.acts:
+                self.acts.drop(unit)
         self._entered.clear()
         self.acts.new_pass()
 

@@ -117,6 +117,7 @@ class FrozenLinears:
         self.covered: set = set()  # slots a FrozenLinearFunction serves (weights and biases)
         self.saved_elsewhere: set = set()  # of those, slots some other code saved for backward
         self._own: dict = {}  # module -> its own `forward` instance attribute, or None
+        self._serves: dict = {}  # unit -> ((its views, len(covered), len(saved_elsewhere)), serves(unit))
 
     def install(self, model: torch.nn.Module, blocks: list, block_units: list, wrap) -> None:
         """Give every eligible Linear of `blocks` our forward, each wrapped by `wrap` (the
@@ -149,12 +150,22 @@ class FrozenLinears:
                 module.forward = own
         self._own = {}
         self.covered = set()
+        self._serves = {}
 
     def serves(self, unit) -> bool:
         """Whether every streamed weight of `unit` is served by a FrozenLinearFunction, so
-        that its block saves none of them and needs no saved-tensor hooks for them."""
+        that its block saves none of them and needs no saved-tensor hooks for them. Asked at
+        every block call: the answer is kept while what it depends on stands (the unit's
+        views, the Linears covered, the slots seen saved elsewhere, which only grows)."""
+        views = unit.views
+        key = (views, len(self.covered), len(self.saved_elsewhere))
+        known = self._serves.get(unit)
+        if known is not None and known[0] == key:
+            return known[1]
         covered, elsewhere = self.covered, self.saved_elsewhere
-        return all(s in covered and s not in elsewhere for s in unit.streamed_slots)
+        answer = all(s in covered and s not in elsewhere for s in views.streamed_slots)
+        self._serves[unit] = (key, answer)
+        return answer
 
     def saved(self, slot) -> None:
         """The engine's hooks saw `slot`'s fetched weight saved for backward: code other
