@@ -7,6 +7,7 @@ and step(); against torch's AdamW the bounds of test_engine."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 
@@ -1088,3 +1089,58 @@ def test_gpu_a_resident_quantized_lora_step_never_synchronizes(fmt, monkeypatch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert waits == []
+
+
+# -- optimizer state replaced by hand: the update reads what the optimizer holds ----------------
+
+
+def _trained(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def test_moments_replaced_by_hand_are_the_ones_updated(monkeypatch):
+    """The launches are built over the moments once; moments a user puts in optimizer.state
+    are the ones updated from then on (as on the host path), not the ones they replaced."""
+
+    def loop(model, opt, batch, loss_fn):
+        _steps(model, opt, batch, loss_fn, 0, 2)
+        opt.synchronize()
+        for p in _trained(opt):
+            opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"])
+            opt.state[p]["exp_avg_sq"] = torch.zeros_like(opt.state[p]["exp_avg_sq"])
+        _steps(model, opt, batch, loss_fn, 2, 2)
+
+    _both_paths(monkeypatch, loop)  # the same weights, moments and steps as the host path
+
+
+def test_a_param_state_replaced_by_hand_is_the_one_advanced(monkeypatch):
+    def loop(model, opt, batch, loss_fn):
+        _steps(model, opt, batch, loss_fn, 0, 2)
+        opt.synchronize()
+        for p in _trained(opt)[:4]:
+            st = opt.state[p]
+            opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(st["exp_avg"]),
+                "exp_avg_sq": torch.zeros_like(st["exp_avg_sq"]),
+            }
+        _steps(model, opt, batch, loss_fn, 2, 2)
+        return [int(opt.state[p]["step"]) for p in _trained(opt)[:4]]
+
+    dev, host = _both_paths(monkeypatch, loop)
+    assert dev[3] == host[3] == [2, 2, 2, 2]
+
+
+def test_an_optimizer_state_reset_keeps_a_state_to_save(monkeypatch):
+    """`opt.state = defaultdict(dict)` starts every param's state afresh, and state_dict()
+    saves the new state."""
+
+    def loop(model, opt, batch, loss_fn):
+        _steps(model, opt, batch, loss_fn, 0, 2)
+        opt.synchronize()
+        opt.state = collections.defaultdict(dict)
+        _steps(model, opt, batch, loss_fn, 2, 2)
+        return len(opt.state_dict()["state"])
+
+    dev, host = _both_paths(monkeypatch, loop)
+    assert dev[3] == host[3] == 16

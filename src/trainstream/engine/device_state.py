@@ -145,7 +145,10 @@ class DeviceState:
         # optimizer's attach() hands its own on and forgets them).
         mine = {s.param for s in slots}
         self._carried = {p: m for p, m in getattr(optimizer, "_carried", {}).items() if p in mine}
-        self._ready: set = set()  # slots whose master is made and whose moments are on the device
+        # slot -> (its state dict, exp_avg, exp_avg_sq) as _place left them: a slot is placed while
+        # the optimizer still holds exactly those (a user replacing the state, a moment or the
+        # whole optimizer.state makes it place again, as torch would read what is there).
+        self._placed: dict = {}
         # unit -> how many device-state params it has (on_grad, once per gradient): fixed at
         # wrap(), where the slots' flags are set for good.
         self._counts: dict = {}
@@ -171,7 +174,7 @@ class DeviceState:
     def adopt_state(self) -> None:
         """The optimizer's state was replaced (load_state_dict): its moments go to the device
         before the next update."""
-        self._ready.clear()
+        self._placed.clear()
         self._layouts.clear()  # their launches hold the moments replaced
 
     def _place(self, slots) -> None:
@@ -185,7 +188,6 @@ class DeviceState:
             self._layouts.clear()  # a layout's launches hold the moments and masters made here
         for s in slots:
             p = s.param
-            self._ready.add(s)
             if p.dtype != torch.float32 and p not in self.masters:
                 master = p.detach().to(dtype=torch.float32, copy=True)
                 kept = self._carried.pop(p, None)
@@ -201,6 +203,19 @@ class DeviceState:
                     state[key] = torch.zeros(s.param.shape, dtype=dtype, device=device)
                 elif state[key].device != device or state[key].dtype != dtype:
                     state[key] = state[key].to(device=device, dtype=dtype).contiguous()
+            self._placed[s] = (state, state["exp_avg"], state["exp_avg_sq"])
+
+    def _unplaced(self, slots) -> list:
+        """The slots whose state is not what _place left: never placed, or replaced since (the
+        launches and layouts hold the moments they were built over)."""
+        state, placed = self.optimizer.state, self._placed
+        out = []
+        for s in slots:
+            rec = placed.get(s)
+            st = state.get(s.param)
+            if rec is None or st is not rec[0] or st.get("exp_avg") is not rec[1] or st.get("exp_avg_sq") is not rec[2]:
+                out.append(s)
+        return out
 
     def _own_step(self, state: dict, slot) -> None:
         """`slot`'s step count becomes its view of _step_counts, holding the value the state
@@ -374,7 +389,7 @@ class DeviceState:
         slots = [s for _, ss in batches for s in ss]
         if not slots:
             return
-        self._place([s for s in slots if s not in self._ready])  # slots hash by identity, at C speed
+        self._place(self._unplaced(slots))
         self.take_edits(slots)
         if check and self._queued:
             raise RuntimeError("trainstream internal: a device-state update was not settled before the next")
