@@ -416,6 +416,54 @@ def test_lora_trains_only_the_adapters_saves_them_and_resumes(tmp_path):
     assert logged(resumed, "loss")[2:] == logged(whole, "loss")[2:]
 
 
+@pytest.mark.parametrize(
+    "state, accumulation",
+    [("device state", 2), ("device state", 1), ("host", 2)],
+    ids=["device-state-accum2", "device-state-accum1", "host-accum2"],
+)
+def test_bf16_lora_resumes_into_its_own_adapters_bit_for_bit(tmp_path, monkeypatch, state, accumulation):
+    """The stock Trainer loads a peft checkpoint through load_adapter, which by default makes
+    every bf16 adapter a new fp32 Parameter that the engine does not train ([Note: adapters load
+    in place]): the resumed run must load into the Parameters it was wrapped with, keep them
+    bf16, and go on as the uninterrupted run, bit for bit."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from trainstream.engine import placement
+
+    if state == "host":
+        monkeypatch.setattr(placement, "DEVICE_STATE_MAX_SHARE", 0.0)
+
+    def trainer(path, seed):
+        base = tiny_causal_lm(seed=0)
+        torch.manual_seed(seed)  # the adapters start elsewhere in the resumed run
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+        model = peft.get_peft_model(base, config).to(torch.bfloat16)
+        args = training_args(
+            path, max_steps=4, gradient_accumulation_steps=accumulation, save_strategy="steps", save_steps=2
+        )
+        return TrainStreamTrainer(model=model, args=args, train_dataset=RandomTokens(), trainstream={"offload": True})
+
+    whole = trainer(tmp_path / "whole", 0)
+    whole.train()
+    events = trainstream.memory_report(whole.model)["events"]
+    assert ("device state: the" in events) == (state == "device state")
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    resumed = trainer(tmp_path / "resumed", 5)
+    wrapped_with = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    adapters = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert adapters.keys() == wrapped_with.keys() and len(adapters) == 8
+    assert all(adapters[n] is wrapped_with[n] for n in adapters)  # the same objects, trained
+    assert {p.dtype for p in adapters.values()} == {torch.bfloat16}
+    saved = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert all(not torch.equal(p.detach(), saved[n.replace(".default", "")]) for n, p in adapters.items())
+    assert logged(resumed, "loss")[2:] == logged(whole, "loss")[2:]
+    assert logged(resumed, "grad_norm")[2:] == logged(whole, "grad_norm")[2:]
+    got, want = resumed.model.state_dict(), whole.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 # -- refused arguments -----------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ weight, in chunks, so the full logits never exist (see [Note: chunked loss] belo
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -289,6 +290,16 @@ class TrainStreamTrainer(transformers.Trainer):
             # else, so every other rank takes its part here: each rank calls it once.
             self.optimizer.state_dict()
         super()._save_optimizer_and_scheduler(output_dir)
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        with _adapters_load_in_place(self.model if model is None else model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        with _adapters_load_in_place(self.model):
+            super()._load_best_model()
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None:
@@ -609,6 +620,32 @@ def _broadcast_into(t: torch.Tensor, src: int, group) -> None:
     dist.broadcast(host.reshape(-1).view(torch.uint8), src=src, group=group)
     if not in_place:
         t.copy_(host)
+
+
+# [Note: adapters load in place]
+# The stock Trainer loads a peft model's checkpoint (resume_from_checkpoint, and
+# load_best_model_at_end) through model.load_adapter, whose default autocast_adapter_dtype=True
+# replaces every bf16 or fp16 adapter weight by a NEW fp32 Parameter (peft's cast_adapter_dtype).
+# The engine and the wrapped optimizer hold the Parameters the model was wrapped with: they
+# would go on updating those, which the forward no longer reads. While the Trainer loads, the
+# wrapped model's load_adapter is called with autocast_adapter_dtype=False: peft then copies the
+# checkpoint's values into the existing Parameters (set_peft_model_state_dict loads through
+# load_state_dict, in place, which the engine's state hooks take in), in the dtype they were
+# trained in, so a resumed run goes on as the uninterrupted one. fp32 adapters are never cast.
+@contextlib.contextmanager
+def _adapters_load_in_place(model):
+    if not (_is_peft(model) and _is_wrapped(model)):
+        yield
+        return
+    own = model.__dict__.get("load_adapter")  # an instance-level one someone installed, kept
+    model.__dict__["load_adapter"] = functools.partial(model.load_adapter, autocast_adapter_dtype=False)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.__dict__["load_adapter"]
+        else:
+            model.__dict__["load_adapter"] = own
 
 
 def _is_wrapped(model) -> bool:
