@@ -315,3 +315,47 @@ def test_the_hook_that_settles_loaded_masters_goes_at_the_next_forward():
     opt.load_state_dict(_read(checkpoint)["optim"])  # and an unwrap() before the forward takes it off
     trainstream.unwrap(model)
     assert not model._forward_pre_hooks
+
+
+# -- a wrapped Parameter replaced on the model ---------------------------------------------
+
+
+@pytest.mark.parametrize("options", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_a_trainable_parameter_replaced_after_wrap_is_refused_at_the_next_step(options):
+    """The engine updates the Parameters it was wrapped with: one replaced on its module
+    (setattr of a new nn.Parameter) would train nothing the forward reads. step() refuses,
+    naming it, before any update of that step."""
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 0, **options)
+    _train(model, opt, batch, loss_fn, 0, 1)
+    model[2].weight = torch.nn.Parameter(model[2].weight.detach().clone())  # the same values
+    loss_fn(model, batch(1)).backward()
+    with pytest.raises(RuntimeError, match=r"wrapped parameter '2\.weight' \(torch\.bfloat16\) was replaced"):
+        opt.step()
+
+
+def test_a_module_holding_wrapped_parameters_replaced_after_wrap_is_refused_at_the_next_step():
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 0, **RESIDENT)
+    _train(model, opt, batch, loss_fn, 0, 1)
+    model[1] = torch.nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+    loss_fn(model, batch(1)).backward()
+    with pytest.raises(RuntimeError, match=r"the module '1', which holds wrapped parameters, was replaced"):
+        opt.step()
+
+
+def test_peft_load_adapter_casting_bf16_adapters_is_refused_and_loading_in_place_trains(tmp_path):
+    """peft's load_adapter (autocast_adapter_dtype=True, its default) makes each bf16 adapter a
+    new fp32 Parameter: the next step() refuses. With autocast_adapter_dtype=False it loads
+    into the wrapped Parameters, which go on training."""
+    model, opt, batch, loss_fn = _wrapped(_bf16_lora, 0, **RESIDENT)
+    _train(model, opt, batch, loss_fn, 0, 1)
+    model.save_pretrained(str(tmp_path))
+    wrapped_with = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    model.load_adapter(str(tmp_path), "default", is_trainable=True, autocast_adapter_dtype=False)
+    assert all(p is wrapped_with[n] for n, p in model.named_parameters() if p.requires_grad)
+    before = {n: p.detach().clone() for n, p in wrapped_with.items()}
+    _train(model, opt, batch, loss_fn, 1, 2)
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in wrapped_with.items())
+    model.load_adapter(str(tmp_path), "default", is_trainable=True)
+    loss_fn(model, batch(2)).backward()
+    with pytest.raises(RuntimeError, match=r"wrapped parameter '.*lora_A\.default\.weight' .* autocast_adapter_dtype"):
+        opt.step()

@@ -193,6 +193,7 @@ class StreamedAdamW(OffloadAdamW):
     def attach(self, engine) -> None:
         """The engine that queues this optimizer's updates (wrap())."""
         self._engine = engine
+        self._owners = _WrappedParams(engine.model, [s for u in engine.units for s in u.slots if s.trainable])
         self._carry_masters()
 
     # [Note: masters in state dicts] A param that is not fp32 (a bf16 model, bf16 adapters) is
@@ -411,7 +412,9 @@ class StreamedAdamW(OffloadAdamW):
         if self._stock is not None:
             self._stock_step()
         else:
-            self._engine_or_raise().step()
+            engine = self._engine_or_raise()
+            self._owners.check()
+            engine.step()
         source = self._source() if self._source is not None else None
         if source is not None:
             # What an LR scheduler built on `source` records when source.step() runs (its
@@ -703,6 +706,52 @@ class StreamedAdamW(OffloadAdamW):
             state["step"] += 1
             batches.setdefault((id(group), g.dtype, key(s)), (group, []))[1].append((s, g, state, index))
         return list(batches.values())
+
+
+class _WrappedParams:
+    """Where the model holds each trainable Parameter the engine was wrapped with: every
+    (module, attribute) on the path from the model to it. The engine updates those objects; a
+    Parameter (or a module above it) replaced on the model after wrap() would be updated where
+    the forward no longer reads it, the run training nothing, silently (peft's load_adapter
+    casts bf16 adapters into new fp32 Parameters so). check() refuses that at each step():
+    one identity test per edge, 0.15 ms for a 28-layer LoRA's 392 adapters (1460 edges) and
+    0.04 ms for a 28-layer full fine-tune's 255 tensors (596 edges), on one CPU core."""
+
+    def __init__(self, model: torch.nn.Module, slots: list):
+        # (the parent's _modules or _parameters dict, key, the object held there). The dicts
+        # themselves: nn.Module's setattr, register_parameter and del write into them.
+        self.edges, self.paths, seen = [], [], set()
+        for s in slots:
+            *path, leaf = s.name.split(".")
+            parent = model
+            for depth, key in enumerate(path):
+                child = parent._modules[key]
+                if (id(parent), key) not in seen:
+                    seen.add((id(parent), key))
+                    self.edges.append((parent._modules, key, child))
+                    self.paths.append(".".join(path[: depth + 1]))
+                parent = child
+            self.edges.append((parent._parameters, leaf, s.param))
+            self.paths.append(s.name)
+
+    def check(self) -> None:
+        for i, (table, key, held) in enumerate(self.edges):
+            if table.get(key) is not held:
+                self._refuse(table.get(key), held, self.paths[i])
+
+    @staticmethod
+    def _refuse(now, held, path: str) -> None:
+        if isinstance(held, torch.Tensor):
+            what = f"the wrapped parameter {path!r} ({held.dtype}) was replaced on its module by " + (
+                "nothing" if now is None else f"another tensor ({now.dtype})"
+            )
+        else:
+            what = f"the module {path!r}, which holds wrapped parameters, was replaced on the model"
+        raise RuntimeError(
+            f"trainstream: {what} after wrap(); the engine trains the Parameters it was wrapped with, which "
+            "the model no longer uses. Load new values into the existing tensors (model.load_state_dict, "
+            "p.data.copy_, peft's load_adapter(..., autocast_adapter_dtype=False)), or unwrap() and wrap again"
+        )
 
 
 # The group keys the update reads (group_hyper): share_param_groups writes them as checked.
