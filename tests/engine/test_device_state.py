@@ -335,8 +335,15 @@ def test_a_nonfinite_gradient_skips_what_the_host_path_skips(clip, monkeypatch):
             [n for n in steps if n.startswith("layers.3.")], 4
         )
         assert {v for n, v in steps.items() if not n.startswith("layers.3.")} == {3}
+    _assert_as_on_the_host_path(monkeypatch, run, clip=clip)
+
+
+def _assert_as_on_the_host_path(monkeypatch, run, **kwargs):
+    """The same NaN run on the host path (`kwargs` for _run_with_nan): the same bits, one
+    skipped step, the same skip events and step counts as `run`'s."""
+    model, opt = run[2]
     _host_path(monkeypatch)
-    host = _run_with_nan(RESIDENT, clip=clip)
+    host = _run_with_nan(RESIDENT, **kwargs)
     assert_same_bits(run, host)
     assert host[2][1].skipped_steps == 1 and _skip_lines(host[2][0]) == _skip_lines(model)
     assert [int(st["step"]) for st in host[2][1].state_dict()["state"].values()] == [
@@ -352,16 +359,10 @@ def test_a_nonfinite_gradient_skips_from_its_unit_on_across_groups_and_masters(c
     snapshots = []
     run = _run_with_nan(RESIDENT, case=case, snapshots=snapshots)
     _assert_device_state(run)
-    model, opt = run[2]
+    opt = run[2][1]
     assert opt.skipped_steps == 1
     _assert_skipped_from_block_2_on(snapshots)
-    _host_path(monkeypatch)
-    host = _run_with_nan(RESIDENT, case=case)
-    assert_same_bits(run, host)
-    assert host[2][1].skipped_steps == 1 and _skip_lines(host[2][0]) == _skip_lines(model)
-    assert [int(st["step"]) for st in host[2][1].state_dict()["state"].values()] == [
-        int(st["step"]) for st in opt.state_dict()["state"].values()
-    ]
+    _assert_as_on_the_host_path(monkeypatch, run, case=case)
 
 
 def _count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
