@@ -80,3 +80,20 @@ def test_a_bf16_model_resumes_bit_for_bit_on_two_ranks(tmp_path):
         for k, v in res["whole weights"].items():
             assert_same_bits(res["resumed weights"][k], v)
         assert f"resume: {len(res['shapes'])} loaded fp32 master(s) taken\n" in res["events"] + "\n"
+
+
+def _masters_before_and_after_unwrap(rank, world):
+    model, opt = _wrapped(rank, 0)
+    _steps(model, opt, rank, world, 0, SPLIT)
+    wrapped = {i: st["master"] for i, st in opt.state_dict()["state"].items()}  # a collective
+    trainstream.unwrap(model)  # a collective: the moments and the masters gathered whole
+    return {"wrapped": wrapped, "unwrapped": {i: st.get("master") for i, st in opt.state_dict()["state"].items()}}
+
+
+def test_the_masters_gathered_at_unwrap_stay_in_the_state_dict(tmp_path):
+    """train -> unwrap() -> checkpoint on two ranks: each rank's optimizer keeps every fp32
+    master whole (gathered at unwrap), the ones a state_dict() gave while wrapped."""
+    for res in _ok(_spawn(2, tmp_path, _masters_before_and_after_unwrap)):
+        assert res["wrapped"] and res["unwrapped"].keys() == res["wrapped"].keys()
+        for i, master in res["wrapped"].items():
+            assert_same_bits(res["unwrapped"][i], master)

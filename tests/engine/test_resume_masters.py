@@ -12,12 +12,14 @@ resumed run starts from the bf16 weights widened and parts from the reference at
 
 from __future__ import annotations
 
+import gc
 import io
 
 import pytest
 import torch
 from helpers import PAGED, RESIDENT, assert_same_bits
 from models import tiny_gpt, tiny_mlp
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trainstream
@@ -186,9 +188,11 @@ def test_a_master_the_weights_do_not_round_to_is_not_taken(options):
     assert f"resume: 0 loaded fp32 master(s) taken; {len(names)} not" in events
 
 
-def test_an_edit_between_the_loads_lets_the_weights_win_for_that_param_only():
-    """Model, optimizer, then one weight edited in place before the next forward: that
-    param's master starts from its new weights; the others keep their loaded masters."""
+def test_an_edit_after_the_loads_lets_the_weights_win_for_that_param_only():
+    """Model, optimizer (every master taken there), then one weight edited in place before
+    the next forward: that param's master starts from its new weights, as after any in-place
+    edit (in state_dict() too, before the next update takes it); the others keep their loaded
+    masters."""
     _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
     saved = _read(checkpoint)
     model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 1, **RESIDENT)
@@ -202,7 +206,7 @@ def test_an_edit_between_the_loads_lets_the_weights_win_for_that_param_only():
     assert_same_bits(sd["state"][0]["master"], model[0].weight.detach().float())
     for i in range(1, 4):
         assert_same_bits(sd["state"][i]["master"], saved["optim"]["state"][i]["master"])
-    assert "resume: 3 loaded fp32 master(s) taken; 1 not" in trainstream.memory_report(model)["events"]
+    assert "resume: 4 loaded fp32 master(s) taken\n" in trainstream.memory_report(model)["events"] + "\n"
 
 
 def _torch_adamw(seed: int, start: dict | None = None):
@@ -359,3 +363,124 @@ def test_peft_load_adapter_casting_bf16_adapters_is_refused_and_loading_in_place
     loss_fn(model, batch(2)).backward()
     with pytest.raises(RuntimeError, match=r"wrapped parameter '.*lora_A\.default\.weight' .* autocast_adapter_dtype"):
         opt.step()
+
+
+# -- what a load keeps, what unwrap() keeps, what a load refuses -----------------------------
+
+
+def _storages_freed(tensors) -> list:
+    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    return lambda: [r.expired() for r in refs]
+
+
+def test_masters_taken_at_the_load_are_let_go_and_no_hook_waits():
+    """Model first: every master is taken at the optimizer's load; the loaded tensors are not
+    held (a full fine-tune's masters are 4 bytes a parameter) and no forward hook is left."""
+    _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 1, **RESIDENT)
+    hooks = len(model._forward_pre_hooks)
+    saved = _read(checkpoint)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    freed = _storages_freed([st["master"] for st in saved["optim"]["state"].values()])
+    del saved
+    gc.collect()
+    assert freed() == [True] * 4
+    assert len(model._forward_pre_hooks) == hooks
+    assert "resume: 4 loaded fp32 master(s) taken\n" in trainstream.memory_report(model)["events"] + "\n"
+
+
+def test_masters_waiting_for_the_weights_are_let_go_once_taken():
+    """Optimizer first: the masters wait (and the hook with them) until the weights round to
+    them; state_dict() after the model's load takes them all, lets them go and drops the hook."""
+    _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 1, **RESIDENT)
+    hooks = len(model._forward_pre_hooks)
+    saved = _read(checkpoint)
+    opt.load_state_dict(saved["optim"])
+    assert len(model._forward_pre_hooks) == hooks + 1
+    model.load_state_dict(saved["model"])
+    freed = _storages_freed([st["master"] for st in saved["optim"]["state"].values()])
+    want = {i: st["master"].clone() for i, st in saved["optim"]["state"].items()}
+    del saved
+    sd = opt.state_dict()
+    gc.collect()
+    assert freed() == [True] * 4
+    assert len(model._forward_pre_hooks) == hooks
+    for i, master in want.items():
+        assert_same_bits(sd["state"][i]["master"], master)
+
+
+@pytest.mark.parametrize(
+    "make, options",
+    [(_bf16_mlp, RESIDENT), (_bf16_mlp, PAGED), (_bf16_lora, RESIDENT)],
+    ids=["resident", "paged", "lora device state"],
+)
+def test_state_dict_after_unwrap_keeps_the_masters(make, options):
+    """train -> unwrap() -> checkpoint: the optimizer keeps the engine's fp32 masters, so that
+    checkpoint resumes bit for bit as one taken while wrapped."""
+    losses, weights, wrapped_checkpoint, _ = _uninterrupted(make, **options)
+    model, opt, batch, loss_fn = _wrapped(make, 0, **options)
+    _train(model, opt, batch, loss_fn, 0, SPLIT)
+    plain = trainstream.unwrap(model)
+    checkpoint = _checkpoint(plain, opt)
+    saved, want = _read(checkpoint)["optim"]["state"], _read(wrapped_checkpoint)["optim"]["state"]
+    assert saved.keys() == want.keys() and all("master" in st for st in saved.values())
+    for i in want:
+        assert_same_bits(saved[i]["master"], want[i]["master"])
+    got_losses, got_weights, _ = _resumed(make, checkpoint, "model first", **options)
+    assert got_losses == losses
+    _same_weights(got_weights, weights)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda m: torch.empty_like(m, device="meta"), r"state\[2\]\['master'\] is a tensor on the meta device"),
+        (lambda m: m.long(), r"state\[2\]\['master'\] is a torch\.int64 tensor"),
+    ],
+    ids=["meta", "int64"],
+)
+def test_a_master_that_cannot_be_read_is_refused_before_anything_is_replaced(bad, match):
+    _, _, checkpoint, _ = _uninterrupted(_bf16_mlp, **RESIDENT)
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp, 1, **RESIDENT)
+    groups, group = opt.param_groups, opt.param_groups[0]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    saved = _read(checkpoint)["optim"]
+    saved["state"][2]["master"] = bad(saved["state"][2]["master"])
+    with pytest.raises(ValueError, match=match + r"; accepted: a floating-point tensor of its parameter's shape"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups is groups and opt.param_groups[0] is group and not opt.state
+    scheduler.step()  # still drives the optimizer's groups
+    assert group["lr"] == LR * 0.5
+
+
+class _Scale(torch.nn.Module):
+    """An fp32 parameter in a bf16 model (its own master)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * self.scale.to(x.dtype)
+
+
+def _bf16_mlp_with_fp32_scale(seed: int, device: str = "cpu"):
+    model, batch, loss_fn = _bf16_mlp(seed, device)
+    return torch.nn.Sequential(*model[:2], _Scale(64), *model[2:]), batch, loss_fn
+
+
+def test_a_master_of_an_fp32_param_is_ignored_and_not_counted():
+    """An fp32 param is its own master: a "master" in its entry (a converter's) is not read,
+    and the events count only the bf16 params' masters."""
+    losses, weights, checkpoint, _ = _uninterrupted(_bf16_mlp_with_fp32_scale, **RESIDENT)
+    saved = _read(checkpoint)
+    assert sorted(saved["optim"]["state"]) == [0, 1, 2, 3, 4] and "master" not in saved["optim"]["state"][2]
+    saved["optim"]["state"][2]["master"] = torch.full((64,), 3.0)
+    model, opt, batch, loss_fn = _wrapped(_bf16_mlp_with_fp32_scale, 1, **RESIDENT)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    assert _train(model, opt, batch, loss_fn, SPLIT, STEPS) == losses
+    _same_weights(_weights(model), weights)
+    assert "resume: 4 loaded fp32 master(s) taken\n" in trainstream.memory_report(model)["events"] + "\n"

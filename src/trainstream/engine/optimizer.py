@@ -113,6 +113,10 @@ class StreamedAdamW(OffloadAdamW):
             if self._shards:
                 for p, st in self._gathered_state().items():
                     self.state[p] = st
+                if self._engine is not None:  # unwrap(): the masters gathered whole too, for detach()
+                    self._carried = {
+                        s.param: self._master_of(s) for s in self._slots_with_masters() if s.master_shard is not None
+                    }
             self._shards, self._full_tensor = {}, None
             return
         self._shards, self._full_tensor = dict(ranges), full_tensor
@@ -206,25 +210,35 @@ class StreamedAdamW(OffloadAdamW):
     # key, cast to bf16 and stale, and saves it again). A checkpoint's two state dicts may
     # load in either order: a master that the weights do not round to yet is checked again
     # at state_dict() and, the last time, at the next forward, which comes after both loads.
+    # A "master" of an fp32 param (its own master) or of a frozen one (none) is ignored.
+    # unwrap() keeps the engine's masters (_carried), so a state_dict() after it still has them.
 
-    # bf16 param -> the fp32 master a converted OffloadAdamW kept of it (its state's "master",
-    # loaded before the engine existed), for the engine's master at attach().
+    # bf16 param -> an fp32 master held while no engine is attached: a converted OffloadAdamW's
+    # (its state's "master", loaded before wrap()), for the engine's master at attach(); after
+    # unwrap() the engine's last ones, which state_dict() goes on saving.
     _carried: dict = {}
-    # param -> a master loaded after wrap(), not settled yet (checked until the next forward).
-    # The loaded tensors themselves, not copies: a full fine-tune's masters are 4 bytes a
-    # parameter, which a copy would hold twice until then.
+    # param -> a master loaded after wrap() that the weights do not round to yet (checked
+    # until the next forward); one taken is let go at once. The loaded tensors themselves, not
+    # copies: a full fine-tune's masters are 4 bytes a parameter, which a copy would hold twice.
     _loaded: dict = {}
-    _loaded_hook = None  # the model's forward pre-hook that settles them
+    _loaded_taken = None  # masters of the last load taken so far; None: no load's count to report
+    _loaded_hook = None  # the model's forward pre-hook that settles them, while any waits
+    _loading: frozenset = frozenset()  # during load_state_dict: the params whose "master" is read
+
+    def _mastered(self) -> set:
+        """The params with an fp32 master of their own: the engine's trainable slots that are
+        not fp32; without an engine, the trainable params that are not fp32 (as it makes them)."""
+        if self._engine is not None:
+            return {s.param for s in self._slots_with_masters()}
+        return {p for g in self.param_groups for p in g["params"] if p.requires_grad and p.dtype != torch.float32}
 
     def _load_master(self, p: torch.Tensor, value) -> None:
+        if p not in self._loading:
+            return  # an fp32 param is its own master, a frozen one has none
         if self._engine is None:
-            if "_carried" not in vars(self):
-                self._carried = {}
             self._carried[p] = value.detach().to(device="cpu", dtype=torch.float32, copy=True)
-            return
-        if "_loaded" not in vars(self):
-            self._loaded = {}
-        self._loaded[p] = value.detach().to(device="cpu", dtype=torch.float32)
+        else:
+            self._loaded[p] = value.detach().to(device="cpu", dtype=torch.float32)
 
     def _carry_masters(self) -> None:
         """A carried master replaces the engine's (the param's weights, widened) where the
@@ -268,17 +282,19 @@ class StreamedAdamW(OffloadAdamW):
         `last`: the next forward has come; what is left is not taken (the weights win), the
         events say how many, and the loaded masters are let go."""
         loaded = self._loaded
-        if not loaded or self._engine is None:
-            if last:
-                self._remove_loaded_hook()
-            return
-        self._engine.synchronize()  # no update in flight writes the masters or the weights compared
-        taken = sum(self._take_master(s, loaded[s.param]) for s in self._slots_with_masters() if s.param in loaded)
-        if not last:
-            return
-        self._loaded = {}
+        if loaded and self._engine is not None:
+            self._engine.synchronize()  # no update in flight writes the masters or the weights compared
+            for s in self._slots_with_masters():
+                if s.param in loaded and self._take_master(s, loaded[s.param]):
+                    del loaded[s.param]
+                    self._loaded_taken += 1
+        if loaded and not last:
+            return  # some wait for the weights: asked again, the last time at the next forward
         self._remove_loaded_hook()
-        left = len(loaded) - taken
+        taken, left = self._loaded_taken, len(loaded)
+        self._loaded, self._loaded_taken = {}, None
+        if taken is None or self._engine is None:
+            return
         self._engine.events.add(
             f"resume: {taken} loaded fp32 master(s) taken"
             + (
@@ -317,19 +333,38 @@ class StreamedAdamW(OffloadAdamW):
         if s.device_state:
             master = self._engine.device_state.master_of(s.param)
             return None if master is None else master.detach().to(device="cpu", copy=True)
+        # An in-place edit of the weights not taken yet (the next update would) is taken first:
+        # the edited weights are the param's value from now on.
+        self._engine.weights.take_edits(s.unit)
         if s.master_shard is not None:
             return self._full_tensor(s.master_shard, s.param)
         return s.master.detach().clone().view(s.param.shape)
 
     def detach(self) -> None:
-        """The model was unwrapped: state_dict() still works, step() no longer does. The
-        engine's last norm stays the answer of last_grad_norm (through a switch to stock, until
-        a stock step clips)."""
+        """The model was unwrapped: state_dict() still works, with the engine's fp32 masters
+        (kept here, as OffloadAdamW keeps its own), step() no longer does. The engine's last
+        norm stays the answer of last_grad_norm (through a switch to stock, until a stock step
+        clips)."""
         if self._engine is not None:
             self._stock_grad_norm = self._engine.last_grad_norm
+            self._settle_loaded_masters(last=True)  # a master loaded before the weights: taken by now
+            self._keep_masters()
         self._remove_loaded_hook()
-        self._loaded = {}  # the engine's masters are gone with it
         self._engine = None
+
+    def _keep_masters(self) -> None:
+        """The engine's masters of the params with state become this optimizer's (_carried),
+        apart from the live ones; a data-parallel rank's were gathered whole already, by
+        shard_state(None) (a collective, which detach() may not make: a refused wrap() calls
+        it too)."""
+        if "_carried" not in vars(self):
+            self._carried = {}
+        for s in self._slots_with_masters():
+            if s.param in self._carried or s.master_shard is not None or not self.state.get(s.param):
+                continue
+            master = self._master_of(s)
+            if master is not None:
+                self._carried[s.param] = master
 
     def switch_to_stock(self, max_grad_norm: float | None) -> None:
         """offload='auto': from now on every call goes to a torch.optim.AdamW(fused=True)
@@ -366,6 +401,7 @@ class StreamedAdamW(OffloadAdamW):
             }
         self.state = stock.state
         self._mapped = {}  # the pinned moments the kernel read: freed with the old state
+        self._carried = {}  # the engine's masters (unwrap()): the fused AdamW trains the params themselves
         self._stock, self._stock_clip, self._engine = stock, max_grad_norm, None
 
     @property
@@ -454,6 +490,9 @@ class StreamedAdamW(OffloadAdamW):
                     sd["state"][ids[p]] = st
             if self._engine is not None:
                 self._add_masters(sd, ids)
+            else:  # unwrapped: the engine's last masters
+                for p, master in self._carried.items():
+                    _put_master(sd, ids.get(p), master)
         sd[MODE_KEY] = "stock" if self._stock is not None else "offload"  # switch.py, [Note: resuming ...]
         return sd
 
@@ -463,12 +502,8 @@ class StreamedAdamW(OffloadAdamW):
         dicts: torch's state_dict() hands out this optimizer's own."""
         for s in self._slots_with_masters():
             pid = ids.get(s.param)
-            st = sd["state"].get(pid)
-            if not st:
-                continue
-            master = self._master_of(s)
-            if master is not None:
-                sd["state"][pid] = {**st, "master": master}
+            if sd["state"].get(pid):
+                _put_master(sd, pid, self._master_of(s))
 
     def resume_in(self, mode: str | None, source: str) -> None:
         """A state saved in `mode` is about to load (switch.py, [Note: resuming in the saved
@@ -490,6 +525,8 @@ class StreamedAdamW(OffloadAdamW):
         # stock cannot be undone: a refused load leaves the run as it was.
         _check_moments(state_dict, self.param_groups)
         _check_groups(state_dict, self.param_groups)
+        mastered = frozenset(self._mastered()) if self._stock is None else frozenset()
+        _check_masters(state_dict, self.param_groups, mastered)
         self.resume_in(saved_mode(state_dict), "the optimizer state_dict")
         groups = self.param_groups
         if self._stock is not None:
@@ -498,8 +535,16 @@ class StreamedAdamW(OffloadAdamW):
             self._keep_group_dicts(groups)
             self._stock.param_groups = self.param_groups
             return
-        self._loaded = {}  # this state's masters replace any loaded before (_load_master)
-        super().load_state_dict(state_dict)
+        # This state's masters replace any loaded before (_load_master).
+        if self._engine is None:
+            self._carried = {}
+        self._loaded, self._loaded_taken, self._loading = {}, 0, mastered
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._loading = frozenset()
+        if not self._loaded:
+            self._loaded_taken = None  # no master to count: no event
         self._keep_group_dicts(groups)
         if self._shards:  # data parallel: whole moments loaded, this rank's elements kept
             self.shard_state(self._shards, self._full_tensor)
@@ -756,6 +801,37 @@ class _WrappedParams:
 
 # The group keys the update reads (group_hyper): share_param_groups writes them as checked.
 _READ_BY_UPDATE = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
+
+
+def _put_master(sd: dict, pid, master) -> None:
+    """`master` into entry `pid` of state dict `sd`, where that param has state (torch AdamW
+    takes an entry without "step" for a param never updated); a new dict: torch's
+    state_dict() hands out the optimizer's own."""
+    st = sd["state"].get(pid)
+    if st and master is not None:
+        sd["state"][pid] = {**st, "master": master}
+
+
+def _check_masters(state_dict: dict, param_groups: list, mastered: frozenset) -> None:
+    """Each "master" the load will read (a param in `mastered`) can be read as its fp32
+    master, checked before anything is replaced (_check_moments has checked its shape).
+    Params pair with the saved ids group by group, as torch pairs them."""
+    for s, g in zip(state_dict["param_groups"], param_groups):
+        for pid, p in zip(s["params"], g["params"]):
+            value = state_dict["state"].get(pid, {}).get("master")
+            if p not in mastered or value is None:
+                continue
+            if not value.is_floating_point():
+                got = f"a {value.dtype} tensor"
+            elif value.is_meta or value.layout != torch.strided:
+                got = "a tensor on the meta device" if value.is_meta else f"a {value.layout} tensor"
+            else:
+                continue
+            raise ValueError(
+                f"trainstream: optimizer.load_state_dict(): state[{pid!r}]['master'] is {got}; accepted: a "
+                f"floating-point tensor of its parameter's shape {tuple(p.shape)} holding values (dense, not on "
+                "the meta device), as state_dict() saves it"
+            )
 
 
 def _check_groups(state_dict: dict, param_groups: list) -> None:
