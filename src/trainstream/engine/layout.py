@@ -25,8 +25,10 @@ class _PlanField:
     """A dataclass field of Slot or Unit that decides what a unit streams or how its block runs
     (Unit.paged, act_paged, recompute; Slot.quant_format, device_state). Every write, whoever
     makes it (the pager, the activation pager, layout.set_*, the planner on its trial copies),
-    drops the unit's cached views (Unit.views) and moves PlanEpoch on, so no cache of them can
-    outlive a change. The value lives in the instance's __dict__ under `_<name>`."""
+    drops the cached views of the unit it belongs to (Unit.views; a Slot's: of `slot.unit`) and
+    moves PlanEpoch on, so no cache of them can outlive a change. A copy of a Unit sharing its
+    Slot objects is not that unit: the planner's trial copies copy the slots too and re-point
+    them (placement._trial). The value lives in the instance's __dict__ under `_<name>`."""
 
     def __init__(self, default):
         self.default = default
