@@ -235,6 +235,10 @@ def run_interleaved(case: dict) -> dict:
     return {"s_per_step_by_run": medians, "windows": case["rounds"], "steps_per_window": case["steps"]}
 
 
+# How much of a TrainStream run's events its row keeps.
+EVENTS_KEPT, EVENT_CHARS = 30, 2000
+
+
 def run_case(case: dict) -> dict:
     cap_vram(case.get("cap_gib"))
     if case.get("interleaved"):
@@ -270,6 +274,9 @@ def run_case(case: dict) -> dict:
             out["blocks"] = len(report["params"]["paged_blocks"]) + len(report["params"]["resident_blocks"])
             acts = (_paged_activation_bytes(model, case) - acts_before) // case["steps"]
             out["pcie_bytes_per_step"] = _pcie_bytes_per_step(model, acts)
+            # The plan's reasons and predictions, for reading a step against its bounds later
+            # (JSON only: the last entries, each cut to a readable length).
+            out["events"] = [line[:EVENT_CHARS] for line in report["events"].splitlines()[-EVENTS_KEPT:]]
         if case.get("busy"):
             out["gpu_busy_s_per_step"] = _busy_s_per_step(step, 3)
             out["gpu_busy"] = min(out["gpu_busy_s_per_step"] / s_per_step, 1.0)
