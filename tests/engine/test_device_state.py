@@ -376,29 +376,42 @@ def _count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
     monkeypatch.setattr(owner, name, counted)
 
 
+def _three_steps_of_28_units(monkeypatch, device, owners):
+    """A 28-unit LoRA MLP with its adapters in device state, wrapped on `device`, stepped 3
+    times with the calls of `owners` ([(object, attribute name)]) counted: each step's counts,
+    after the adapters are checked to have moved."""
+    torch.manual_seed(0)
+    model = LoraMLP(layers=28)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, device=device, offload=True, **RESIDENT)
+    engine = model._trainstream_engine
+    assert len(engine.device_state) == 4 * 28 and engine._device_state_by_unit()
+    calls = {name: 0 for _, name in owners}
+    for owner, name in owners:
+        _count_calls(monkeypatch, owner, name, calls)
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    counts = []
+    for i in range(3):
+        calls.update(dict.fromkeys(calls, 0))
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).to(device)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(dict(calls))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert all(not torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], before))
+    return counts
+
+
 def test_an_eager_update_of_28_units_is_one_adamw_call_and_one_check(monkeypatch):
     """nonfinite="skip" with eager updates decides per unit in backward's order, yet the whole
     device state goes in one host AdamW call and one mark_nonfinite_ call per step (one param
     group, one gradient dtype), not one of each per unit."""
     from trainstream import ops
 
-    torch.manual_seed(0)
-    model = LoraMLP(layers=28)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **RESIDENT)
-    engine = model._trainstream_engine
-    assert len(engine.device_state) == 4 * 28 and engine._device_state_by_unit()
-    calls = dict.fromkeys(["adamw_step", "mark_nonfinite_"], 0)
-    for name in calls:
-        _count_calls(monkeypatch, ops, name, calls)
-    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
-    for i in range(3):
-        calls.update(dict.fromkeys(calls, 0))
-        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        assert calls == {"adamw_step": 1, "mark_nonfinite_": 1}, i
-    assert all(not torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], before))
+    counts = _three_steps_of_28_units(monkeypatch, "cpu", [(ops, "adamw_step"), (ops, "mark_nonfinite_")])
+    assert counts == [{"adamw_step": 1, "mark_nonfinite_": 1}] * 3
 
 
 @pytest.mark.gpu
@@ -407,25 +420,8 @@ def test_gpu_an_eager_update_of_28_units_is_one_kernel_launch_and_one_check(monk
     from trainstream import ops
     from trainstream.ops import adamw
 
-    torch.manual_seed(0)
-    model = LoraMLP(layers=28)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    model, opt = trainstream.wrap(model, opt, device="cuda", offload=True, **RESIDENT)
-    engine = model._trainstream_engine
-    assert len(engine.device_state) == 4 * 28 and engine._device_state_by_unit()
-    calls = {"__call__": 0, "mark_nonfinite_": 0}
-    _count_calls(monkeypatch, adamw.MappedAdamW, "__call__", calls)
-    _count_calls(monkeypatch, ops, "mark_nonfinite_", calls)
-    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
-    for i in range(3):
-        calls.update(dict.fromkeys(calls, 0))
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).cuda()
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        assert calls == {"__call__": 1, "mark_nonfinite_": 1}, i
-    torch.cuda.synchronize()
-    assert all(not torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], before))
+    counts = _three_steps_of_28_units(monkeypatch, "cuda", [(adamw.MappedAdamW, "__call__"), (ops, "mark_nonfinite_")])
+    assert counts == [{"__call__": 1, "mark_nonfinite_": 1}] * 3
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])

@@ -371,19 +371,23 @@ def test_the_guard_pages_a_block_whose_recompute_would_keep_as_much():
     assert choice == "page" and "recomputing would keep as much" in why
 
 
-def test_the_guard_pages_a_block_whose_measured_forward_costs_more_than_paging():
+def _guard_after_two_steps(profile):
+    """A tiny GPT wrapped resident with activation_offload="auto" on `profile`, after two
+    steps: (its adapter, block 1's unit, block 1's measured activation bytes)."""
     model, batch, loss_fn = tiny_gpt()
     model, opt = trainstream.wrap(
-        model, None, device="cpu", offload=True, param_offload=False, activation_offload="auto", profile=machine()
+        model, None, device="cpu", offload=True, param_offload=False, activation_offload="auto", profile=profile
     )
     engine = model._trainstream_engine
-    adapter = engine.adapter
     for i in range(2):
         loss_fn(model, batch(i, "cpu")).backward()
         opt.step()
         opt.zero_grad()
-    unit = engine.block_units[1]
-    acts = engine.activation_bytes[1]
+    return engine.adapter, engine.block_units[1], engine.activation_bytes[1]
+
+
+def test_the_guard_pages_a_block_whose_measured_forward_costs_more_than_paging():
+    adapter, unit, acts = _guard_after_two_steps(machine())
     paging = acts / 25e9  # one way; paging costs it out in forward and again in for backward
     # 3 forwards' worth of one way (was 2: the guard weighed one direction, where 2 now ties
     # with out + in and a tie recomputes, as the plan breaks it).
@@ -399,19 +403,8 @@ def test_the_guard_weighs_a_forward_against_paging_out_in_forward_and_in_for_bac
     # back during backward, phases that do not overlap, so paging costs the step both ways.
     # A forward 1.5 times one way is cheaper than the two (the guard weighed one way and
     # paged it), as the plan finds for the same block.
-    model, batch, loss_fn = tiny_gpt()
     link = dataclasses.replace(machine(), h2d_bytes_per_s=2e9, d2h_bytes_per_s=1e9)
-    model, opt = trainstream.wrap(
-        model, None, device="cpu", offload=True, param_offload=False, activation_offload="auto", profile=link
-    )
-    engine = model._trainstream_engine
-    adapter = engine.adapter
-    for i in range(2):
-        loss_fn(model, batch(i, "cpu")).backward()
-        opt.step()
-        opt.zero_grad()
-    unit = engine.block_units[1]
-    acts = engine.activation_bytes[1]
+    adapter, unit, acts = _guard_after_two_steps(link)
     out_s, in_s = acts / 1e9, acts / 2e9
     adapter.block_s = {b: 1.5 * out_s for b in range(4)}  # past the busier way, under out + in
     choice, why = adapter._off_device(unit, acts)
