@@ -8,6 +8,7 @@
 #include "trainstream/common.h"
 #include "trainstream/cuda_info.h"
 #include "trainstream/grad_gpu.h"
+#include "trainstream/loss_gpu.h"
 #include "trainstream/quant.h"
 
 namespace py = pybind11;
@@ -75,6 +76,19 @@ void bind_cuda(py::module_& m) {
       },
       py::arg("tensors"), py::arg("num_tensors"), py::arg("num_chunks"), py::arg("dtype"), py::arg("found"),
       py::arg("flag"), py::arg("max_blocks"), py::arg("device"), py::arg("stream"));
+
+  m.def(
+      "cross_entropy_rows_launch",
+      [](int64_t logits, int64_t row_stride, int64_t rows, int64_t vocab, int dtype, int64_t column, int64_t valid,
+         int64_t scale, int64_t loss, bool write_dlogits, int device, int64_t stream) {
+        CrossEntropyRows a{as_ptr<void>(logits), row_stride, rows, vocab, static_cast<DType>(dtype),
+                           as_ptr<const int64_t>(column), as_ptr<const uint8_t>(valid), as_ptr<const float>(scale),
+                           as_ptr<float>(loss), write_dlogits};
+        cross_entropy_rows_launch(a, device, stream);
+      },
+      py::arg("logits"), py::arg("row_stride"), py::arg("rows"), py::arg("vocab"), py::arg("dtype"),
+      py::arg("column"), py::arg("valid"), py::arg("scale"), py::arg("loss"), py::arg("write_dlogits"),
+      py::arg("device"), py::arg("stream"));
 
   m.def(
       "quant_cuda",

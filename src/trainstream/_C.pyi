@@ -91,6 +91,20 @@ def mark_nonfinite_launch(
     device: int,
     stream: int,
 ) -> None: ...
+def cross_entropy_rows_launch(
+    logits: int,
+    row_stride: int,
+    rows: int,
+    vocab: int,
+    dtype: int,
+    column: int,
+    valid: int,
+    scale: int,
+    loss: int,
+    write_dlogits: bool,
+    device: int,
+    stream: int,
+) -> None: ...
 def quant_cuda(
     dequantize: bool,
     format: int,

@@ -10,7 +10,9 @@ which live at once in a plain forward and backward.
 The tokens are walked in chunks of chunk_size. A chunk's logits are one matmul over the whole
 vocabulary in the input dtype (the matmul runs at the input's speed), so each token's softmax
 is complete within its chunk, and the chunk's loss and logit gradients are formed at once,
-a block of its rows at a time in fp32 (fp64 for fp64 inputs; see [Note: row blocks]):
+in fp32 (fp64 for fp64 inputs): on CUDA, for bf16, fp16 and fp32, by one kernel over the
+chunk (ops.loss_rows: two reads and one write of the logits, no temporary), elsewhere by its
+pure-torch twin a block of its rows at a time (see [Note: row blocks]); both form
 ``e = exp(z - max)`` and its sum ``s``, the loss ``log s - (z_target - max)`` (log_softmax's
 order), then ``d_logits = scale * (e / s - onehot)`` rounded once to the input dtype, written
 over the chunk's logits (what the upcast's backward does in the unchunked loss). ``scale`` is
@@ -51,6 +53,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .ops.loss_rows import LOGIT_DTYPES, loss_and_dlogits_
 
 __all__ = ["chunked_cross_entropy", "causal_lm_loss"]
 
@@ -216,6 +220,7 @@ def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_inde
         scales = _GradientScales(inv, 1.0, 1.0, 1.0, 1.0, 1.0)
     row_scale = torch.where(valid, scales.dlogits, torch.zeros((), dtype=compute, device=device))
     column = targets.clamp(0, vocab - 1).unsqueeze(1)  # ignored tokens' column is unused
+    fused = _fused_rows(device, hidden.dtype)
     token_loss = torch.empty(n, dtype=compute, device=device)
     # Each chunk writes its rows whole, contiguous whatever hidden's strides.
     d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
@@ -227,10 +232,13 @@ def _walk_chunks(hidden, weight, bias, targets, divisor, chunk_size, ignore_inde
             c1 = min(c0 + chunk_size, n)
             h = hidden[c0:c1]
             z = F.linear(h, weight, bias)  # (chunk, vocab) in the input dtype
-            for r0, r1 in _row_blocks(c0, c1):
-                token_loss[r0:r1] = _loss_and_dlogits(
-                    z[r0 - c0 : r1 - c0], column[r0:r1], valid[r0:r1], row_scale[r0:r1], any_grad
-                )
+            if fused:  # the chunk whole: the kernel has no fp32 temporary
+                loss_and_dlogits_(z, column[c0:c1, 0], valid[c0:c1], row_scale[c0:c1], any_grad, out=token_loss[c0:c1])
+            else:
+                for r0, r1 in _row_blocks(c0, c1):
+                    token_loss[r0:r1] = _loss_and_dlogits(
+                        z[r0 - c0 : r1 - c0], column[r0:r1], valid[r0:r1], row_scale[r0:r1], any_grad
+                    )
             # z holds the chunk's d_logits now, when any gradient is needed. alpha multiplies
             # the matmul's fp32 sums before they are rounded to the output's dtype.
             if need_hidden:
@@ -350,14 +358,21 @@ def _loss_and_dlogits(z, column, valid, scale, write_dlogits: bool) -> torch.Ten
     return loss
 
 
+def _fused_rows(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a walk's rows go through the CUDA kernel (ops.loss_rows, the same formula and
+    order as _loss_and_dlogits, its twin) rather than through _loss_and_dlogits."""
+    return device.type == "cuda" and dtype in LOGIT_DTYPES
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for the log-sum-exp (transformers upcasts its logits so), fp64 kept as it is."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# [Note: row blocks] A chunk's compute-dtype work runs on this many blocks of its rows, so
-# the fp32 temporary is a quarter of the chunk: with bf16 logits, half the bytes of the logits
-# themselves, instead of twice them.
+# [Note: row blocks] On the torch path (_loss_and_dlogits: the CPU, and fp64 anywhere) a
+# chunk's compute-dtype work runs on this many blocks of its rows, so the fp32 temporary is a
+# quarter of the chunk: with bf16 logits, half the bytes of the logits themselves, instead of
+# twice them. The CUDA kernel (_fused_rows) makes no temporary and takes the chunk whole.
 _ROW_BLOCKS = 4
 
 
