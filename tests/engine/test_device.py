@@ -47,7 +47,7 @@ def test_host_arena_carves_power_of_two_pieces_without_overlap():
         arena.take((1,), torch.float32)
 
 
-def test_transfer_ledger_counts_bytes_fetched_ahead_against_the_same_cap():
+def test_transfer_ledger_counts_weights_fetched_ahead_against_the_same_cap():
     from trainstream.engine.device import TransferLedger
 
     log = []
@@ -59,7 +59,49 @@ def test_transfer_ledger_counts_bytes_fetched_ahead_against_the_same_cap():
     ledger.add(held, 30)
     ledger.make_room(10)  # released bytes alone: 30 + 10 fit
     assert log == []
-    ledger.make_room(20, with_ahead=True)  # 30 released + 60 ahead + 20 do not: wait for the release
+    ledger.make_room_for_weights(20)  # 30 released + 60 ahead + 20 do not: wait for the release
     assert log == ["held"] and ledger.bytes == 0
     ledger.used(60)
     assert ledger.ahead == 0 and ledger.may_fetch_ahead(100)
+
+
+def test_a_weight_fetch_does_not_wait_for_activations_on_their_way_out():
+    """The plan budgets the weights in flight apart from the activations forward pages out:
+    the next block's weights wait for other released bytes, oldest first, never for those
+    copies; any other make_room() waits for them as for everything released."""
+    from trainstream.engine.device import TransferLedger
+
+    log = []
+    ledger = TransferLedger(cap=100)
+    acts = [_Event(log, f"acts{i}") for i in range(3)]
+    grads = _Event(log, "grads")
+    ledger.add(acts[0], 40, outgoing_activations=True)
+    ledger.add(grads, 30)
+    ledger.add(acts[1], 40, outgoing_activations=True)
+    assert ledger.bytes == 110 and ledger.outgoing == 80
+    ledger.make_room_for_weights(60)  # 30 + 60 fit beside the outgoing 80
+    assert log == []
+    ledger.make_room_for_weights(80)  # 30 + 80 do not: the gradients' copy, not the older activations'
+    assert log == ["grads"] and ledger.bytes == 80 and ledger.outgoing == 80
+    ledger.make_room_for_weights(500)  # only outgoing activations left: nothing to wait for
+    assert log == ["grads"]
+    ledger.add(acts[2], 40, outgoing_activations=True)
+    ledger.make_room(30)  # 120 + 30 released: the oldest activations go first
+    assert log == ["grads", "acts0", "acts1"] and ledger.bytes == 40 and ledger.outgoing == 40
+
+
+def test_activations_fetched_ahead_count_apart_against_the_larger_of_cap_and_window():
+    """Backward's prefetch of the blocks below: limited by the caller's window (the paged
+    activations the plan holds at once) where that exceeds the cap; weights fetched ahead
+    neither limit it nor are limited by it."""
+    from trainstream.engine.device import TransferLedger
+
+    ledger = TransferLedger(cap=100)
+    ledger.fetched_ahead(90)
+    assert ledger.may_fetch_acts_ahead(150, window=0)  # the first always goes
+    ledger.acts_fetched_ahead(150)
+    assert not ledger.may_fetch_acts_ahead(1, window=0)  # past the cap
+    assert ledger.may_fetch_acts_ahead(150, window=300) and not ledger.may_fetch_acts_ahead(151, window=300)
+    assert ledger.may_fetch_ahead(10) and not ledger.may_fetch_ahead(11)  # weights: 90 of their own
+    ledger.acts_used(150)
+    assert ledger.acts_ahead == 0 and ledger.ahead == 90

@@ -76,17 +76,21 @@ class ActivationPager:
             rec = PagedStorage(
                 host, backend.record(backend.copy_out), StorageWeakRef(storage), t._version, storage.nbytes()
             )
-            self.ledger.add(rec.d2h_event, rec.nbytes)  # the device storage can go once copied
+            # the device storage can go once copied
+            self.ledger.add(rec.d2h_event, rec.nbytes, outgoing_activations=True)
             self._recent[ptr] = rec
             unit.acts.append(rec)
             self.paged_bytes += rec.nbytes
         return PagedTensor(rec, t)
 
-    def fetch(self, rec: PagedStorage, *, ahead: bool = False) -> None:
+    def fetch(self, rec: PagedStorage, *, ahead: bool = False, window: int = 0) -> None:
+        """Start `rec`'s copy back to the device. `ahead`: before its backward needs it,
+        skipped past the ledger's limit for activations ahead (the larger of its cap and
+        `window`, TransferLedger)."""
         if rec.device_copy is not None:
             return
         backend = self.backend
-        if ahead and not self.ledger.may_fetch_ahead(rec.nbytes):
+        if ahead and not self.ledger.may_fetch_acts_ahead(rec.nbytes, window):
             return
         backend.wait(rec.d2h_event, backend.copy_in)
         with backend.on(backend.copy_in):
@@ -96,11 +100,16 @@ class ActivationPager:
         rec.h2d_event = backend.record(backend.copy_in)
         if ahead:
             rec.ahead = True
-            self.ledger.fetched_ahead(rec.nbytes)
+            self.ledger.acts_fetched_ahead(rec.nbytes)
 
-    def prefetch(self, unit) -> None:
+    def prefetch(self, unit, window: int) -> None:
         for rec in unit.acts:
-            self.fetch(rec, ahead=True)
+            self.fetch(rec, ahead=True, window=window)
+
+    @staticmethod
+    def held_nbytes(units) -> int:
+        """Bytes of the paged activations `units` hold (restored or not)."""
+        return sum(rec.nbytes for u in units for rec in u.acts)
 
     def unpack(self, packed: PagedTensor) -> torch.Tensor:
         rec = packed.storage
@@ -110,7 +119,7 @@ class ActivationPager:
         backend.keep_until(rec.device_copy, backend.compute_stream())
         if rec.ahead:
             rec.ahead = False
-            self.ledger.used(rec.nbytes)
+            self.ledger.acts_used(rec.nbytes)
         return torch.empty(0, dtype=packed.dtype, device=backend.device).set_(
             rec.device_copy.untyped_storage(), packed.offset, packed.size, packed.stride
         )
@@ -126,7 +135,7 @@ class ActivationPager:
         for rec in unit.acts:
             if rec.ahead:
                 rec.ahead = False
-                self.ledger.used(rec.nbytes)
+                self.ledger.acts_used(rec.nbytes)
             rec.device_copy = None
         unit.acts = []
 

@@ -159,47 +159,88 @@ class TransferLedger:
     """Device memory that transfers hold, against one cap (max_inflight_bytes), for every
     manager that moves bytes (weights, gradients, activations, moments).
 
-    Two kinds of bytes count. Released ones: memory the engine let go of that the caching
-    allocator keeps until a copy or compute passes an event (the CPU runs ahead of the GPU,
-    so without a bound it would release and fetch far more than the GPU has consumed);
-    make_room() holds the host back until they fit. Ahead ones: weights and activations
-    fetched before their use; a prefetch that would take them past the cap is skipped (the
-    use fetches on demand), except the first, so that something is always on its way."""
+    Released bytes: memory the engine let go of that the caching allocator keeps until a copy
+    or compute passes an event (the CPU runs ahead of the GPU, so without a bound it would
+    release and fetch far more than the GPU has consumed); make_room() holds the host back
+    until they fit. Activations on their way out to host memory (forward's paging) are
+    released bytes like any other, except for a weight fetch: the plan budgets the weights in
+    flight apart (two blocks'), so the next block's weights never wait for the activations'
+    copies out. (They did, and each paged block's forward then ran as copy out, weights in,
+    compute, one after the other.)
+
+    Bytes fetched ahead of use, in two counts, each with a prefetch that would take it past
+    its limit skipped (the use fetches on demand), except the first, so that something is
+    always on its way: weights, against the cap, held beside the released bytes that a weight
+    fetch waits for; and activations in backward, against the larger of the cap and the
+    caller's `window`: the paged activations of the block whose backward starts and of the
+    `prefetch_depth` blocks below it, which the plan holds at once (planner/plan.py), so a
+    cap smaller than two blocks' activations does not turn every prefetch into a fetch on
+    demand."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self._items = deque()  # (event, bytes), oldest first
+        self._items = deque()  # [event, bytes, outgoing activations?], oldest first
         self.bytes = 0  # released, still held by queued work
-        self.ahead = 0  # fetched ahead of use, not yet used
+        self.outgoing = 0  # of those, activations on their way to host memory
+        self.ahead = 0  # weights fetched ahead of use, not yet used
+        self.acts_ahead = 0  # activations fetched ahead of their backward, not yet used
 
-    def add(self, event, nbytes: int) -> None:
+    def add(self, event, nbytes: int, *, outgoing_activations: bool = False) -> None:
         if event is not DONE:
-            self._items.append((event, nbytes))
+            self._items.append((event, nbytes, outgoing_activations))
             self.bytes += nbytes
+            if outgoing_activations:
+                self.outgoing += nbytes
+
+    def _forget(self, item) -> None:
+        self.bytes -= item[1]
+        if item[2]:
+            self.outgoing -= item[1]
 
     def settle(self) -> None:
         while self._items and self._items[0][0].query():
-            self.bytes -= self._items.popleft()[1]
+            self._forget(self._items.popleft())
 
-    def make_room(self, nbytes: int, *, with_ahead: bool = False) -> None:
-        """Wait (host side, oldest first) until `nbytes` more fit under the cap, beside the
-        bytes fetched ahead when `with_ahead`."""
+    def make_room(self, nbytes: int) -> None:
+        """Wait (host side, oldest first) until `nbytes` more fit under the cap."""
         self.settle()
-        also_held = self.ahead if with_ahead else 0
-        while self._items and self.bytes + also_held + nbytes > self.cap:
-            event, n = self._items.popleft()
-            event.synchronize()
-            self.bytes -= n
+        while self._items and self.bytes + nbytes > self.cap:
+            item = self._items.popleft()
+            item[0].synchronize()
+            self._forget(item)
+
+    def make_room_for_weights(self, nbytes: int) -> None:
+        """make_room() for a weight fetch ahead of use: `nbytes` beside the weights fetched
+        ahead, waiting (oldest first) for released bytes other than outgoing activations."""
+        self.settle()
+        while self.bytes - self.outgoing + self.ahead + nbytes > self.cap:
+            item = next((it for it in self._items if not it[2]), None)
+            if item is None:
+                return
+            self._items.remove(item)
+            item[0].synchronize()
+            self._forget(item)
 
     def may_fetch_ahead(self, nbytes: int) -> bool:
+        """Weights."""
         return not self.ahead or self.ahead + nbytes <= self.cap
 
     def fetched_ahead(self, nbytes: int) -> None:
         self.ahead += nbytes
 
     def used(self, nbytes: int) -> None:
-        """Bytes fetched ahead were attached to compute (or dropped)."""
+        """Weights fetched ahead were attached to compute (or dropped)."""
         self.ahead -= nbytes
+
+    def may_fetch_acts_ahead(self, nbytes: int, window: int) -> bool:
+        return not self.acts_ahead or self.acts_ahead + nbytes <= max(self.cap, window)
+
+    def acts_fetched_ahead(self, nbytes: int) -> None:
+        self.acts_ahead += nbytes
+
+    def acts_used(self, nbytes: int) -> None:
+        """Activations fetched ahead were restored for backward (or dropped)."""
+        self.acts_ahead -= nbytes
 
 
 class HostArena:

@@ -721,9 +721,13 @@ class Engine:
         self.adapter.backward_begins(unit)
         if i > 0 and blocks[i - 1].streamed and blocks[i - 1].fetch_dtypes:
             self.weights.fetch(blocks[i - 1], ahead=True, dtypes=blocks[i - 1].fetch_dtypes)
-        for j in range(i - 1, max(i - 1 - self.opts.prefetch_depth, -1), -1):
-            if blocks[j].acts:
-                self.acts.prefetch(blocks[j])
+        below = blocks[max(i - self.opts.prefetch_depth, 0) : i]
+        if any(u.acts for u in below):
+            # The plan holds this block's paged activations and those below it at once.
+            window = self.acts.held_nbytes([unit, *below])
+            for u in reversed(below):
+                if u.acts:
+                    self.acts.prefetch(u, window)
 
     def after_backward(self) -> None:
         self.adapter.sample()

@@ -458,7 +458,7 @@ class WeightPager:
         if ahead:
             if not self.ledger.may_fetch_ahead(nbytes):
                 return  # over the in-flight cap: fetched on demand when its turn comes
-            self.ledger.make_room(nbytes, with_ahead=True)
+            self.ledger.make_room_for_weights(nbytes)
         if unit.paged:  # the optimizer may still be writing these weights (quantized ones are frozen)
             self._after_updates(unit, self.backend.copy_in)
             self.take_edits(unit)
