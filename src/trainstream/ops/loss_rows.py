@@ -59,18 +59,18 @@ def loss_and_dlogits_(
                 f"{_OP}: {name} must be a contiguous {dtype} tensor of shape ({rows},) (one per row of z), got "
                 f"{'a' if t.is_contiguous() else 'a non-contiguous'} {t.dtype} tensor of shape {tuple(t.shape)}"
             )
+    for name, t in (("column", column), ("valid", valid), ("scale", scale)):
+        if t.device != z.device:
+            raise ValueError(f"{_OP}: {name} must be on z's device {z.device}, got {t.device}")
+    if out is not None:
+        _args.out_buffer(_OP, "out", out, torch.float32, rows, z.device)
     if z.device.type != "cuda":
         raise ValueError(
             f"{_OP}: z must be a CUDA tensor, got one on {z.device} (on the CPU, the pure-torch twin "
             "trainstream.loss._loss_and_dlogits computes the same)"
         )
-    for name, t in (("column", column), ("valid", valid), ("scale", scale), ("out", out)):
-        if t is not None and t.device != z.device:
-            raise ValueError(f"{_OP}: {name} must be on z's device {z.device}, got {t.device}")
     if out is None:
         out = torch.empty(rows, dtype=torch.float32, device=z.device)
-    else:
-        _args.out_buffer(_OP, "out", out, torch.float32, rows, z.device)
     if rows == 0:
         return out
     from .._native import require_cuda
@@ -107,7 +107,7 @@ def _check_logits(z: torch.Tensor, write_dlogits: bool) -> None:
         )
     # A stride of a dimension of size 1 is never used to address an element.
     if vocab > 1 and z.stride(1) != 1:
-        raise ValueError(f"{_OP}: each row of z must be contiguous (z.stride(1) == 1), got strides {z.stride()}")
+        raise ValueError(f"{_OP}: z's rows must each be contiguous (z.stride(1) == 1), got strides {z.stride()}")
     if rows > 1 and z.stride(0) < vocab:
         raise ValueError(f"{_OP}: z's rows must not overlap (z.stride(0) >= vocab = {vocab}), got strides {z.stride()}")
     if write_dlogits and z.requires_grad:
