@@ -283,6 +283,7 @@ def test_gpu_a_registered_buffer_is_pinned_mapped_and_copies_through_it_are_bit_
     from trainstream.engine.params import _mapped_view
 
     n = 8 * MiB + 123
+    gc.collect()  # earlier tests' buffers die now, not between the two counts
     before = pinned.registered()[0]
     t = pinned.host_bytes(n, torch.device("cuda", torch.cuda.current_device()))
     assert pinned.fallback_note() is None, pinned.fallback_note()
@@ -306,6 +307,7 @@ def test_gpu_paging_through_registered_buffers_gives_the_caching_allocators_bits
     monkeypatch.setattr(pinned, "MIN_BYTES", 1 << 62)  # every buffer from torch's caching host allocator
     cached_run = train("gpt", PAGED, device="cuda")
     monkeypatch.setattr(pinned, "MIN_BYTES", 1)  # every buffer but empty ones registered
+    gc.collect()
     before = pinned.registered()[0]
     registered_run = train("gpt", PAGED, device="cuda")
     assert pinned.fallback_note() is None, pinned.fallback_note()
