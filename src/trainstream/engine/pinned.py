@@ -115,7 +115,8 @@ def registered() -> tuple[int, int]:
 
 
 def _cached_pinned(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # device="cpu": a default-device context (with torch.device("cuda"):) must not move it
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
 
 def _turn_off(reason: str) -> None:
@@ -185,14 +186,15 @@ class _Mapping(mmap.mmap):
             _live[1] += len(self)
 
     def __del__(self) -> None:
-        runtime = self._runtime
-        if runtime is None or self._pid != os.getpid():  # a forked child holds no registration
+        runtime, self._runtime = self._runtime, None
+        if runtime is None:
             return
-        self._runtime = None
         try:
+            if self._pid != os.getpid():  # a forked child: the registration is its parent's
+                return
             runtime.synchronize(self._index)  # no copy through these pages is still queued
             code = runtime.unregister(self._ptr, self._index)
-        except Exception:  # a finalizer must not raise; the range then stays mapped
+        except Exception:  # a finalizer must not raise (at exit, CUDA may be gone); the range stays mapped
             code = -1
         with _lock:
             if code != 0:
