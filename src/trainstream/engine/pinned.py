@@ -51,9 +51,9 @@ MIN_BYTES = 1 << 20
 REGISTER_FLAGS = 0x01 | 0x02
 
 # madvise(MADV_HUGEPAGE) the mappings. Off: with THP's defrag setting "madvise" (the default),
-# a madvised region's faults compact memory synchronously, and on a fragmented host its first
-# touch took from 2 to 20 times as long as with 4 KiB pages (measured on a CI machine: 0.15 to
-# 2.7 s per GiB, against 0.25-0.5); the 4 KiB figures above are the H200 host's.
+# a madvised region's faults may compact memory synchronously; on a 2-core CI machine half the
+# first touches of a madvised 256 MiB took about 2.7 s per GiB, 5 to 10 times the 4 KiB pages'
+# 0.25-0.5 (the other half 0.15). The figures above are the H200 host's, with 4 KiB pages.
 HUGE_PAGES = False
 
 PAGE = mmap.PAGESIZE
