@@ -170,6 +170,21 @@ def test_a_torch_without_cuda_has_no_runtime_to_register_with():
     assert runtime is None and "cudart" in reason
 
 
+def _cudart_loaded() -> bool:
+    with open("/proc/self/maps") as maps:
+        return any("libcudart.so" in line for line in maps)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU build of torch, which loads no CUDA runtime")
+def test_the_error_clearing_never_loads_a_cuda_runtime_of_its_own(monkeypatch):
+    """Only the runtime torch loaded holds torch's last error: another copy, loaded here from
+    the library path, would clear nothing of it."""
+    if _cudart_loaded():
+        pytest.skip("another library of this process loaded a CUDA runtime")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert pinned._torch_cuda_get_last_error() is None and not _cudart_loaded()
+
+
 def test_an_unregister_that_fails_keeps_the_range_mapped(monkeypatch, cached):
     fake = _use(monkeypatch, FakeRuntime(unregister_code=1))
     monkeypatch.setattr(pinned, "_leaked", [])
