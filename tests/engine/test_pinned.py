@@ -212,11 +212,11 @@ def test_mappings_are_left_out_of_a_fork_and_madvised_for_huge_pages_when_asked(
 def test_a_forked_child_does_not_unregister_its_parents_buffers(monkeypatch, cached):
     fake = _use(monkeypatch, FakeRuntime())
     t = pinned.host_bytes(2 * MiB, CUDA0)
+    gc.collect()  # the child collects nothing: other objects' finalizers may expect threads it lacks
     pid = os.fork()
-    if pid == 0:  # the child: its copy of `t` dies here, over pages it does not have
+    if pid == 0:  # the child: its copy of `t`, the mapping's only holder, dies here over pages it does not have
         try:
             del t
-            gc.collect()
             os._exit(0 if fake.kinds() == ["register"] else 1)
         finally:
             os._exit(2)
