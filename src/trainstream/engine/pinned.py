@@ -240,6 +240,8 @@ class _CudaRuntime:
 
 def _load_runtime():
     """(_CudaRuntime, None), or (None, why registration cannot be done here)."""
+    if not (hasattr(mmap, "MAP_PRIVATE") and hasattr(os, "RTLD_NOLOAD")):
+        return None, "this platform has no anonymous private mappings or no dlopen(RTLD_NOLOAD) (not Linux)"
     try:
         cudart = torch.cuda.cudart()
         for name in ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString"):
