@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from ..sizes import MiB
+from . import pinned
 from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
@@ -370,6 +371,8 @@ class Engine:
     def _install(self) -> None:
         self._moved_buffers = []  # (module, name, the buffer before install): what uninstall() puts back
         self.events.add(self.weights.place(stage=not self.plan.device_grads))
+        if self.backend.is_cuda and pinned.fallback_note():
+            self.events.add(pinned.fallback_note())
         for module in self.model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.device != self.backend.device:
