@@ -109,13 +109,6 @@ def test_what_runs_after_the_stack_is_measured_and_planned_on_top_of_the_activat
     # hold the output's gradient that backward's first reading takes off.)
     assert inputs.after_stack_bytes == adapter.planned_after_stack() >= 12 * MiB
     assert inputs.held_after_stack_bytes == (MiB if hooked else 0)
-    # What the plan keeps for the head, less what backward still finds held, is free while the
-    # stack runs: the ledger lets released bytes take it from the step's end on.
-    from trainstream.api import _engine_of
-
-    room = adapter.planned_after_stack() - adapter.held_after_stack
-    assert adapter.stack_room() == room > 0
-    assert _engine_of(model).ledger.room == room
 
 
 def test_memory_freed_before_backward_is_added_to_the_heads_rise_until_a_pass_frees_none():

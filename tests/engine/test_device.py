@@ -105,24 +105,3 @@ def test_activations_fetched_ahead_count_apart_against_the_larger_of_cap_and_win
     assert ledger.may_fetch_ahead(10) and not ledger.may_fetch_ahead(11)  # weights: 90 of their own
     ledger.acts_used(150)
     assert ledger.acts_ahead == 0 and ledger.ahead == 90
-
-
-def test_the_room_after_the_stack_raises_the_released_bytes_limit_only():
-    """Room (what runs after the stack holds, free while the stack runs) lets released bytes
-    pass the cap, for any make_room() and a weight fetch alike; the limits of bytes fetched
-    ahead (live allocations the plan budgets) stay where they were."""
-    from trainstream.engine.device import TransferLedger
-
-    log = []
-    ledger = TransferLedger(cap=100)
-    ledger.room = 50
-    ledger.add(_Event(log, "weights"), 90)
-    ledger.make_room(60)  # 150 fit the cap and the room
-    ledger.make_room_for_weights(60)
-    assert log == []
-    ledger.make_room(61)
-    assert log == ["weights"]
-    ledger.fetched_ahead(100)
-    assert not ledger.may_fetch_ahead(1)
-    ledger.acts_fetched_ahead(100)
-    assert not ledger.may_fetch_acts_ahead(1, window=0)

@@ -273,14 +273,6 @@ class Adapter:
         """What the plan, the guard and the stock-training cost count after the stack."""
         return max(self.after_stack, self.after_stack_bound)
 
-    def stack_room(self) -> int:
-        """Device bytes the plan keeps for what runs after the stack that are free while the
-        stack runs, in forward and in backward (TransferLedger.room); 0 until a step has
-        measured them."""
-        if not self.after_stack_measured:
-            return 0
-        return max(self.planned_after_stack() - self.held_after_stack, 0)
-
     def backward_reaches_stack(self) -> None:
         """Backward has come through the head and the loss to the last block."""
         counters = self.counters()

@@ -180,19 +180,10 @@ class TransferLedger:
     caller's `window`: the paged activations of the block whose backward starts and of the
     `prefetch_depth` blocks below it, which the plan holds at once (planner/plan.py), so a
     cap smaller than two blocks' activations does not turn every prefetch into a fetch on
-    demand.
-
-    `room`: bytes the plan holds for what runs after the stack (the head's logits, the loss),
-    free while the stack runs: in forward before the head, and in backward less what backward
-    still finds held (Adapter.stack_room). Released bytes may take them too: the allocator
-    counts released memory free and, short of memory, waits for their events before it would
-    fail, so room only lets the host run further ahead where the device has memory to spare.
-    (With a cap smaller than two blocks' dequantized weights, each block's backward waited on
-    the host for the block before it to finish computing.)"""
+    demand."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.room = 0
         self._items = deque()  # [event, bytes, outgoing activations?], oldest first
         self.bytes = 0  # released, still held by queued work
         self.outgoing = 0  # of those, activations on their way to host memory
@@ -216,10 +207,9 @@ class TransferLedger:
             self._forget(self._items.popleft())
 
     def make_room(self, nbytes: int) -> None:
-        """Wait (host side, oldest first) until `nbytes` more fit under the cap and the room."""
+        """Wait (host side, oldest first) until `nbytes` more fit under the cap."""
         self.settle()
-        limit = self.cap + self.room
-        while self._items and self.bytes + nbytes > limit:
+        while self._items and self.bytes + nbytes > self.cap:
             item = self._items.popleft()
             item[0].synchronize()
             self._forget(item)
@@ -228,8 +218,7 @@ class TransferLedger:
         """make_room() for a weight fetch ahead of use: `nbytes` beside the weights fetched
         ahead, waiting (oldest first) for released bytes other than outgoing activations."""
         self.settle()
-        limit = self.cap + self.room
-        while self.bytes - self.outgoing + self.ahead + nbytes > limit:
+        while self.bytes - self.outgoing + self.ahead + nbytes > self.cap:
             item = next((it for it in self._items if not it[2]), None)
             if item is None:
                 return

@@ -973,7 +973,6 @@ class Engine:
         if not self.opts.guard_params:
             self.synchronize()
         decision = self.adapter.after_step(explicit_paging(self.opts) or quantized(self.units))
-        self.ledger.room = self.adapter.stack_room()
         if self.dp is not None and self.opts.offload == "auto" and self.adapter.steps == Adapter.SWITCH_AFTER:
             decision = self._dp_agree_on_switch(decision)
         self.apply(decision)
