@@ -520,6 +520,14 @@ def _check_moments(state_dict: dict, param_groups: list) -> None:
             f"{where}: state_dict must be a dict of 'state' (a dict) and 'param_groups' (a list of dicts with "
             "'params'), as state_dict() gives"
         )
+    for pid, st in state_dict["state"].items():
+        # torch's AdamW refuses a non-empty state without its step count at the load (its
+        # __setstate__ reads it); a moment without the count it was taken at has no meaning.
+        if isinstance(st, dict) and st and "step" not in st:
+            raise ValueError(
+                f"{where}: state[{pid!r}] has no 'step' (it holds {sorted(map(str, st))}); accepted: a param's "
+                "state with its 'step' count, as state_dict() gives it, or an empty one (a param never stepped)"
+            )
     saved = state_dict["param_groups"]
     if len(saved) != len(param_groups) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(saved, param_groups)
