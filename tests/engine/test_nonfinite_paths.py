@@ -5,10 +5,87 @@ before; and OffloadAdamW refuses a saved state without its step count, as torch'
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from helpers import RESIDENT
 
 import trainstream
+from engine.test_device_state import _host_path, lora_mlp
+
+
+def _wrapped(nonfinite: str, clip, accumulation: int):
+    torch.manual_seed(0)
+    model, batch, loss_fn = lora_mlp()
+    model, opt = trainstream.wrap(
+        model,
+        None,
+        device="cpu",
+        lr=1e-2,
+        offload=True,
+        nonfinite=nonfinite,
+        max_grad_norm=clip,
+        accumulation_steps=accumulation,
+        **RESIDENT,
+    )
+    return model, opt, batch, loss_fn
+
+
+def _nan_into(model, names) -> None:
+    """Every backward pass from here on makes the gradients of `names` NaN."""
+    params = dict(model.named_parameters())
+    for name in names:
+        params[name].register_hook(lambda g: g * float("nan"))
+
+
+def _named(nonfinite: str, clip, accumulation: int, bad) -> tuple:
+    """One step (a window) with the gradients of `bad` NaN: (whether the adapters are in device
+    state, the parameter the FloatingPointError or the skip event names)."""
+    model, opt, batch, loss_fn = _wrapped(nonfinite, clip, accumulation)
+    _nan_into(model, bad)
+    named = None
+    try:
+        for i in range(accumulation):
+            loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+    except FloatingPointError as e:
+        named = re.search(r"the gradient of (\S+) is not finite", str(e)).group(1)
+    opt.zero_grad()
+    events = trainstream.memory_report(model)["events"]
+    found = re.findall(r"the gradient of (\S+) is not finite: skipped", events)
+    if nonfinite == "skip":
+        assert named is None and len(found) == 1, events
+        named = found[0]
+    else:
+        assert not found, events
+    return bool(model._trainstream_engine.plan.device_state), named
+
+
+# Backward reaches block 2 before block 1, and in a block fc2 before fc1 (the reverse of forward).
+TWO_NOT_FINITE = {
+    "two blocks": (["layers.1.fc1.lora_a", "layers.2.fc1.lora_a"], "layers.2.fc1.lora_a"),
+    "one block": (["layers.2.fc1.lora_a", "layers.2.fc2.lora_a"], "layers.2.fc2.lora_a"),
+}
+
+
+@pytest.mark.parametrize("where", list(TWO_NOT_FINITE))
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no clip", "clip"])
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_two_gradients_not_finite_name_the_first_in_backwards_order_on_both_paths(
+    nonfinite, clip, accumulation, where, monkeypatch
+):
+    """docs/semantics.md: the error and the events name the first parameter whose gradient is
+    not finite in the order backward produced them (the order eager updates hand units on),
+    whatever holds the updates (clipping, accumulation) and on either path."""
+    bad, first = TWO_NOT_FINITE[where]
+    on_device = _named(nonfinite, clip, accumulation, bad)
+    with monkeypatch.context() as m:
+        _host_path(m)
+        on_host = _named(nonfinite, clip, accumulation, bad)
+    assert on_device == (True, first)
+    assert on_host == (False, first)
 
 
 def test_offload_adamw_refuses_a_state_without_its_step_count_as_torch_does():

@@ -78,6 +78,7 @@ class _Layout:
         backend, n = state.backend, len(slots)
         self.slots, self.storage = slots, storage
         sizes = [len(ss) for _, ss in batches]
+        self.one_batch = len(sizes) == 1  # a held window's, skipped whole
         self.unit_start, first = [], 0
         for size in sizes:
             self.unit_start += [first] * size
@@ -205,6 +206,16 @@ class DeviceState:
                     state[key] = state[key].to(device=device, dtype=dtype).contiguous()
             self._placed[s] = (state, state["exp_avg"], state["exp_avg_sq"])
 
+    def _in_placing_order(self, batches, slots: set) -> list:
+        """`slots` of `batches` in the order their states enter optimizer.state (the order of
+        state_dict()'s "state", as the host path makes them): batch by batch, each unit's in
+        its own order, a batch of every unit's (None) in update order; not the order the
+        gradients came in, which a batch's slots follow."""
+        out = []
+        for unit, _ in batches:
+            out += [s for s in (self.slots if unit is None else unit.device_state_slots) if s in slots]
+        return out
+
     def _unplaced(self, slots) -> list:
         """The slots whose state is not what _place left: never placed, or replaced since (the
         launches and layouts hold the moments they were built over)."""
@@ -290,14 +301,17 @@ class DeviceState:
         return list(torch._foreach_norm(self._grads(slots), 2.0, dtype=torch.float32))
 
     def first_nonfinite(self, slots=None):
-        """The first slot (of `slots`, default: those with a gradient) whose gradient is not
-        finite, or None. One host read when all are: the norms say where to look, the
-        gradient itself decides (a huge finite value overflows its square)."""
+        """The first slot (of `slots`, default: those with a gradient) in backward's order
+        (in_backward_order) whose gradient is not finite, or None. One host read when all
+        are: the norms say where to look, the gradient itself decides (a huge finite value
+        overflows its square)."""
         slots = self.with_grads() if slots is None else slots
         norms = self.norms(slots)
         if not norms or bool(torch.isfinite(torch.stack(norms)).all()):
             return None
-        for s, n in zip(slots, norms):
+        norm_of = dict(zip(slots, norms))
+        for s in self.in_backward_order(slots):
+            n = norm_of[s]
             if not bool(torch.isfinite(n)) and not bool(torch.isfinite(s.param.grad).all()):
                 return s
         return None
@@ -311,18 +325,43 @@ class DeviceState:
     # -- the order backward completes units in (eager updates with the check on) -------------
 
     def on_grad(self, slot) -> None:
-        """autograd finished `slot`'s gradient (a post-accumulate-grad hook, installed only
-        where the order decides what a non-finite gradient skips): a unit counts as
+        """autograd finished `slot`'s gradient (the post-accumulate-grad hook, called where
+        the order decides what a non-finite gradient skips or names): a unit counts as
         complete once all of its device-state params have one this pass."""
         unit = slot.unit
         seen = self._seen.get(unit)
         if seen is None:
-            seen = self._seen[unit] = set()  # first-gradient order: a dict keeps it
+            seen = self._seen[unit] = {}  # the unit's slots in their gradients' order (a dict keeps it)
         elif slot in seen:
             return  # a second gradient in one pass (reentrant checkpoint segments), summed by autograd
-        seen.add(slot)
+        seen[slot] = None
         if len(seen) == self._counts[unit]:
             self._complete.append(unit)
+
+    def _units_in_backward_order(self) -> list:
+        """The units this pass reached, in the order the host path hands them on: those
+        complete as they completed, then those only some of whose params got a gradient, by
+        their first."""
+        complete = set(self._complete)
+        return list(self._complete) + [u for u in self._seen if u not in complete]
+
+    def _slots_of(self, unit, has) -> list:
+        """`unit`'s slots in `has`, in the order their gradients came this pass (the host path
+        checks a unit's gradients in that order), then those no hook saw, in the unit's."""
+        seen = self._seen.get(unit, {})
+        return [s for s in seen if s in has] + [s for s in unit.device_state_slots if s in has and s not in seen]
+
+    def in_backward_order(self, slots) -> list:
+        """`slots` in the order backward produced their gradients this pass (units as
+        _units_in_backward_order, each unit's as _slots_of), which decides the parameter a
+        non-finite gradient is reported by (docs/semantics.md); the order given where no
+        hook recorded one."""
+        if not self._seen:
+            return list(slots)
+        has = set(slots)
+        out = [s for u in self._units_in_backward_order() for s in self._slots_of(u, has)]
+        placed = set(out)
+        return out + [s for s in slots if s not in placed]
 
     def new_pass(self) -> None:
         self._seen, self._complete = {}, []
@@ -330,24 +369,28 @@ class DeviceState:
     def batches(self, by_unit: bool) -> list:
         """The slots with a gradient, as [(unit, slots)]: one batch per unit in the order the
         host path would hand them on (complete units as they completed, then those only some
-        of whose params got a gradient, by their first), or (`by_unit` False) one batch of
-        every slot, in update order (None for its unit). The order is forgotten."""
+        of whose params got a gradient, by their first), each unit's slots in their
+        gradients' order, or (`by_unit` False) one batch of every slot (None for its unit),
+        in that order where a hook recorded it (nonfinite checked), else in update order.
+        The first slot of that order found not finite is the one reported. The order is
+        forgotten."""
         with_grads = self.with_grads()
         if not with_grads:
             self.new_pass()
             return []
         if not by_unit:
+            ordered = self.in_backward_order(with_grads)
             self.new_pass()
-            return [(None, with_grads)]
+            return [(None, ordered)]
         has = set(with_grads)
-        order = list(self._complete) + [u for u in self._seen if u not in set(self._complete)]
+        order = self._units_in_backward_order()
         order += [u for u in dict.fromkeys(s.unit for s in with_grads) if u not in set(order)]  # no hook saw them
-        self.new_pass()
         out = []
         for u in order:
-            slots = [s for s in u.device_state_slots if s in has]
+            slots = self._slots_of(u, has)
             if slots:
                 out.append((u, slots))
+        self.new_pass()
         return out
 
     def completed_batches(self) -> list:
@@ -355,7 +398,7 @@ class DeviceState:
         this pass, in the order they completed (a pass that raised keeps their updates on
         the host path). The order is forgotten."""
         out = [
-            (u, list(u.device_state_slots))
+            (u, self._slots_of(u, set(u.device_state_slots)))
             for u in self._complete
             if all(s.param.grad is not None for s in u.device_state_slots)
         ]
@@ -389,7 +432,9 @@ class DeviceState:
         slots = [s for _, ss in batches for s in ss]
         if not slots:
             return
-        self._place(self._unplaced(slots))
+        unplaced = self._unplaced(slots)
+        if unplaced:
+            self._place(self._in_placing_order(batches, set(unplaced)))
         self.take_edits(slots)
         if check and self._queued:
             raise RuntimeError("trainstream internal: a device-state update was not settled before the next")
@@ -469,6 +514,8 @@ class DeviceState:
             skipped = layout.slots[layout.unit_start[first] :]
             positions = layout.step_positions[layout.unit_start[first] :]
             self._step_counts[torch.tensor(positions, dtype=torch.int64)] -= 1
+            if layout.one_batch:  # its units as the host path lists a window's: in update order
+                skipped = sorted(skipped, key=self._slot_index.__getitem__)
             out.append(Skipped(layout.slots[first], list(dict.fromkeys(s.unit for s in skipped)), q.step))
         return out
 

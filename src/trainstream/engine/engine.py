@@ -224,7 +224,12 @@ class Engine:
                 learn=not self.grads.hold,
             )
             optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor)
-        self._ds_by_unit = self._device_state_order_decides()  # read on every device-state gradient
+        self._ds_by_unit = self._device_state_order_decides()
+        # Backward's order of the device-state gradients is recorded where it decides what a
+        # non-finite gradient skips (eager updates) or which parameter it is reported by (any
+        # checked window, as the host path reports the first in that order). Read on every
+        # device-state gradient.
+        self._ds_order = len(self.device_state) > 0 and (self._ds_by_unit or opts.nonfinite != "ignore")
         self._log_plan()
 
     def __deepcopy__(self, memo):
@@ -397,8 +402,8 @@ class Engine:
                     )
                 )
             # Every device-state param gets a hook: it begins a pass that never reaches the
-            # model's outputs (a loss on a parameter alone), as the host path's does; with eager
-            # updates it also records the order backward completes units in (device_state.py).
+            # model's outputs (a loss on a parameter alone), as the host path's does; it also
+            # records the order backward completes units in (device_state.py, self._ds_order).
             if len(self.device_state):
                 for slot in unit.device_state_slots:
                     self._handles.append(
@@ -745,6 +750,8 @@ class Engine:
 
     def _begin_pass(self) -> None:
         self.grads.begin_pass()
+        if self._ds_order:
+            self.device_state.new_pass()  # the order recorded is this pass's
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
     def on_grad(self, slot) -> None:
@@ -756,11 +763,11 @@ class Engine:
 
     def on_device_state_grad(self, slot) -> None:
         """autograd finished a device-state param's gradient. A backward that never reached
-        the model's outputs begins its pass here, as on_grad begins the host path's; with
-        eager updates the hook also records backward's order of units."""
+        the model's outputs begins its pass here, as on_grad begins the host path's; it also
+        records backward's order (self._ds_order)."""
         if not self.grads.in_backward:
             self._begin_pass()
-        if self._ds_by_unit:
+        if self._ds_order:
             self.device_state.on_grad(slot)
 
     def _end_pass(self) -> None:

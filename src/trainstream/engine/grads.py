@@ -132,6 +132,13 @@ class GradStreamer:
         self._check_room: dict = self._carve_check_room() if self.check_batches else {}
         self._pass_id = 0  # numbers every backward pass (a slot's seen_pass)
         self._last_unit = None  # the unit the last gradient belonged to
+        # With clipping the check comes at step() (the global norm), after every unit was
+        # handed on: the pass's order is recorded so that the first gradient not finite is
+        # found in it, as a check at hand-on finds it (first_nonfinite_in_window). Per pass:
+        # units in the order handed on, slots in the order their gradients came.
+        self._records_order = settings.clip and settings.nonfinite != "ignore"
+        self._handed: dict = {}
+        self._arrived: dict = {}
 
     def _carve_check_room(self) -> dict:
         """One host transfer buffer (pinned on a GPU) for every unit's squared norms, carved
@@ -158,6 +165,8 @@ class GradStreamer:
         self._pass_id += 1
         self._last_unit = None
         self.in_backward = True
+        if self._records_order:
+            self._handed, self._arrived = {}, {}
 
     def on_grad(self, slot) -> list:
         """autograd finished `slot`'s gradient (in p.grad); a pass has begun. Returns the
@@ -185,6 +194,8 @@ class GradStreamer:
             p.grad = None
             return []
         slot.seen_pass = self._pass_id
+        if self._records_order:
+            self._arrived[slot] = len(self._arrived)
         nbytes = g.numel() * g.element_size()
         if self.settings.on_device:
             # The update reads the gradient where it is, as soon as the unit is complete; the
@@ -483,8 +494,13 @@ class GradStreamer:
         return first
 
     def first_nonfinite_in_window(self, slots):
-        """The first of `slots` whose window gradient (the host sum, or the landed one) is
-        not finite; None if they all are (the global norm at step() overflowed)."""
+        """The first of `slots` in the last pass's backward order (units as they were handed
+        on, each unit's slots as their gradients came; the rest after, as given) whose window
+        gradient (the host sum, or the landed one) is not finite; None if they all are (the
+        global norm at step() overflowed)."""
+        if self._handed:
+            handed, arrived, n = self._handed, self._arrived, len(self._arrived)
+            slots = sorted(slots, key=lambda s: (handed.get(s.unit, len(handed)), arrived.get(s, n)))
         for s in slots:
             if not _all_finite(self.grad_of(s)):
                 return s
@@ -505,6 +521,8 @@ class GradStreamer:
         return self.passes == self.settings.accumulation_steps and not self.settings.clip
 
     def _hand_on(self, unit) -> list:
+        if self._records_order:
+            self._handed.setdefault(unit, len(self._handed))
         if self.check_batches:
             bad = self._first_nonfinite(unit)
             unit.checks = []
