@@ -113,3 +113,73 @@ def test_offload_adamw_refuses_a_state_without_its_step_count_as_torch_does():
         assert target.state_dict()["state"] == before["state"]  # nothing replaced
     target.load_state_dict(dict(saved, state={}))  # a param never stepped
     assert target.state_dict()["state"] == {}
+
+
+class _UsersOwn(Exception):
+    """The exception a user's hook raises inside backward."""
+
+
+def _raised_inside_backward(nonfinite: str, clip, accumulation: int) -> tuple:
+    """A NaN gradient in block 3 (reached first by backward), then the user's own exception
+    from a hook on block 1, in the window's last pass; then a step of training. Returns (the
+    exception's type, the events' lines about gradients not finite, skipped_steps, the weights
+    after the failed window, the weights after one more step)."""
+    model, opt, batch, loss_fn = _wrapped(nonfinite, clip, accumulation)
+    params = dict(model.named_parameters())
+    failing = [True]
+    params["layers.3.fc1.lora_a"].register_hook(lambda g: g * float("nan") if failing[0] else g)
+
+    def users_hook(g):
+        if failing[0]:
+            raise _UsersOwn("the user's own")
+        return g
+
+    params["layers.1.fc1.lora_a"].register_hook(users_hook)
+    raised = None
+    try:
+        for i in range(accumulation):
+            loss_fn(model, batch(i, "cpu")).backward()
+    except BaseException as e:  # noqa: BLE001 (the test compares what each path raises)
+        raised = type(e)
+    opt.zero_grad()
+    opt.synchronize()
+    failed = {k: v.clone() for k, v in model.state_dict().items()}
+    failing[0] = False
+    for i in range(accumulation):
+        loss_fn(model, batch(10 + i, "cpu")).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    lines = [line.split("] ", 1)[-1] for line in trainstream.memory_report(model)["events"].splitlines()]
+    lines = [line for line in lines if "not finite" in line]
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    return bool(model._trainstream_engine.plan.device_state), raised, lines, opt.skipped_steps, failed, after
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no clip", "clip"])
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_an_exception_inside_backward_after_a_nonfinite_gradient_surfaces_as_itself(
+    nonfinite, clip, accumulation, monkeypatch
+):
+    """docs/semantics.md: the user's own exception from backward surfaces as itself on either
+    path (the check's FloatingPointError, which comes at the end of backward, never replaces
+    it), and a gradient found not finite before it is not lost: the events name it (eager
+    "skip": the blocks skipped, counted), alike on both paths; nothing else differs, and the
+    next step trains on both."""
+    on_device = _raised_inside_backward(nonfinite, clip, accumulation)
+    with monkeypatch.context() as m:
+        _host_path(m)
+        on_host = _raised_inside_backward(nonfinite, clip, accumulation)
+    assert on_device[0] and not on_host[0]
+    assert on_device[1] is _UsersOwn and on_host[1] is _UsersOwn
+    assert on_device[2] == on_host[2]
+    assert on_device[3] == on_host[3] == (1 if nonfinite == "skip" and clip is None and accumulation == 1 else 0)
+    if clip is None:  # the check ran during backward (with clipping it is the global norm at step())
+        assert len(on_host[2]) == 1 and "layers.3.fc1.lora_a" in on_host[2][0]
+    else:
+        assert on_host[2] == []
+    for k in on_host[4]:
+        assert torch.equal(on_device[4][k], on_host[4][k]), k
+        assert torch.equal(on_device[5][k], on_host[5][k]), k
+        assert torch.isfinite(on_device[5][k]).all(), k

@@ -42,6 +42,7 @@ from .grads import GradSettings, GradStreamer
 from .layout import Fetch, PlanEpoch, set_device_state, set_recompute
 from .measure import ActivationMeter
 from .moments import MomentStager, lay_out
+from .nonfinite import found_before_an_exception
 from .params import WeightPager
 from .recompute_call import recompute_call, why_not_recompute
 from .report import EventLog
@@ -1068,13 +1069,24 @@ class Engine:
         """A backward pass raised (recover): with eager updates the host path kept the
         updates of the units backward had completed before the exception, so device state
         queues those units' updates now (checked as at a pass's end; with nonfinite="raise"
-        only those before a gradient not finite); the rest of the pass is dropped."""
-        if not len(self.device_state) or not self._device_state_by_unit():
+        only those before a gradient not finite, which the events name, as the host path's
+        check at each unit's hand-on names it); the rest of the pass is dropped. A held window
+        keeps nothing; a gradient of it found not finite is named the same way (not with
+        clipping, whose check is the global norm at step())."""
+        if not len(self.device_state):
+            return
+        if not self._device_state_by_unit():
+            if self._ds_order and self.opts.max_grad_norm is None:
+                batches = self.device_state.completed_batches()
+                bad = self.device_state.first_nonfinite([s for _, ss in batches for s in ss])
+                if bad is not None:
+                    self.events.add(found_before_an_exception(bad, self.opts.nonfinite))
             return
         batches = self.device_state.completed_batches()
         if self.opts.nonfinite == "raise":
             bad = self.device_state.first_nonfinite([s for _, ss in batches for s in ss])
             if bad is not None:
+                self.events.add(found_before_an_exception(bad, "raise"))
                 batches = batches[: next(i for i, (_, ss) in enumerate(batches) if bad in ss)]
         self._update_device_state(batches, check=self.opts.nonfinite == "skip")
         if batches:

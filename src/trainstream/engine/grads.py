@@ -65,7 +65,7 @@ from .. import ops
 from ..sizes import MiB
 from .device import DONE, DeviceUpdate
 from .layout import GradWindow
-from .nonfinite import DeviceCheck, Pending
+from .nonfinite import DeviceCheck, Pending, found_before_an_exception
 
 
 def _view_as(region: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -114,6 +114,7 @@ class GradStreamer:
         self.device_check = DeviceCheck(backend, units) if checks and settings.on_device else None
         self.nonfinite = None  # the window's first slot whose gradient was not finite
         self._skipped: list = []  # units SKIPPED on the host and not yet reported (take_skipped)
+        self._skipped_first = None  # the window's first slot not finite, when they were skipped
         self.window_serial = 0  # numbers the windows (reset_window); the device check's records carry it
         self._counted: set = set()  # serials of windows already counted in skipped_steps
         self._labels: dict = {}  # window serial -> the step label take_skipped was last given in it
@@ -374,6 +375,10 @@ class GradStreamer:
         queued stand."""
         if self.in_backward and torch._C._current_graph_task_id() == -1:
             self.events.add("a backward pass raised: its gradients were dropped" + self.describe_queued())
+            if self.nonfinite is not None and (self.hold or self.settings.nonfinite == "raise"):
+                # Not reported by a skip (eager "skip" reports the units it skipped): said here,
+                # not lost with the pass.
+                self.events.add(found_before_an_exception(self.nonfinite, self.settings.nonfinite))
             self.drop_pass()
             return True
         return False
@@ -420,19 +425,26 @@ class GradStreamer:
             yield from self._hand_on(unit)
         if self.device_check is not None and self.settings.nonfinite == "raise":
             # Every update of the pass is queued by now (each unit was queued as it was
-            # yielded): wait for them and raise at the first gradient found not finite. Its
-            # update and every later one were skipped on the device, and are taken back.
+            # yielded): wait for them. The gradient found not finite's update and every later
+            # one were skipped on the device, and are taken back.
             self.settle_device_checks(wait=True)
-            if self.nonfinite is not None:
-                raise FloatingPointError(
-                    f"trainstream: the gradient of {self.nonfinite.name} is not finite (wrap(nonfinite='raise')); "
-                    "this backward pass's gradients are dropped"
-                )
+        self._raise_found()
         if self._window_complete():
             if self.nonfinite is not None:
                 self.skip_window()
             else:  # every unit of a held window, and those that got gradients only in earlier passes
                 yield from self.take_pending()
+
+    def _raise_found(self) -> None:
+        """nonfinite="raise": the pass is over (its end, or step()'s flush) and a gradient
+        was found not finite in it: raise, naming the first (the caller drops the pass). The
+        check does not raise where it finds one, in backward's hooks: an exception of the
+        user's later in that backward surfaces as itself, and raised_pass reports the find."""
+        if self.settings.nonfinite == "raise" and self.nonfinite is not None:
+            raise FloatingPointError(
+                f"trainstream: the gradient of {self.nonfinite.name} is not finite (wrap(nonfinite='raise')); "
+                "this backward pass's gradients are dropped"
+            )
 
     def take_pending(self) -> list:
         """Units with gradients in this window whose update has not been queued yet."""
@@ -452,7 +464,9 @@ class GradStreamer:
             if unit.window is not GradWindow.QUEUED and any(s.has_grad or s.fresh for s in unit.trainable):
                 self._skip(unit)
 
-    def _skip(self, unit) -> None:
+    def _skip(self, unit, report: bool = True) -> None:
+        """`unit` is not updated from this window (its gradients dropped); `report`: it is
+        reported and counted as skipped (take_skipped), naming the window's first."""
         unit.landed = 0
         unit.checks = []
         for s in unit.trainable:
@@ -461,7 +475,10 @@ class GradStreamer:
             s.device_grad = None
             s.norm = None
         unit.window = GradWindow.SKIPPED
-        self._skipped.append(unit)
+        if report:
+            if not self._skipped:
+                self._skipped_first = self.nonfinite  # kept: a pass dropped before the report forgets it
+            self._skipped.append(unit)
 
     def take_skipped(self, step: int):
         """(first non-finite slot, units SKIPPED, whether this is the window's first report,
@@ -479,7 +496,7 @@ class GradStreamer:
         if not self._skipped:
             return None
         units, self._skipped = self._skipped, []
-        return self.nonfinite, units, self._count(self.window_serial), step
+        return self._skipped_first, units, self._count(self.window_serial), step
 
     def count_skip(self) -> bool:
         """True the first time the current window is reported skipped: a skip found outside
@@ -526,16 +543,13 @@ class GradStreamer:
         if self.check_batches:
             bad = self._first_nonfinite(unit)
             unit.checks = []
-            if bad is not None:
-                if self.settings.nonfinite == "raise":
-                    raise FloatingPointError(
-                        f"trainstream: the gradient of {bad.name} is not finite (wrap(nonfinite='raise')); "
-                        "this backward pass's gradients are dropped"
-                    )
-                if self.nonfinite is None:
-                    self.nonfinite = bad
+            if bad is not None and self.nonfinite is None:
+                self.nonfinite = bad
             if self.nonfinite is not None and not self.hold:
-                self._skip(unit)  # this unit and every later one of the pass
+                # This unit and every later one of the pass; "raise" raises at the pass's end
+                # (_raise_found), so that an exception of the user's later in backward surfaces
+                # as itself, and its pass's gradients are dropped, not reported as a skip.
+                self._skip(unit, report=self.settings.nonfinite != "raise")
                 return []
         landed = [s for s in unit.trainable if s.fresh]
         unit.landed = 0
@@ -571,6 +585,7 @@ class GradStreamer:
             for unit in [*self._ready, *self._partial]:
                 unit.grad_event.synchronize()
                 yield from self._hand_on(unit)
+            self._raise_found()
         finally:
             self._ready.clear()
             self._partial.clear()

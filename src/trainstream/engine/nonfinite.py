@@ -137,3 +137,13 @@ class DeviceCheck:
             self._bad_window = p.window
             return Settled(p, True, first)
         return Settled(p, False, None)
+
+
+def found_before_an_exception(slot, nonfinite: str) -> str:
+    """The event of a gradient found not finite in a backward pass that then raised (an
+    exception of the user's, an interrupt): that exception surfaces as itself, and the find
+    is said here, alike on the host path and for device state. `nonfinite`: the option."""
+    return (
+        f"the gradient of {slot.name} is not finite (nonfinite={nonfinite!r}), found before the exception that "
+        "stopped backward: that pass's gradients were dropped with it"
+    )
