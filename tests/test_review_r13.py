@@ -1,0 +1,182 @@
+"""Review R13: defects found in engine/pinned.py (registered host memory) and in the fused
+cross-entropy row op (ops/loss_rows.py), each a strict xfail until it is fixed.
+
+On the CPU the CUDA runtime is a fake that records its calls (as tests/engine/test_pinned.py
+does); the mappings, their views, their lifetimes and the forks are real."""
+
+import ctypes
+import io
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from trainstream.engine import pinned
+from trainstream.ops.loss_rows import loss_and_dlogits_
+
+CUDA0 = torch.device("cuda", 0)
+MiB = 1 << 20
+
+
+class FakeRuntime:
+    def __init__(self):
+        self.calls = []
+
+    def current_device(self) -> int:
+        return 0
+
+    def register(self, ptr, nbytes, index):
+        self.calls.append("register")
+        return 0, ""
+
+    def synchronize(self, index):
+        self.calls.append("synchronize")
+
+    def unregister(self, ptr, index):
+        self.calls.append("unregister")
+        return 0
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    runtime = FakeRuntime()
+    monkeypatch.setattr(pinned, "_runtime", runtime)
+    monkeypatch.setattr(pinned, "_note", None)
+    monkeypatch.setattr(pinned, "_live", [0, 0])
+    return runtime
+
+
+def _address(m: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def _in_child(body) -> int:
+    """Runs body() in a forked child and gives its exit code (a signal: minus its number).
+    The child runs no torch op (torch's intra-op pool does not survive a fork), no
+    collection, and leaves by os._exit; a crash there writes no core file."""
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            import faulthandler
+            import resource
+
+            faulthandler.disable()
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            code = body()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _map_until_inside(lo: int, hi: int, tries: int = 32):
+    """Maps 1 MiB pieces of anonymous memory in this process until one lies in [lo, hi):
+    (that piece, all pieces mapped), or (None, all pieces) after `tries`."""
+    pieces = []
+    for _ in range(tries):
+        m = mmap.mmap(-1, MiB)
+        pieces.append(m)
+        if lo <= _address(m) < hi:
+            return m, pieces
+    return None, pieces
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R13: MADV_DONTFORK leaves a hole in a forked child where the parent's registered "
+    "buffer was, and the child's next mappings land in it: the parent's tensors, inherited by "
+    "the child, then read and write the child's own memory instead of faulting (pinned.py's "
+    "docstring: 'a child that reads one of these buffers faults')",
+)
+def test_a_forked_childs_own_memory_never_takes_the_addresses_of_its_parents_buffers(fake):
+    t = pinned.host_bytes(8 * MiB, CUDA0)
+    lo, hi = t.data_ptr(), t.data_ptr() + 8 * MiB
+
+    def child():
+        inside, _pieces = _map_until_inside(lo, hi)
+        return 0 if inside is None else 1
+
+    assert _in_child(child) == 0
+    assert fake.calls == ["register"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R13: in a forked child the inherited mapping's finalizer skips the unregister but "
+    "mmap's own dealloc still munmaps [ptr, ptr + length) in the child, unmapping whatever the "
+    "child has mapped there since (the child then dies of SIGSEGV at its next read)",
+)
+def test_a_forked_child_dropping_an_inherited_buffer_keeps_its_own_memory_mapped(fake):
+    t = pinned.host_bytes(8 * MiB, CUDA0)
+    lo, hi = t.data_ptr(), t.data_ptr() + 8 * MiB
+    holder = [t]
+    del t
+
+    def child():
+        own, _pieces = _map_until_inside(lo, hi)
+        if own is not None:
+            own[0] = 7
+        holder.clear()  # the child's copy of the buffer, the mapping's only holder, dies here
+        if own is not None and own[0] != 7:  # a read of the child's own memory
+            return 1
+        return 0
+
+    assert _in_child(child) == 0
+    assert fake.calls == ["register"]  # neither process unregistered the parent's buffer
+    assert int(holder[0].count_nonzero()) == 0  # the parent's pages, untouched by the child
+
+
+def _share_memory(view):
+    view.share_memory_()
+
+
+def _forking_pickle(view):
+    # what multiprocessing's Queue.put, a spawned DataLoader worker's dataset and mp.spawn's
+    # arguments do to a CPU tensor (torch.multiprocessing's reduction moves it to shared memory)
+    import multiprocessing.reduction
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
+
+    multiprocessing.reduction.ForkingPickler(io.BytesIO()).dump(view)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R13: torch moves a storage into shared memory by swapping its data pointer, so "
+    "share_memory_() or a ForkingPickler of any view (model.state_dict() hands out views of "
+    "HostArena pieces) drops the mapping while other views live: the piece is unregistered "
+    "and unmapped, every view moves to unpinned shared memory, and a mapped CUDA view "
+    "(params._mapped_view, a paged param's .data) keeps the old, now unmapped, host address",
+)
+@pytest.mark.parametrize("move", [_share_memory, _forking_pickle], ids=["share_memory_", "ForkingPickler"])
+def test_a_registered_buffer_stays_registered_at_its_address_while_a_view_of_it_lives(fake, move):
+    t = pinned.host_bytes(2 * MiB, CUDA0)
+    ptr = t.data_ptr()
+    move(t[: 4 * 1024].view(torch.float32))
+    assert t.data_ptr() == ptr
+    assert fake.calls == ["register"] and pinned.registered() == (1, 2 * MiB)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R13: the op does not check that z's data pointer is aligned to its element size; "
+    "the kernel's head (elements before the first 16-byte boundary) assumes it, so on the GPU "
+    "such a z (from DLPack, numpy or __cuda_array_interface__) makes the 16-byte loads "
+    "misaligned, a sticky CUDA error, where it should be a ValueError naming z",
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_logits_not_aligned_to_their_element_size_are_refused_naming_z(dtype):
+    rows, vocab = 3, 40
+    itemsize = dtype.itemsize
+    raw = np.zeros(rows * vocab * itemsize + itemsize, dtype=np.uint8)[itemsize // 2 :]
+    raw = raw[: rows * vocab * itemsize]
+    z = torch.from_numpy(raw.view(np.float16 if dtype == torch.float16 else np.float32).reshape(rows, vocab))
+    assert z.data_ptr() % itemsize != 0 and z.dtype == dtype
+    column = torch.zeros(rows, dtype=torch.int64)
+    valid = torch.ones(rows, dtype=torch.bool)
+    scale = torch.ones(rows)
+    with pytest.raises(ValueError, match=r"z.*align"):
+        loss_and_dlogits_(z, column, valid, scale, True)
