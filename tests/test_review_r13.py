@@ -180,3 +180,19 @@ def test_logits_not_aligned_to_their_element_size_are_refused_naming_z(dtype):
     scale = torch.ones(rows)
     with pytest.raises(ValueError, match=r"z.*align"):
         loss_and_dlogits_(z, column, valid, scale, True)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R13: out may alias scale (both float32, one per row): thread 0 writes a row's loss "
+    "while the block's other threads read its scale, a race on the GPU; torch refuses an out= "
+    "that overlaps an input, this op does not check",
+)
+def test_an_out_that_aliases_an_input_is_refused_naming_out():
+    rows, vocab = 4, 16
+    z = torch.randn(rows, vocab)
+    column = torch.zeros(rows, dtype=torch.int64)
+    valid = torch.ones(rows, dtype=torch.bool)
+    scale = torch.ones(rows)
+    with pytest.raises(ValueError, match=r"out.*(overlap|alias)"):
+        loss_and_dlogits_(z, column, valid, scale, True, out=scale)
