@@ -5,6 +5,7 @@ trainstream.bench hf)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("peft")
 
 import torch  # noqa: E402
 
+from trainstream.bench import __main__ as bench_main  # noqa: E402
 from trainstream.bench import hf  # noqa: E402
 from trainstream.bench.__main__ import SUITES  # noqa: E402
 
@@ -27,7 +29,18 @@ TOY = dict(
     max_position_embeddings=64,
 )
 FULL_KEYS = {"s_per_step", "peak_GiB", "losses", "first_loss", "last_loss", "setup_s", "oom"}
-LORA_KEYS = {"s_per_step", "peak_GiB", "host_rss_GiB", "load_s", "setup_s", "first_loss", "last_loss", "oom"}
+LORA_KEYS = {
+    "s_per_step",
+    "peak_GiB",
+    "host_rss_GiB",
+    "load_s",
+    "convert_s",
+    "setup_s",
+    "first_step_s",
+    "first_loss",
+    "last_loss",
+    "oom",
+}
 ENGINE_KEYS = {"mode", "paged_blocks", "activation_paged_blocks"}
 
 
@@ -63,6 +76,7 @@ def test_the_lora_rows_of_trainstream_and_bitsandbytes():
         _check_row(row, LORA_KEYS, wrapped=False)
     _check_row(ours, LORA_KEYS, wrapped=True)
     assert qlora["trainable"] == ours["trainable"] > 0
+    assert ours["convert_s"] is None and qlora["convert_s"] > 0 and ours["first_step_s"] > 0
     # the same NF4 codes, the same adapters' initialization and batch
     assert ours["first_loss"] == pytest.approx(qlora["first_loss"], rel=1e-3)
     assert checkpointed["first_loss"] == qlora["first_loss"]
@@ -113,18 +127,18 @@ def test_the_rows_are_compared_with_their_uncapped_peer():
     full = dict(kind="full", model="Qwen2.5-1.5B shapes", batch=4, seq=512, warmup=2, steps=10)
     low_rank = dict(kind="lora", model="Qwen2.5-14B shapes", batch=4, seq=512, warmup=2, steps=5)
     rows = [
-        dict(full, run="stock", cap_GiB=None, s_per_step=2.0, first_loss=5.0, losses=[5.0, 4.0]),
-        dict(full, run="stock capped", cap_GiB=24, oom=True),
-        dict(full, run="ours", cap_GiB=24, s_per_step=3.0, first_loss=5.5, losses=[5.5, 3.0]),
-        dict(low_rank, run="qlora", cap_GiB=None, s_per_step=1.0, first_loss=7.0),
-        dict(low_rank, run="ours", cap_GiB=24, s_per_step=4.0, first_loss=7.25),
+        dict(full, row=1, run="stock", cap_GiB=None, s_per_step=2.0, first_loss=5.0, losses=[5.0, 4.0]),
+        dict(full, row=2, run="stock capped", cap_GiB=24, oom=True),
+        dict(full, row=3, run="ours", cap_GiB=24, s_per_step=3.0, first_loss=5.5, losses=[5.5, 3.0]),
+        dict(low_rank, row=4, run="qlora", cap_GiB=None, s_per_step=1.0, first_loss=7.0),
+        dict(low_rank, row=6, run="ours", cap_GiB=24, s_per_step=4.0, first_loss=7.25),
     ]
     hf.compare(rows)
     assert rows[2]["vs_peer"] == 1.5 and rows[2]["first_loss_diff"] == 0.5 and rows[2]["max_loss_diff"] == 1.0
     assert "vs_peer" not in rows[1]
     assert rows[4]["vs_peer"] == 4.0 and rows[4]["first_loss_diff"] == 0.25 and "max_loss_diff" not in rows[4]
     text = hf.markdown(rows)
-    assert "| ours | 24 | 3 | 1.5 |" in text and "| stock capped | 24 | - | - |" in text
+    assert "| 3 | ours | 24 | 3 | 1.5 |" in text and "| 2 | stock capped | 24 | - | - |" in text
     assert "Qwen2.5-1.5B shapes" in text and "batch 4x512, 10 steps" in text
     assert "Qwen2.5-14B shapes" in text and "5 timed steps after 2 warm-up" in text
 
@@ -181,9 +195,133 @@ def test_the_cases_run_one_process_each_and_quick_ones_in_one(monkeypatch):
 
 
 def test_the_case_runner_takes_one_case_or_a_list(monkeypatch):
-    import json
-
     monkeypatch.setattr(hf, "CASES", {"full": lambda case: {"steps": case["steps"]}})
     one = toy_case("full", "stock")
     assert json.loads(hf.main(json.dumps(one))) == {"steps": 3}
     assert json.loads(hf.main(json.dumps([one, dict(one, steps=4)]))) == [{"steps": 3}, {"steps": 4}]
+
+
+# -- choosing rows and merging them into the results (--rows) -----------------------------------
+
+
+ENV = dict(date="d", commit="newcommit", torch="t", gpu="NVIDIA H200", cpu="cpu", cores=16, simd="avx2")
+
+
+def test_the_rows_are_numbered_in_the_order_of_the_tables():
+    assert hf.ROWS == (1, 2, 3, 4, 5, 6)
+    for quick in (False, True):
+        assert [c["row"] for c in hf.cases(quick)] == list(hf.ROWS)
+    assert [c["kind"] for c in hf.cases(False)] == ["full"] * 3 + ["lora"] * 3
+
+
+def test_the_rows_flag_of_the_hf_suite_accepts_its_row_numbers_only():
+    assert hf.parse_rows("3,1") == [1, 3]
+    assert hf.parse_rows(" 6 ,6") == [6]
+    for bad in ("0", "7", "1,,3", "a", "", "1-3", "-1"):
+        with pytest.raises(ValueError, match="accepted: comma-separated row numbers of the hf suite from 1 to 6"):
+            hf.parse_rows(bad)
+    with pytest.raises(ValueError, match="--rows '1,7': no row 7"):
+        hf.parse_rows("1,7")
+
+
+def test_the_command_line_gives_the_hf_suite_its_rows(monkeypatch, capsys, tmp_path):
+    calls = []
+
+    def fake_run(**kwargs):
+        calls.append(kwargs)
+        return {"rows": [], "markdown": "the table"}
+
+    monkeypatch.setattr(hf, "run", fake_run)
+    monkeypatch.setattr(bench_main, "environment", lambda: ENV)
+    monkeypatch.setattr(bench_main.torch.cuda, "is_available", lambda: True)
+    assert bench_main.main(["hf", "--rows", "6,4", "--out", str(tmp_path)]) == 0
+    assert calls[0]["rows"] == [4, 6] and calls[0]["out_dir"] == tmp_path and calls[0]["env"] is ENV
+    assert calls[0]["quick"] is False
+    calls.clear()
+    assert bench_main.main(["hf", "--out", str(tmp_path)]) == 0
+    assert calls[0]["rows"] is None
+    for argv, message in (
+        (["hf", "--rows", "1,7"], "--rows '1,7': no row 7; accepted: comma-separated row numbers of the hf suite"),
+        (["hf", "--rows", "x"], "--rows 'x': accepted: comma-separated row numbers of the hf suite from 1 to 6"),
+        (["hf", "workloads", "--rows", "1"], "--rows selects cases of the workloads suite (rows 1-11) or of the hf"),
+        (["engine", "--rows", "1"], "or of the hf suite (rows 1-6): run one of them alone"),
+        (["hf", "--runners", "stock"], "--runners selects cases of the workloads suite: run it alone"),
+    ):
+        with pytest.raises(SystemExit):
+            bench_main.main(argv)
+        assert message in capsys.readouterr().err, argv
+    assert len(calls) == 1
+
+
+def _fake_result(case: dict, s_per_step: float) -> dict:
+    return dict(s_per_step=s_per_step, first_loss=5.0 + case["row"], losses=[5.0, 4.0], steps_seen=case["steps"])
+
+
+def test_chosen_rows_merge_into_the_results_row_by_row(monkeypatch, tmp_path):
+    path = tmp_path / "hf-nvidia-h200.json"
+    old = [
+        dict({k: c[k] for k in hf.CASE_FIELDS}, run=c["label"], cap_GiB=c["cap_gib"], commit="old", date="then")
+        for c in hf.cases(quick=False)
+    ]
+    for r in old:
+        r.update(s_per_step=2.0, first_loss=7.0, vs_peer=99.0)
+    path.write_text(json.dumps(dict(suite="hf", env={}, quick=False, rows=old)))
+    seen = []
+
+    def fake_subprocess(module, batch):
+        assert module == "trainstream.bench.hf" and len(batch) == 1
+        seen.append(batch[0]["row"])
+        if len(seen) == 2:  # the first case's row was written before the second ran
+            written = {r["row"]: r["commit"] for r in json.loads(path.read_text())["rows"]}
+            assert written == {1: "old", 2: "old", 3: "old", 4: "newcommit", 5: "old", 6: "old"}
+        return [_fake_result(batch[0], s_per_step=1.0 if batch[0]["row"] == 4 else 3.0)], None
+
+    monkeypatch.setattr(hf, "case_in_subprocess", fake_subprocess)
+    monkeypatch.setattr(hf, "git_commit", lambda: "newcommit")
+    result = hf.run(rows=[6, 4], out_dir=tmp_path, env=ENV)
+    assert seen == [4, 6]
+    assert [(r["row"], r["commit"]) for r in result["rows"]] == [
+        (1, "old"),
+        (2, "old"),
+        (3, "old"),
+        (4, "newcommit"),
+        (5, "old"),
+        (6, "newcommit"),
+    ]
+    by_row = {r["row"]: r for r in result["rows"]}
+    assert by_row[6]["steps_seen"] == 5 and by_row[6]["case_wall_s"] >= 0 and by_row[6]["date"] != "then"
+    # compared again with the peer measured now (row 4, uncapped QLoRA), the stale ratio gone
+    assert by_row[6]["vs_peer"] == 3.0 and by_row[5]["vs_peer"] == 2.0 and by_row[2]["vs_peer"] == 1.0
+    written = json.loads(path.read_text())
+    assert written["suite"] == "hf" and written["env"] == ENV and written["rows"] == result["rows"]
+    assert "- rows 1, 2, 3, 5: commit old, then" in result["markdown"]
+    assert "- rows 4, 6: commit newcommit," in result["markdown"]
+    assert path.with_suffix(".md").read_text().endswith(result["markdown"] + "\n")
+    # a quick run never mixes with a full one's results
+    seen.clear()
+    quick = hf.run(quick=True, rows=[1], out_dir=tmp_path, env=ENV)
+    assert [(r["row"], r["commit"]) for r in quick["rows"]] == [(1, "newcommit")]
+
+
+def test_bad_rows_and_a_results_folder_without_the_machine_are_refused():
+    with pytest.raises(ValueError, match="hf bench: rows \\[9\\]; accepted: some of \\[1, 2, 3, 4, 5, 6\\]"):
+        hf.run(rows=[9])
+    with pytest.raises(ValueError, match="hf bench: rows \\[\\]; accepted"):
+        hf.run(rows=[])
+    with pytest.raises(ValueError, match="out_dir needs env"):
+        hf.run(rows=[1], out_dir=".")
+
+
+def test_the_nan_check_of_random_weights_finds_a_nan_anywhere():
+    from trainstream.integrations.huggingface.loading import _has_nan
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n in (1, 15, 16, 17, 64, 129):
+            for i in range(n):
+                x = torch.randn(n).to(dtype)
+                assert not _has_nan(x)
+                x[i] = float("nan")
+                assert _has_nan(x), (dtype, n, i)
+                assert _has_nan(x.view(1, n).expand(3, n))
+        assert not _has_nan(torch.tensor([float("inf"), -float("inf")], dtype=dtype))
+        assert not _has_nan(torch.empty(0, 4, dtype=dtype))

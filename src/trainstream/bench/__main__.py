@@ -29,7 +29,7 @@ SUITES = {
     "lora": (True, lambda a: lora.run(quick=a.quick)),
     "loss": (True, lambda a: loss.run(quick=a.quick)),
     "nonfinite": (True, lambda a: nonfinite.run(quick=a.quick)),
-    "hf": (True, lambda a: hf.run(quick=a.quick)),
+    "hf": (True, lambda a: hf.run(quick=a.quick, rows=a.rows, out_dir=a.out, env=a.env)),
     "workloads": (
         True,
         lambda a: workloads.run(quick=a.quick, rows=a.rows, runners=a.runners, out_dir=a.out, env=a.env),
@@ -40,6 +40,8 @@ QUICK_ON_CPU = {"workloads"}
 # Suites that run only when named: a full run of workloads takes several 10-minute calls (--rows).
 NAMED_ONLY = {"workloads"}
 DEFAULT = [s for s in SUITES if s not in NAMED_ONLY]
+# Suites whose cases --rows selects (run alone): their parsers of the flag's value.
+ROWS = {"workloads": workloads.parse_rows, "hf": hf.parse_rows}
 
 
 def _argument(parse):
@@ -64,9 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument(
         "--rows",
-        type=_argument(workloads.parse_rows),
         default=None,
-        help="workloads suite only: the rows to run, e.g. 1,3,9 (default: all)",
+        help=f"workloads or hf suite, run alone: the rows to run, e.g. 1,3,9 (default: all; workloads: rows "
+        f"{workloads.ROWS[0]}-{workloads.ROWS[-1]}, hf: rows {hf.ROWS[0]}-{hf.ROWS[-1]}); the others keep their results",
     )
     parser.add_argument(
         "--runners",
@@ -97,11 +99,22 @@ def main(argv=None) -> int:
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         parser.error(f"unknown suite(s) {unknown}; accepted: {list(SUITES)}")
-    for flag, given in (("--rows", args.rows), ("--runners", args.runners)):
-        if given is not None and args.suites != ["workloads"]:
+    if args.rows is not None:
+        if len(args.suites) != 1 or args.suites[0] not in ROWS:
             parser.error(
-                f"{flag} selects cases of the workloads suite: run it alone (python -m trainstream.bench workloads {flag} ...)"
+                f"--rows selects cases of the workloads suite (rows {workloads.ROWS[0]}-{workloads.ROWS[-1]}) or of "
+                f"the hf suite (rows {hf.ROWS[0]}-{hf.ROWS[-1]}): run one of them alone (python -m trainstream.bench "
+                "workloads --rows ..., python -m trainstream.bench hf --rows ...)"
             )
+        try:
+            args.rows = ROWS[args.suites[0]](args.rows)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.runners is not None and args.suites != ["workloads"]:
+        parser.error(
+            "--runners selects cases of the workloads suite: run it alone (python -m trainstream.bench workloads "
+            "--runners ...)"
+        )
     from .. import _native
 
     args.threads = args.threads or _native.lib().available_cores()

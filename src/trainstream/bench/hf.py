@@ -19,10 +19,30 @@ Every case runs in its own process (``python -m trainstream.bench.hf CASE``): a 
 out-of-memory failure stay in it, and its peak host RSS is its own (``--quick``: the tiny cases
 one after another in one process). ``run_case`` takes a ``device`` and a ``config`` (Qwen2Config
 fields), so the tests run each case at toy size on the CPU. Peak VRAM: ``torch.cuda.max_memory_allocated()`` over the whole run of the case.
+A LoRA case says each phase's seconds on stderr as it ends (load_model, the conversion to
+bitsandbytes, peft and wrap or .to(device), the first step); its row keeps them.
+
+Rows: 1-3 the full fine-tunes (stock, stock capped, TrainStreamTrainer capped), 4-6 the LoRA
+runs (QLoRA, QLoRA checkpointed and capped, TrainStream capped), as cases() lists them.
+``python -m trainstream.bench hf --rows 4,6`` runs only those and merges them into
+benchmarks/results/hf-<gpu>.json row by row (a row measured again replaces its old result, the
+others stay, each with the commit and date of the call that measured it), written after every
+case, so that a call cut short keeps the rows it finished; the markdown is written again from
+the merged rows.
+
+In calls of at most 10 minutes (the device's limit): rows 1,2,3 together (about 150 s on the
+H200 at 18a4c50, 25 s of setup each), then each LoRA row alone: ``--rows 4``, ``--rows 5``,
+``--rows 6``. A LoRA case's own work before its first step is mostly load_model's random init of
+the 14.8G values: torch's CPU generator draws them on one thread (about 5 ns a value), the
+rest of load_model's work parallel, some 80 s in all on the H200's host (an estimate scaled
+per value from builds of 2 of the 48 layers on a 2-core CPU); its row's case_wall_s (the process, imports included) says how long the
+case took, and once the three are known, rows whose sum stays under about 500 s can share a
+call.
 """
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import resource
@@ -30,14 +50,16 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from ..sizes import GiB
-from .common import cap_vram, case_in_subprocess, markdown_table
+from .common import cap_vram, case_in_subprocess, git_commit, machine_slug, markdown_table, write_result
 from .lora import LINEARS
 from .models import PUBLISHED
 
+SUITE = "hf"
 CAP_GIB = 24
 QWEN2_5_1_5B = PUBLISHED["qwen2.5-1.5b"][1]
 QWEN2_5_14B = PUBLISHED["qwen2.5-14b"][1]
@@ -187,7 +209,8 @@ def _to_bitsandbytes(model, device: str) -> None:
     """Every block Linear whose weight holds NF4 codes (load_model's) as bitsandbytes'
     Linear4bit of the same values, quantized by bitsandbytes where it is moved (`device`), one
     at a time: the dequantized NF4 values quantize to the same codes, and the base never
-    exists in bf16 as a whole."""
+    exists in bf16 as a whole. The codes cross to the device and are dequantized there: a
+    quarter of the bf16 bytes cross, and no bf16 copy is written on the host."""
     import bitsandbytes as bnb
 
     from ..quant import stored
@@ -211,7 +234,7 @@ def _to_bitsandbytes(model, device: str) -> None:
                     device="meta",
                 )
                 q.weight = bnb.nn.Params4bit(
-                    codes.dequantize(),
+                    codes.to(device).dequantize(),  # quantized again by bitsandbytes at q.to(device)
                     requires_grad=False,
                     compress_statistics=False,
                     quant_type="nf4",
@@ -232,6 +255,14 @@ def _checkpoint_layers(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def _phase(case: dict, what: str, t0: float) -> float:
+    """Seconds since `t0`, also said on stderr as soon as the phase ends: a case run by hand
+    (python -m trainstream.bench.hf CASE) shows where its time goes before its row exists."""
+    seconds = time.perf_counter() - t0
+    print(f"hf bench, {case.get('label', case['runner'])}: {what} {seconds:.1f} s", file=sys.stderr, flush=True)
+    return seconds
+
+
 def lora(case: dict) -> dict:
     """One LoRA run: case["runner"] "trainstream" (wrap() with its defaults) or "bnb"
     (bitsandbytes' Linear4bit, fused torch AdamW, gradient checkpointing if
@@ -246,9 +277,11 @@ def lora(case: dict) -> dict:
         t0 = time.perf_counter()
         torch.manual_seed(0)
         base = load_model(folder, random_weights=True, quantize="nf4")
+        load_s = _phase(case, "load_model", t0)
+        t0 = time.perf_counter()
         if case["runner"] == "bnb":
             _to_bitsandbytes(base, device)
-        load_s = time.perf_counter() - t0
+        convert_s = _phase(case, "to bitsandbytes", t0) if case["runner"] == "bnb" else None
     t0 = time.perf_counter()
     lora_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LINEARS), bias="none")
     model = peft.get_peft_model(base, lora_config).train()
@@ -262,7 +295,7 @@ def lora(case: dict) -> dict:
         if case.get("checkpointing"):
             _checkpoint_layers(model.get_base_model())
         opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
-    setup_s = time.perf_counter() - t0
+    setup_s = _phase(case, "peft and wrap" if case["runner"] == "trainstream" else "peft and .to(device)", t0)
     vocab = case["config"]["vocab_size"]
     ids = torch.randint(0, vocab, (case["batch"], case["seq"]), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -275,7 +308,9 @@ def lora(case: dict) -> dict:
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
     first = float(step().detach())
+    first_step_s = _phase(case, "first step", t0)
     for _ in range(case["warmup"] - 1):
         step()
     _sync(device, opt)
@@ -289,7 +324,9 @@ def lora(case: dict) -> dict:
         "peak_GiB": _peak_vram_gib(device),
         "host_rss_GiB": _peak_rss_gib(),
         "load_s": load_s,
+        "convert_s": convert_s,
         "setup_s": setup_s,
+        "first_step_s": first_step_s,
         "first_loss": first,
         "last_loss": float(loss.detach()),
         "trainable": sum(p.numel() for p in trainable),
@@ -327,7 +364,8 @@ def run_case(case: dict) -> dict:
 
 
 def cases(quick: bool, device: str = "cuda") -> list[dict]:
-    """The suite's cases, each with the label of its row and the name of its model's shapes."""
+    """The suite's cases in the order of its rows, each with its row number (what --rows
+    selects), the label of its row and the name of its model's shapes."""
     shapes = dict(device=device, batch=2 if quick else BATCH, seq=128 if quick else SEQ)
     full = dict(shapes, kind="full", config=QUICK if quick else QWEN2_5_1_5B, **FULL_STEPS)
     low_rank = dict(shapes, kind="lora", config=QUICK if quick else QWEN2_5_14B, **LORA_STEPS)
@@ -336,7 +374,7 @@ def cases(quick: bool, device: str = "cuda") -> list[dict]:
         low_rank.update(steps=2, model="quick shapes (2 layers, hidden 256)")
     else:
         full["model"], low_rank["model"] = "Qwen2.5-1.5B shapes", "Qwen2.5-14B shapes"
-    return [
+    todo = [
         dict(full, runner="stock", cap_gib=None, label="stock Trainer"),
         dict(full, runner="stock", cap_gib=CAP_GIB, label=f"stock Trainer under a {CAP_GIB} GiB cap"),
         dict(full, runner="trainstream", cap_gib=CAP_GIB, label=f"TrainStreamTrainer under a {CAP_GIB} GiB cap"),
@@ -350,20 +388,42 @@ def cases(quick: bool, device: str = "cuda") -> list[dict]:
         ),
         dict(low_rank, runner="trainstream", cap_gib=CAP_GIB, label=f"TrainStream under a {CAP_GIB} GiB cap"),
     ]
+    return [dict(case, row=number) for number, case in enumerate(todo, start=1)]
+
+
+ROWS = tuple(c["row"] for c in cases(quick=False))  # what --rows accepts
+
+
+def parse_rows(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]; anything else a ValueError naming the flag and the accepted rows."""
+    accepted = f"accepted: comma-separated row numbers of the hf suite from {ROWS[0]} to {ROWS[-1]}, e.g. '1,2,3'"
+    parts = [p.strip() for p in str(text).split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"--rows {text!r}: {accepted}")
+    numbers = sorted({int(p) for p in parts})
+    unknown = [n for n in numbers if n not in ROWS]
+    if unknown:
+        raise ValueError(f"--rows {text!r}: no row {unknown[0]}; {accepted}")
+    return numbers
 
 
 # What a row repeats of its case, for the table's heading.
-CASE_FIELDS = ("kind", "model", "batch", "seq", "warmup", "steps")
+CASE_FIELDS = ("row", "kind", "model", "batch", "seq", "warmup", "steps")
+# What compare() works out from a row and its peer: stale once the peer is measured again.
+COMPARED = ("vs_peer", "first_loss_diff", "max_loss_diff")
 
 
 def compare(rows: list[dict]) -> None:
     """Each row against its peer: the full fine-tunes' step time and losses against the
-    uncapped stock Trainer's, the LoRA runs' first loss against uncapped QLoRA's."""
+    uncapped stock Trainer's, the LoRA runs' first loss against uncapped QLoRA's (the peer's
+    row may come from another call: each row says its commit and date)."""
     peers = {
         kind: next((r for r in rows if r["kind"] == kind and r["cap_GiB"] is None and "first_loss" in r), None)
         for kind in CASES
     }
     for r in rows:
+        for key in COMPARED:
+            r.pop(key, None)
         peer = peers[r["kind"]]
         if peer is None or "first_loss" not in r:
             continue
@@ -373,32 +433,87 @@ def compare(rows: list[dict]) -> None:
             r["max_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"], peer["losses"]))
 
 
+def merge(previous: dict | None, rows: list[dict], quick: bool) -> dict:
+    """`rows` with `previous`'s rows that this call did not measure again (by row number and
+    run label; each keeps its own commit and date), in the suite's order, compared again. A
+    quick run and a full one never mix."""
+    fresh = {(r["row"], r["run"]) for r in rows}
+    kept = []
+    if previous is not None and bool(previous.get("quick")) == bool(quick):
+        kept = [r for r in previous.get("rows", []) if (r.get("row"), r.get("run")) not in fresh]
+    order = {(c["row"], c["label"]): i for i, c in enumerate(cases(quick))}
+    merged = sorted(kept + rows, key=lambda r: order.get((r.get("row"), r.get("run")), len(order)))
+    compare(merged)
+    return {"quick": quick, "rows": merged}
+
+
 def _measured(batch: list[dict]) -> list[dict]:
-    """Each case's result from one process running `batch`, or the error of that process."""
+    """Each case's result from one process running `batch`, or the error of that process;
+    the process's wall time (imports included) with each."""
+    t = time.perf_counter()
     results, error = case_in_subprocess("trainstream.bench.hf", batch)
-    return results if error is None else [{"error": error[-300:]}] * len(batch)
+    wall = time.perf_counter() - t
+    results = results if error is None else [{"error": error[-300:]}] * len(batch)
+    return [dict(result, case_wall_s=wall) for result in results]
 
 
-def run(*, quick: bool = False) -> dict:
-    """Every case, each in its own process; with `quick`, all in one process after another
-    (a second import of transformers, peft and bitsandbytes would cost more than the tiny
-    cases themselves; their host RSS is then the process's peak so far)."""
-    todo = cases(quick)
-    batches = [todo] if quick else [[case] for case in todo]
-    rows = []
+def _previous(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run(*, quick: bool = False, rows=None, out_dir: Path | None = None, env: dict | None = None) -> dict:
+    """The chosen rows (numbers of cases(); default: all), each case in its own process; with
+    `quick`, all in one process after another (a second import of transformers, peft and
+    bitsandbytes would cost more than the tiny cases themselves; their host RSS is then the
+    process's peak so far). With `out_dir` (and `env`, the machine's description), the rows
+    merge into out_dir's hf-<machine>.json row by row (merge()) and the merged results are
+    written after every process, so that a call cut short keeps what it finished."""
+    if out_dir is not None and env is None:
+        raise ValueError("hf bench: out_dir needs env (the machine's description, bench.common.environment())")
+    chosen = cases(quick)
+    if rows is not None:
+        unknown = sorted(set(rows) - set(ROWS))
+        if unknown or not rows:
+            raise ValueError(f"hf bench: rows {sorted(rows)}; accepted: some of {list(ROWS)}")
+        chosen = [case for case in chosen if case["row"] in rows]
+    stamp = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    path = Path(out_dir) / f"{SUITE}-{machine_slug(env)}.json" if out_dir is not None else None
+    previous = _previous(path) if path is not None else None
+    batches = [chosen] if quick else [[case] for case in chosen]
+    new, payload = [], None
     for batch in batches:
-        print("  " + "; ".join(f"{case['kind']}: {case['label']}" for case in batch) + " ...", flush=True)
+        print(
+            "  " + "; ".join(f"row {case['row']}, {case['kind']}: {case['label']}" for case in batch) + " ...",
+            flush=True,
+        )
         for case, result in zip(batch, _measured(batch)):
             row = {**{k: case[k] for k in CASE_FIELDS}, "run": case["label"], "cap_GiB": case["cap_gib"], **result}
-            rows.append(row)
-            print(f"    {json.dumps(row)}", flush=True)
-    compare(rows)
-    return {"rows": rows, "markdown": markdown(rows)}
+            new.append(dict(row, **stamp))
+            print(f"    {json.dumps(new[-1])}", flush=True)
+        payload = merge(previous, new, quick)
+        if path is not None:
+            write_result(path.parent, SUITE, env, dict(payload), markdown(payload["rows"]))
+    payload["markdown"] = markdown(payload["rows"])
+    return payload
+
+
+def _calls(rows: list[dict]) -> str:
+    """Which call measured which rows: one line per commit and date."""
+    calls: dict = {}
+    for r in rows:
+        calls.setdefault((r.get("commit"), r.get("date")), []).append(str(r.get("row")))
+    return "\n".join(
+        f"- rows {', '.join(numbers)}: commit {str(commit)[:12]}, {date}" for (commit, date), numbers in calls.items()
+    )
 
 
 def markdown(rows: list[dict]) -> str:
     full = markdown_table(
         [
+            ("row", "row"),
             ("run", "run"),
             ("cap_GiB", "VRAM cap GiB"),
             ("s_per_step", "s/step"),
@@ -416,6 +531,7 @@ def markdown(rows: list[dict]) -> str:
     )
     low_rank = markdown_table(
         [
+            ("row", "row"),
             ("run", "run"),
             ("cap_GiB", "VRAM cap GiB"),
             ("s_per_step", "s/step"),
@@ -423,6 +539,9 @@ def markdown(rows: list[dict]) -> str:
             ("peak_GiB", "peak GiB"),
             ("host_rss_GiB", "peak host RSS GiB"),
             ("load_s", "load s"),
+            ("convert_s", "to bitsandbytes s"),
+            ("setup_s", "setup s"),
+            ("first_step_s", "first step s"),
             ("first_loss", "first loss"),
             ("last_loss", "last loss"),
             ("first_loss_diff", "first loss diff vs QLoRA"),
@@ -433,7 +552,7 @@ def markdown(rows: list[dict]) -> str:
         ],
         [r for r in rows if r["kind"] == "lora"],
     )
-    text = []
+    text = [f"Measured (each call: the rows it ran, at which commit):\n\n{_calls(rows)}"]
     for kind, table in (("full", full), ("lora", low_rank)):
         case = next((r for r in rows if r["kind"] == kind), None)
         if case is None:
@@ -447,9 +566,9 @@ def markdown(rows: list[dict]) -> str:
         else:
             text.append(
                 f"LoRA r=16 on every Linear of the blocks, {case['model']}, NF4 base from "
-                "load_model(random_weights=True); bitsandbytes' base: the same codes, quantized again by "
-                f"bitsandbytes (bench/hf.py; its load s includes that); {batch}, {case['steps']} timed steps after "
-                f"{case['warmup']} warm-up; peak host RSS: the process's, loading included."
+                "load_model(random_weights=True) (load s); bitsandbytes' base: the same codes, quantized again by "
+                f"bitsandbytes on the device (bench/hf.py; to bitsandbytes s); setup s: peft and wrap() or .to(device); {batch}, {case['steps']} timed steps "
+                f"after {case['warmup']} warm-up; peak host RSS: the process's, loading included."
             )
         text.append(table)
     return "\n\n".join(text)
