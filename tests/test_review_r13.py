@@ -196,3 +196,21 @@ def test_an_out_that_aliases_an_input_is_refused_naming_out():
     scale = torch.ones(rows)
     with pytest.raises(ValueError, match=r"out.*(overlap|alias)"):
         loss_and_dlogits_(z, column, valid, scale, True, out=scale)
+
+
+@pytest.mark.gpu
+def test_gpu_a_block_of_more_than_two_to_the_31_elements_matches_the_twin_in_its_last_rows():
+    """Not a defect (the kernel indexes in 64 bits): a guard for the brief's overflow case, a
+    chunk whose last rows start past 2**31 elements (16384 x 256000 is 4.2e9), against the
+    twin on those rows."""
+    from test_loss_rows import _assert_dlogits_close, _assert_losses_close, _row_args, _twin
+
+    rows, vocab, dtype = 8400, 256000, torch.bfloat16
+    assert (rows - 1) * vocab > 2**31  # the last row's first element
+    z = torch.randn(rows, vocab, dtype=dtype, device="cuda").mul_(3.0)
+    column, valid, scale = _row_args(rows, vocab, dtype, "cuda")
+    tail = slice(rows - 4, rows)
+    twin_loss, twin_z = _twin(z[tail], column[tail], valid[tail], scale[tail], True)
+    loss = loss_and_dlogits_(z, column, valid, scale, True)
+    _assert_losses_close(loss[tail], twin_loss)
+    _assert_dlogits_close(z[tail], twin_z, column[tail], valid[tail], scale[tail])
