@@ -104,6 +104,31 @@ def test_the_bitsandbytes_base_holds_the_codes_load_model_made():
     assert not any(stored.codes_of(p) is not None for p in theirs.model.layers.parameters())
 
 
+@pytest.mark.gpu
+def test_gpu_the_bitsandbytes_base_is_made_on_the_device_from_the_same_codes():
+    """The codes cross to the GPU and are dequantized there (not on the host): bitsandbytes'
+    codes of those values dequantize to load_model's values bit for bit."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import transformers  # noqa: F401
+
+    from trainstream.integrations.huggingface import load_model
+    from trainstream.quant import stored
+
+    with __import__("tempfile").TemporaryDirectory() as folder:
+        hf.qwen2_config(TOY).save_pretrained(folder)
+        torch.manual_seed(0)
+        ours = load_model(folder, random_weights=True, quantize="nf4")
+        torch.manual_seed(0)
+        theirs = load_model(folder, random_weights=True, quantize="nf4")
+    hf._to_bitsandbytes(theirs, "cuda")
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        want = stored.codes_of(ours.model.layers[1].get_submodule(name).weight).dequantize()
+        q = theirs.model.layers[1].get_submodule(name)
+        assert isinstance(q, bnb.nn.Linear4bit) and q.weight.bnb_quantized and q.weight.device.type == "cuda"
+        got = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).to(want.dtype).view_as(want)
+        assert torch.equal(got.cpu(), want), name
+
+
 def test_the_suite_is_a_gpu_suite_and_its_cases_have_the_published_shapes():
     import transformers
 
