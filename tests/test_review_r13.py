@@ -72,12 +72,14 @@ def _in_child(body) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _map_until_inside(lo: int, hi: int, tries: int = 32):
-    """Maps 1 MiB pieces of anonymous memory in this process until one lies in [lo, hi):
-    (that piece, all pieces mapped), or (None, all pieces) after `tries`."""
+def _map_until_inside(lo: int, hi: int, tries: int = 8):
+    """Maps pieces of anonymous memory of hi - lo bytes in this process until one lies in
+    [lo, hi): (that piece, all pieces mapped), or (None, all pieces) after `tries`. A piece
+    of the hole's own size: when the parent's mapping was made, no higher gap (top-down
+    layout) held that many bytes, so the kernel's first choice is the hole, if it is free."""
     pieces = []
     for _ in range(tries):
-        m = mmap.mmap(-1, MiB)
+        m = mmap.mmap(-1, hi - lo)
         pieces.append(m)
         if lo <= _address(m) < hi:
             return m, pieces
