@@ -200,7 +200,8 @@ def test_gpu_the_quick_suite_runs_every_case():
 def test_the_cases_run_one_process_each_and_quick_ones_in_one(monkeypatch):
     calls = []
 
-    def fake_subprocess(module, batch):
+    def fake_subprocess(module, batch, timeout):
+        assert timeout == hf.CASE_TIMEOUT_S <= 540
         calls.append((module, [c["label"] for c in batch]))
         if any(c["cap_gib"] for c in batch) and len(batch) == 1 and batch[0]["kind"] == "full":
             return None, "Traceback ... RuntimeError: the process failed"
@@ -293,7 +294,8 @@ def test_chosen_rows_merge_into_the_results_row_by_row(monkeypatch, tmp_path):
     path.write_text(json.dumps(dict(suite="hf", env={}, quick=False, rows=old)))
     seen = []
 
-    def fake_subprocess(module, batch):
+    def fake_subprocess(module, batch, timeout):
+        assert timeout == hf.CASE_TIMEOUT_S <= 540
         assert module == "trainstream.bench.hf" and len(batch) == 1
         seen.append(batch[0]["row"])
         if len(seen) == 2:  # the first case's row was written before the second ran

@@ -75,6 +75,10 @@ QUICK = dict(
 FULL_STEPS = dict(warmup=2, steps=10)
 LORA_STEPS = dict(warmup=2, steps=5)
 BATCH, SEQ = 4, 512
+# A case's process is stopped after this long: within one device call (at most 600 s, its start
+# included), so that a case that cannot finish in a call leaves a row saying so, with the tail of
+# its stderr (the phases it finished), where the call's limit would leave nothing.
+CASE_TIMEOUT_S = 540
 
 
 def qwen2_config(fields: dict):
@@ -451,7 +455,7 @@ def _measured(batch: list[dict]) -> list[dict]:
     """Each case's result from one process running `batch`, or the error of that process;
     the process's wall time (imports included) with each."""
     t = time.perf_counter()
-    results, error = case_in_subprocess("trainstream.bench.hf", batch)
+    results, error = case_in_subprocess("trainstream.bench.hf", batch, timeout=CASE_TIMEOUT_S)
     wall = time.perf_counter() - t
     results = results if error is None else [{"error": error[-300:]}] * len(batch)
     return [dict(result, case_wall_s=wall) for result in results]
