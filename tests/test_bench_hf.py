@@ -352,3 +352,22 @@ def test_the_nan_check_of_random_weights_finds_a_nan_anywhere():
                 assert _has_nan(x.view(1, n).expand(3, n))
         assert not _has_nan(torch.tensor([float("inf"), -float("inf")], dtype=dtype))
         assert not _has_nan(torch.empty(0, 4, dtype=dtype))
+
+
+def test_a_quick_run_of_chosen_rows_in_a_real_process_on_the_cpu(tmp_path):
+    """Row 4 of --quick (QLoRA) measured in a real process on the CPU, merged into a results
+    file holding row 6 of an earlier quick call, and compared with it."""
+    pytest.importorskip("bitsandbytes")
+    label = hf.cases(quick=True)[5]["label"]
+    earlier = dict({k: c for k, c in hf.cases(quick=True)[5].items() if k in hf.CASE_FIELDS}, run=label, cap_GiB=24)
+    earlier.update(s_per_step=1.0, first_loss=7.0, commit="old", date="then")
+    path = tmp_path / "hf-nvidia-h200.json"
+    path.write_text(json.dumps(dict(suite="hf", env={}, quick=True, rows=[earlier])))
+    result = hf.run(quick=True, rows=[4], out_dir=tmp_path, env=ENV, device="cpu")
+    assert [r["row"] for r in result["rows"]] == [4, 6]
+    four, six = result["rows"]
+    assert "error" not in four, four
+    assert math.isfinite(four["first_loss"]) and four["s_per_step"] > 0 and four["convert_s"] > 0
+    assert four["commit"] != "old" and six["commit"] == "old"
+    assert six["first_loss_diff"] == pytest.approx(abs(7.0 - four["first_loss"]))
+    assert json.loads(path.read_text())["rows"] == result["rows"]

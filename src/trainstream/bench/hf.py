@@ -468,16 +468,19 @@ def _previous(path: Path) -> dict | None:
         return None
 
 
-def run(*, quick: bool = False, rows=None, out_dir: Path | None = None, env: dict | None = None) -> dict:
+def run(
+    *, quick: bool = False, rows=None, out_dir: Path | None = None, env: dict | None = None, device: str = "cuda"
+) -> dict:
     """The chosen rows (numbers of cases(); default: all), each case in its own process; with
     `quick`, all in one process after another (a second import of transformers, peft and
     bitsandbytes would cost more than the tiny cases themselves; their host RSS is then the
     process's peak so far). With `out_dir` (and `env`, the machine's description), the rows
     merge into out_dir's hf-<machine>.json row by row (merge()) and the merged results are
-    written after every process, so that a call cut short keeps what it finished."""
+    written after every process, so that a call cut short keeps what it finished. `device`:
+    where the cases run (the CPU only for the tests' quick runs: no cap applies there)."""
     if out_dir is not None and env is None:
         raise ValueError("hf bench: out_dir needs env (the machine's description, bench.common.environment())")
-    chosen = cases(quick)
+    chosen = cases(quick, device)
     if rows is not None:
         unknown = sorted(set(rows) - set(ROWS))
         if unknown or not rows:
