@@ -18,9 +18,10 @@
 Every case runs in its own process (``python -m trainstream.bench.hf CASE``): a VRAM cap and an
 out-of-memory failure stay in it, and its peak host RSS is its own (``--quick``: the tiny cases
 one after another in one process). ``run_case`` takes a ``device`` and a ``config`` (Qwen2Config
-fields), so the tests run each case at toy size on the CPU. Peak VRAM: ``torch.cuda.max_memory_allocated()`` over the whole run of the case.
-A LoRA case says each phase's seconds on stderr as it ends (load_model, the conversion to
-bitsandbytes, peft and wrap or .to(device), the first step); its row keeps them.
+fields), so the tests run each case at toy size on the CPU. Peak VRAM:
+``torch.cuda.max_memory_allocated()`` over the whole run of the case. A LoRA case says each
+phase's seconds on stderr as it ends (load_model, the conversion to bitsandbytes, peft and wrap
+or .to(device), the first step); its row keeps them.
 
 Rows: 1-3 the full fine-tunes (stock, stock capped, TrainStreamTrainer capped), 4-6 the LoRA
 runs (QLoRA, QLoRA checkpointed and capped, TrainStream capped), as cases() lists them.
@@ -30,14 +31,14 @@ others stay, each with the commit and date of the call that measured it), writte
 case, so that a call cut short keeps the rows it finished; the markdown is written again from
 the merged rows.
 
-In calls of at most 10 minutes (the device's limit): rows 1,2,3 together (about 150 s on the
-H200 at 18a4c50, 25 s of setup each), then each LoRA row alone: ``--rows 4``, ``--rows 5``,
-``--rows 6``. A LoRA case's own work before its first step is mostly load_model's random init of
-the 14.8G values: torch's CPU generator draws them on one thread (about 5 ns a value), the
-rest of load_model's work parallel, some 80 s in all on the H200's host (an estimate scaled
-per value from builds of 2 of the 48 layers on a 2-core CPU); its row's case_wall_s (the process, imports included) says how long the
-case took, and once the three are known, rows whose sum stays under about 500 s can share a
-call.
+In calls of at most 10 minutes (the device's limit): rows 1,2,3 together (about 150 s for the
+three on the H200 at 18a4c50), then each LoRA row alone: ``--rows 4``, ``--rows 5``, ``--rows 6``.
+A LoRA case's own work before its first step is mostly load_model's random init of the 14.8G
+values: torch's CPU generator draws them on one thread (about 5 ns a value), the rest of the
+load runs on every core; some 70-80 s in all on the H200's host, an estimate scaled per value
+from builds of 1-4 of the 48 layers on a 2-core CPU. A row's case_wall_s (its process, imports
+included) says how long the case took: once the LoRA rows' are known, rows whose sum stays
+under about 500 s can share a call (CASE_TIMEOUT_S stops any one case at 540 s).
 """
 
 from __future__ import annotations
