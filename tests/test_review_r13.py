@@ -86,13 +86,6 @@ def _map_until_inside(lo: int, hi: int, tries: int = 8):
     return None, pieces
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R13: MADV_DONTFORK leaves a hole in a forked child where the parent's registered "
-    "buffer was, and the child's next mappings land in it: the parent's tensors, inherited by "
-    "the child, then read and write the child's own memory instead of faulting (pinned.py's "
-    "docstring: 'a child that reads one of these buffers faults')",
-)
 def test_a_forked_childs_own_memory_never_takes_the_addresses_of_its_parents_buffers(fake):
     t = pinned.host_bytes(8 * MiB, CUDA0)
     lo, hi = t.data_ptr(), t.data_ptr() + 8 * MiB
@@ -105,12 +98,6 @@ def test_a_forked_childs_own_memory_never_takes_the_addresses_of_its_parents_buf
     assert fake.calls == ["register"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R13: in a forked child the inherited mapping's finalizer skips the unregister but "
-    "mmap's own dealloc still munmaps [ptr, ptr + length) in the child, unmapping whatever the "
-    "child has mapped there since (the child then dies of SIGSEGV at its next read)",
-)
 def test_a_forked_child_dropping_an_inherited_buffer_keeps_its_own_memory_mapped(fake):
     t = pinned.host_bytes(8 * MiB, CUDA0)
     lo, hi = t.data_ptr(), t.data_ptr() + 8 * MiB
@@ -162,13 +149,6 @@ def test_a_registered_buffer_stays_registered_at_its_address_while_a_view_of_it_
     assert fake.calls == ["register"] and pinned.registered() == (1, 2 * MiB)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R13: the op does not check that z's data pointer is aligned to its element size; "
-    "the kernel's head (elements before the first 16-byte boundary) assumes it, so on the GPU "
-    "such a z (from DLPack, numpy or __cuda_array_interface__) makes the 16-byte loads "
-    "misaligned, a sticky CUDA error, where it should be a ValueError naming z",
-)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_logits_not_aligned_to_their_element_size_are_refused_naming_z(dtype):
     rows, vocab = 3, 40
@@ -184,12 +164,6 @@ def test_logits_not_aligned_to_their_element_size_are_refused_naming_z(dtype):
         loss_and_dlogits_(z, column, valid, scale, True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R13: out may alias scale (both float32, one per row): thread 0 writes a row's loss "
-    "while the block's other threads read its scale, a race on the GPU; torch refuses an out= "
-    "that overlaps an input, this op does not check",
-)
 def test_an_out_that_aliases_an_input_is_refused_naming_out():
     rows, vocab = 4, 16
     z = torch.randn(rows, vocab)

@@ -19,10 +19,12 @@ then waits for its device (the caching allocator delays reuse of a block until t
 that used it pass their recorded events; this memory has no such record, and a copy queued
 through it may still run), unregisters, and only then is the range unmapped. A range the
 driver would not unregister stays mapped (leaked) rather than handed back while it may still
-be mapped for the device. The mapping is madvise(MADV_DONTFORK): a forked child (a
-DataLoader worker) does not get these pages, so a fork neither copies every locked page into
-the child (what Linux does for pinned private pages) nor moves the parent's pages away from
-the addresses the GPU maps; a child that reads one of these buffers faults.
+be mapped for the device. The mapping is shared (MAP_SHARED), as cudaHostAlloc's pages are to
+the driver: a forked child (a DataLoader worker) maps the same pages, so a fork neither copies
+the locked pages nor lets copy-on-write move the parent's pages away from the addresses the
+GPU maps, and the child's copy of a buffer, dropped, unmaps only the child's view. (Not a private mapping
+left out of forks with MADV_DONTFORK: that leaves a hole at the buffer's address in the child,
+where the child's own allocations land under the tensors it inherited.)
 
 Below MIN_BYTES requests keep the caching host allocator, and so does every request once a
 registration failed (RLIMIT_MEMLOCK on some drivers, a platform without registration, a torch
@@ -167,13 +169,11 @@ def _registered(nbytes: int, index: int, runtime) -> torch.Tensor | None:
 
 
 class _Mapping(mmap.mmap):
-    """Anonymous private memory whose finalizer unregisters it before mmap unmaps it."""
+    """Anonymous shared memory whose finalizer unregisters it before mmap unmaps it."""
 
     def __new__(cls, length: int):
-        self = super().__new__(cls, -1, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self = super().__new__(cls, -1, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._runtime = None  # set once registered
-        if hasattr(mmap, "MADV_DONTFORK"):
-            self.madvise(mmap.MADV_DONTFORK)
         if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
             self.madvise(mmap.MADV_HUGEPAGE)
         return self
@@ -192,8 +192,11 @@ class _Mapping(mmap.mmap):
         try:
             if self._pid != os.getpid():  # a forked child: the registration is its parent's
                 return
-            runtime.synchronize(self._index)  # no copy through these pages is still queued
-            code = runtime.unregister(self._ptr, self._index)
+            if _capturing():  # a device synchronize would invalidate a CUDA graph capture: keep the range
+                code = -1
+            else:
+                runtime.synchronize(self._index)  # no copy through these pages is still queued
+                code = runtime.unregister(self._ptr, self._index)
         except Exception:  # a finalizer must not raise (at exit, CUDA may be gone); the range stays mapped
             code = -1
         with _lock:
@@ -202,6 +205,11 @@ class _Mapping(mmap.mmap):
             else:
                 _live[0] -= 1
                 _live[1] -= len(self)
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class _CudaRuntime:
@@ -240,8 +248,8 @@ class _CudaRuntime:
 
 def _load_runtime():
     """(_CudaRuntime, None), or (None, why registration cannot be done here)."""
-    if not (hasattr(mmap, "MAP_PRIVATE") and hasattr(os, "RTLD_NOLOAD")):
-        return None, "this platform has no anonymous private mappings or no dlopen(RTLD_NOLOAD) (not Linux)"
+    if not (hasattr(mmap, "MAP_SHARED") and hasattr(os, "RTLD_NOLOAD")):
+        return None, "this platform has no anonymous shared mappings or no dlopen(RTLD_NOLOAD) (not Linux)"
     try:
         cudart = torch.cuda.cudart()
         for name in ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString"):

@@ -64,6 +64,10 @@ def loss_and_dlogits_(
             raise ValueError(f"{_OP}: {name} must be on z's device {z.device}, got {t.device}")
     if out is not None:
         _args.out_buffer(_OP, "out", out, torch.float32, rows, z.device)
+        for name, t in (("z", z), ("column", column), ("valid", valid), ("scale", scale)):
+            if _overlap(out, t):
+                # the kernel writes a row's loss while the row's block still reads its inputs
+                raise ValueError(f"{_OP}: out must not overlap {name} (an input of the same call)")
     if z.device.type != "cuda":
         raise ValueError(
             f"{_OP}: z must be a CUDA tensor, got one on {z.device} (on the CPU, the pure-torch twin "
@@ -105,6 +109,12 @@ def _check_logits(z: torch.Tensor, write_dlogits: bool) -> None:
         raise ValueError(
             f"{_OP}: z must have at least one column (a row's loss needs its target), got {tuple(z.shape)}"
         )
+    if z.numel() and z.data_ptr() % z.element_size():
+        # the kernel's per-element head before a row's first 16-byte boundary assumes it
+        raise ValueError(
+            f"{_OP}: z must be aligned to its element size ({z.element_size()} bytes), got an address "
+            f"{z.data_ptr() % z.element_size()} bytes past it"
+        )
     # A stride of a dimension of size 1 is never used to address an element.
     if vocab > 1 and z.stride(1) != 1:
         raise ValueError(f"{_OP}: z's rows must each be contiguous (z.stride(1) == 1), got strides {z.stride()}")
@@ -112,3 +122,17 @@ def _check_logits(z: torch.Tensor, write_dlogits: bool) -> None:
         raise ValueError(f"{_OP}: z's rows must not overlap (z.stride(0) >= vocab = {vocab}), got strides {z.stride()}")
     if write_dlogits and z.requires_grad:
         raise ValueError(f"{_OP}: z requires grad, and write_dlogits would overwrite it behind autograd")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) that `t`'s elements lie in (strides >= 0)."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
