@@ -15,7 +15,7 @@ import trainstream
 from engine.test_device_state import _host_path, lora_mlp
 
 
-def _wrapped(nonfinite: str, clip, accumulation: int):
+def _wrapped(nonfinite: str, clip, accumulation: int, **options):
     torch.manual_seed(0)
     model, batch, loss_fn = lora_mlp()
     model, opt = trainstream.wrap(
@@ -28,6 +28,7 @@ def _wrapped(nonfinite: str, clip, accumulation: int):
         max_grad_norm=clip,
         accumulation_steps=accumulation,
         **RESIDENT,
+        **options,
     )
     return model, opt, batch, loss_fn
 
@@ -39,10 +40,10 @@ def _nan_into(model, names) -> None:
         params[name].register_hook(lambda g: g * float("nan"))
 
 
-def _named(nonfinite: str, clip, accumulation: int, bad) -> tuple:
+def _named(nonfinite: str, clip, accumulation: int, bad, **options) -> tuple:
     """One step (a window) with the gradients of `bad` NaN: (whether the adapters are in device
     state, the parameter the FloatingPointError or the skip event names)."""
-    model, opt, batch, loss_fn = _wrapped(nonfinite, clip, accumulation)
+    model, opt, batch, loss_fn = _wrapped(nonfinite, clip, accumulation, **options)
     _nan_into(model, bad)
     named = None
     try:
@@ -115,6 +116,21 @@ def test_offload_adamw_refuses_a_state_without_its_step_count_as_torch_does():
     assert target.state_dict()["state"] == {}
 
 
+@pytest.mark.parametrize("where", list(TWO_NOT_FINITE))
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_the_check_on_the_device_names_a_units_gradients_in_their_order(nonfinite, where, monkeypatch):
+    """optimizer_mode="gpu" with eager updates (the host path's check on the device, here with
+    the host AdamW standing in: tests/conftest.py): a unit's gradients are named in the order
+    they came, as the host check and device state name them (was the unit's own order)."""
+    bad, first = TWO_NOT_FINITE[where]
+    on_device = _named(nonfinite, None, 1, bad, optimizer_mode="gpu")
+    with monkeypatch.context() as m:
+        _host_path(m)
+        on_host = _named(nonfinite, None, 1, bad, optimizer_mode="gpu")
+    assert on_device == (True, first)
+    assert on_host == (False, first)
+
+
 class _UsersOwn(Exception):
     """The exception a user's hook raises inside backward."""
 
@@ -183,3 +199,56 @@ def test_an_exception_inside_backward_after_a_nonfinite_gradient_surfaces_as_its
         assert torch.equal(on_device[4][k], on_host[4][k]), k
         assert torch.equal(on_device[5][k], on_host[5][k]), k
         assert torch.isfinite(on_device[5][k]).all(), k
+
+
+def _named_over_two_passes(nonfinite: str, clip, end: str) -> tuple:
+    """Two backward passes of an accumulation window, a NaN gradient of block 1 in the first
+    and of block 2 in the second. `end`: "last pass" (accumulation_steps=2, then step()), or
+    of a window of 3 ended early by "step" or dropped by "zero_grad". (Whether in device
+    state, the parameter named, skipped_steps.)"""
+    model, opt, batch, loss_fn = _wrapped(nonfinite, clip, 2 if end == "last pass" else 3)
+    params = dict(model.named_parameters())
+    passes = [0]
+    for name, bad_pass in (("layers.1.fc1.lora_a", 0), ("layers.2.fc1.lora_a", 1)):
+        params[name].register_hook(lambda g, bad_pass=bad_pass: g * float("nan") if passes[0] == bad_pass else g)
+    named = None
+    try:
+        for i in range(2):
+            passes[0] = i
+            loss_fn(model, batch(i, "cpu")).backward()
+        if end != "zero_grad":
+            opt.step()
+    except FloatingPointError as e:
+        named = re.search(r"the gradient of (\S+) is not finite", str(e)).group(1)
+    opt.zero_grad()
+    found = re.findall(r"the gradient of (\S+) is not finite: skipped", trainstream.memory_report(model)["events"])
+    if nonfinite == "skip":
+        assert named is None and len(found) == 1
+        named = found[0]
+    return bool(model._trainstream_engine.plan.device_state), named, opt.skipped_steps
+
+
+# (nonfinite, max_grad_norm, how the window ends); "raise" under clipping checks at step() only,
+# so a window zero_grad() drops is dropped unchecked there, and is not a case.
+TWO_PASSES = [
+    (nonfinite, clip, end)
+    for nonfinite in ("skip", "raise")
+    for clip in (None, 0.05)
+    for end in ("last pass", "step", "zero_grad")
+    if not (nonfinite == "raise" and clip is not None and end == "zero_grad")
+]
+
+
+@pytest.mark.parametrize(("nonfinite", "clip", "end"), TWO_PASSES)
+def test_gradients_not_finite_in_two_passes_of_a_window_name_the_same_parameter(nonfinite, clip, end, monkeypatch):
+    """docs/semantics.md: "raise" without clipping raises at the first pass that has one (block
+    1's); "skip" (and "raise" under clipping, at step()) names by the window's sums, in its
+    last pass's order: block 2's, reached before block 1's. Alike on both paths."""
+    on_device = _named_over_two_passes(nonfinite, clip, end)
+    with monkeypatch.context() as m:
+        _host_path(m)
+        on_host = _named_over_two_passes(nonfinite, clip, end)
+    first = "layers.1.fc1.lora_a" if nonfinite == "raise" and clip is None else "layers.2.fc1.lora_a"
+    skipped = 1 if nonfinite == "skip" else 0
+    assert on_device == (True, first, skipped)
+    assert on_host == (False, first, skipped)

@@ -46,11 +46,14 @@ and when optimizer.skipped_steps or memory_report() is read. A skipped update's 
 are then taken back; a skip within the window marks its unit SKIPPED; each window is
 reported once all of its updates are settled, with the step it belongs to.
 A SKIPPED unit's landing buffers and sums are rewritten by the next window's first pass,
-as after zero_grad(); its weights, moments and step count are untouched. "raise" raises
-FloatingPointError at the first one instead (the pass is then dropped, as any pass that
-raises); with the check on the device it raises at the end of backward, having waited for
-the pass's updates (the unit found and those after it were skipped on the device). "ignore"
-checks nothing.
+as after zero_grad(); its weights, moments and step count are untouched. "raise" skips as
+"skip" does, reports nothing, and raises FloatingPointError at the end of backward (the pass
+is then dropped, as any pass that raises), not in the hook that found it: an exception of the
+user's later in that backward surfaces as itself, and the find goes into the events
+(raised_pass). With the check on the device it waits for the pass's updates first (the unit
+found and those after it were skipped on the device). A skipped window of several passes is
+named by its sums, in its last pass's order (skip_window), as device state names it.
+"ignore" checks nothing.
 """
 
 from __future__ import annotations
@@ -134,10 +137,13 @@ class GradStreamer:
         self._pass_id = 0  # numbers every backward pass (a slot's seen_pass)
         self._last_unit = None  # the unit the last gradient belonged to
         # With clipping the check comes at step() (the global norm), after every unit was
-        # handed on: the pass's order is recorded so that the first gradient not finite is
-        # found in it, as a check at hand-on finds it (first_nonfinite_in_window). Per pass:
-        # units in the order handed on, slots in the order their gradients came.
-        self._records_order = settings.clip and settings.nonfinite != "ignore"
+        # handed on, and a skipped window of several passes is named by its sums (skip_window):
+        # the pass's order is recorded so that the first gradient not finite is found in it,
+        # as a check at hand-on finds it (first_nonfinite_in_window). Per pass: units in the
+        # order handed on, slots in the order their gradients came.
+        # The check on the device (check_on_device) names a unit's gradients in that order too.
+        hold = settings.clip or settings.accumulation_steps > 1
+        self._records_order = (hold or settings.on_device) and settings.nonfinite != "ignore"
         self._handed: dict = {}
         self._arrived: dict = {}
 
@@ -298,6 +304,9 @@ class GradStreamer:
         if self.device_check is None:
             return None
         self.settle_device_checks(unit=unit)
+        if self._arrived:  # the order the unit's gradients came in names the first found (nonfinite.py)
+            arrived, n = self._arrived, len(self._arrived)
+            slots = sorted(slots, key=lambda s: arrived.get(s, n))
         return self.device_check.check(unit, slots, [s.device_grad for s in slots])
 
     def checked_on_device(self, unit, slots: list, handle, undo) -> None:
@@ -460,6 +469,16 @@ class GradStreamer:
         caller found it (the global norm at step())."""
         if self.nonfinite is None:
             self.nonfinite = first
+        elif first is None and self.passes > 1:
+            # A window of several passes is named by its sums, in its last pass's order (a
+            # later pass's find can come first in it), as device state names it, whose check
+            # reads the sums autograd made (docs/semantics.md); a pass's own check decides
+            # only that the window is skipped. Read on this path alone, once per such window.
+            slots = [s for u in self.units for s in u.trainable if s.has_grad]
+            for s in slots:
+                if s.reader is not None:
+                    _wait_read(s.reader)  # the pool may still be adding the last pass's gradients
+            self.nonfinite = self.first_nonfinite_in_window(slots) or self.nonfinite
         for unit in self.update_order:
             if unit.window is not GradWindow.QUEUED and any(s.has_grad or s.fresh for s in unit.trainable):
                 self._skip(unit)

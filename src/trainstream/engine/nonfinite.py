@@ -64,6 +64,7 @@ class DeviceCheck:
             self._marks[u] = marks[offset : offset + len(u.trainable)]
             offset += len(u.trainable)
         self._order: dict = {}  # unit -> the slots its marks stand for, in order (check)
+        self._given: dict = {}  # unit -> the slots as check() was given them: the first found is named in it
         self.flag = torch.zeros((), dtype=torch.int32, device=backend.device)
         self._dirty = False  # a check was queued since the flag was last cleared
         self._pending: deque = deque()
@@ -72,7 +73,8 @@ class DeviceCheck:
     def check(self, unit, slots: list, grads: list) -> torch.Tensor:
         """On the current stream (the update's), before `unit`'s kernels: mark the gradients
         of `slots` (`grads`, on the device) that are not finite and set the flag. Returns the
-        flag, for the kernels' skip_flag. The unit's earlier update must be settled (its
+        flag, for the kernels' skip_flag. The first of `slots` found is the one named (the
+        caller gives them in the order their gradients came, as the host check names them). The unit's earlier update must be settled (its
         marks read): they are cleared here, on the host."""
         if any(p.unit is unit for p in self._pending):
             raise RuntimeError(f"trainstream internal: {unit.name}'s last update was not settled before its next")
@@ -88,6 +90,7 @@ class DeviceCheck:
             order += [s for s, _ in items]
             offset += len(items)
         self._order[unit] = order  # which slot each mark is, until the update is settled
+        self._given[unit] = list(slots)
         self._dirty = True
         return self.flag
 
@@ -130,7 +133,7 @@ class DeviceCheck:
     def _outcome(self, p: Pending) -> Settled:
         marks = self._marks[p.unit].tolist()
         bad = {s for s, m in zip(self._order.pop(p.unit), marks) if m}
-        first = next((s for s in p.unit.trainable if s in bad), None)  # the first in the unit's order
+        first = next((s for s in self._given.pop(p.unit) if s in bad), None)  # the first in check()'s order
         if self._bad_window == p.window:  # an earlier unit of its window set the flag
             return Settled(p, True, None)
         if first is not None:
