@@ -15,13 +15,13 @@ import trainstream
 from engine.test_device_state import _host_path, lora_mlp
 
 
-def _wrapped(nonfinite: str, clip, accumulation: int, **options):
+def _wrapped(nonfinite: str, clip, accumulation: int, device: str = "cpu", **options):
     torch.manual_seed(0)
     model, batch, loss_fn = lora_mlp()
     model, opt = trainstream.wrap(
         model,
         None,
-        device="cpu",
+        device=device,
         lr=1e-2,
         offload=True,
         nonfinite=nonfinite,
@@ -30,7 +30,7 @@ def _wrapped(nonfinite: str, clip, accumulation: int, **options):
         **RESIDENT,
         **options,
     )
-    return model, opt, batch, loss_fn
+    return model, opt, (lambda i, _device: batch(i, device)), loss_fn
 
 
 def _nan_into(model, names) -> None:
@@ -135,12 +135,12 @@ class _UsersOwn(Exception):
     """The exception a user's hook raises inside backward."""
 
 
-def _raised_inside_backward(nonfinite: str, clip, accumulation: int) -> tuple:
+def _raised_inside_backward(nonfinite: str, clip, accumulation: int, device: str = "cpu") -> tuple:
     """A NaN gradient in block 3 (reached first by backward), then the user's own exception
     from a hook on block 1, in the window's last pass; then a step of training. Returns (the
     exception's type, the events' lines about gradients not finite, skipped_steps, the weights
     after the failed window, the weights after one more step)."""
-    model, opt, batch, loss_fn = _wrapped(nonfinite, clip, accumulation)
+    model, opt, batch, loss_fn = _wrapped(nonfinite, clip, accumulation, device)
     params = dict(model.named_parameters())
     failing = [True]
     params["layers.3.fc1.lora_a"].register_hook(lambda g: g * float("nan") if failing[0] else g)
@@ -159,7 +159,7 @@ def _raised_inside_backward(nonfinite: str, clip, accumulation: int) -> tuple:
         raised = type(e)
     opt.zero_grad()
     opt.synchronize()
-    failed = {k: v.clone() for k, v in model.state_dict().items()}
+    failed = {k: v.to("cpu", copy=True) for k, v in model.state_dict().items()}
     failing[0] = False
     for i in range(accumulation):
         loss_fn(model, batch(10 + i, "cpu")).backward()
@@ -168,7 +168,7 @@ def _raised_inside_backward(nonfinite: str, clip, accumulation: int) -> tuple:
     opt.synchronize()
     lines = [line.split("] ", 1)[-1] for line in trainstream.memory_report(model)["events"].splitlines()]
     lines = [line for line in lines if "not finite" in line]
-    after = {k: v.clone() for k, v in model.state_dict().items()}
+    after = {k: v.to("cpu", copy=True) for k, v in model.state_dict().items()}
     return bool(model._trainstream_engine.plan.device_state), raised, lines, opt.skipped_steps, failed, after
 
 
@@ -252,3 +252,40 @@ def test_gradients_not_finite_in_two_passes_of_a_window_name_the_same_parameter(
     skipped = 1 if nonfinite == "skip" else 0
     assert on_device == (True, first, skipped)
     assert on_host == (False, first, skipped)
+
+
+# -- on a GPU: device state's lazy check (marks read once its kernels have run) and the host
+# path's asynchronous gradient copies name and raise as on the CPU path ------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", list(TWO_NOT_FINITE))
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no clip", "clip"])
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_gpu_two_gradients_not_finite_name_the_first_in_backwards_order_on_both_paths(
+    nonfinite, clip, accumulation, where, monkeypatch
+):
+    bad, first = TWO_NOT_FINITE[where]
+    on_device = _named(nonfinite, clip, accumulation, bad, device="cuda")
+    with monkeypatch.context() as m:
+        _host_path(m)
+        on_host = _named(nonfinite, clip, accumulation, bad, device="cuda")
+    assert on_device == (True, first)
+    assert on_host == (False, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_gpu_an_exception_inside_backward_after_a_nonfinite_gradient_surfaces_as_itself(
+    nonfinite, accumulation, monkeypatch
+):
+    on_device = _raised_inside_backward(nonfinite, None, accumulation, "cuda")
+    with monkeypatch.context() as m:
+        _host_path(m)
+        on_host = _raised_inside_backward(nonfinite, None, accumulation, "cuda")
+    assert on_device[:4] == (True, _UsersOwn, on_host[2], on_host[3])
+    assert on_host[1] is _UsersOwn
+    assert len(on_host[2]) == 1 and "layers.3.fc1.lora_a" in on_host[2][0]
+    assert all(torch.isfinite(v).all() for v in on_device[5].values())
