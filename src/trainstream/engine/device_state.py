@@ -14,7 +14,9 @@ the update is queued (None afterwards, as on the host path).
 A gradient that is not finite skips what the host path skips: in a held window (clipping,
 accumulation) the whole update; with eager updates (neither), the unit found and every unit
 after it in the order backward completed them (`on_grad` records it, as the host path hands
-units on in that order), those before it standing. The check is lazy, as the device check of
+units on in that order), those before it standing. The parameter reported is the first in that
+order, a unit's own in the order their gradients came (recorded wherever the check is on, held
+windows too: batches, first_nonfinite), as the host path reports it. The check is lazy, as the device check of
 optimizer_mode="gpu" (nonfinite.py): ops.mark_nonfinite_ marks each gradient on the device
 ahead of the kernels, one launch per gradient dtype, and skip_order.py turns the marks into a
 skip per slot (its unit or an earlier one holds a mark) that the kernels read, one launch
