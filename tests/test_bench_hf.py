@@ -82,12 +82,9 @@ def test_the_lora_rows_of_trainstream_and_bitsandbytes():
     assert checkpointed["first_loss"] == qlora["first_loss"]
 
 
-def test_the_bitsandbytes_base_holds_the_codes_load_model_made():
-    bnb = pytest.importorskip("bitsandbytes")
-    import transformers  # noqa: F401
-
+def _the_same_base_twice():
+    """Two NF4 bases load_model builds from one seed (the toy shapes): ours and the one to convert."""
     from trainstream.integrations.huggingface import load_model
-    from trainstream.quant import stored
 
     with __import__("tempfile").TemporaryDirectory() as folder:
         hf.qwen2_config(TOY).save_pretrained(folder)
@@ -95,6 +92,16 @@ def test_the_bitsandbytes_base_holds_the_codes_load_model_made():
         ours = load_model(folder, random_weights=True, quantize="nf4")
         torch.manual_seed(0)
         theirs = load_model(folder, random_weights=True, quantize="nf4")
+    return ours, theirs
+
+
+def test_the_bitsandbytes_base_holds_the_codes_load_model_made():
+    bnb = pytest.importorskip("bitsandbytes")
+    import transformers  # noqa: F401
+
+    from trainstream.quant import stored
+
+    ours, theirs = _the_same_base_twice()
     want = stored.codes_of(ours.model.layers[1].mlp.down_proj.weight).dequantize()
     hf._to_bitsandbytes(theirs, "cpu")
     q = theirs.model.layers[1].mlp.down_proj
@@ -111,15 +118,9 @@ def test_gpu_the_bitsandbytes_base_is_made_on_the_device_from_the_same_codes():
     bnb = pytest.importorskip("bitsandbytes")
     import transformers  # noqa: F401
 
-    from trainstream.integrations.huggingface import load_model
     from trainstream.quant import stored
 
-    with __import__("tempfile").TemporaryDirectory() as folder:
-        hf.qwen2_config(TOY).save_pretrained(folder)
-        torch.manual_seed(0)
-        ours = load_model(folder, random_weights=True, quantize="nf4")
-        torch.manual_seed(0)
-        theirs = load_model(folder, random_weights=True, quantize="nf4")
+    ours, theirs = _the_same_base_twice()
     hf._to_bitsandbytes(theirs, "cuda")
     for name in ("self_attn.q_proj", "mlp.down_proj"):
         want = stored.codes_of(ours.model.layers[1].get_submodule(name).weight).dequantize()

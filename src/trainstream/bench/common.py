@@ -171,6 +171,20 @@ def cuda_median_seconds(fn, *, iters: int, warmup: int = 3, reps: int = 10) -> f
     return statistics.median(times)
 
 
+def parse_row_numbers(text: str, rows: tuple, what: str, example: str) -> list[int]:
+    """A --rows value, '1,3,9' -> [1, 3, 9], each one of `rows`; anything else a ValueError
+    naming the flag and the accepted numbers (`what`: how they are called, `example`: a value)."""
+    accepted = f"accepted: comma-separated {what} from {rows[0]} to {rows[-1]}, e.g. {example!r}"
+    parts = [p.strip() for p in str(text).split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"--rows {text!r}: {accepted}")
+    numbers = sorted({int(p) for p in parts})
+    unknown = [n for n in numbers if n not in rows]
+    if unknown:
+        raise ValueError(f"--rows {text!r}: no row {unknown[0]}; {accepted}")
+    return numbers
+
+
 def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
     """columns: (key, header) pairs; floats print with 3 significant digits."""
 

@@ -56,7 +56,15 @@ from pathlib import Path
 import torch
 
 from ..sizes import GiB
-from .common import cap_vram, case_in_subprocess, git_commit, machine_slug, markdown_table, write_result
+from .common import (
+    cap_vram,
+    case_in_subprocess,
+    git_commit,
+    machine_slug,
+    markdown_table,
+    parse_row_numbers,
+    write_result,
+)
 from .lora import LINEARS
 from .models import PUBLISHED
 
@@ -401,15 +409,7 @@ ROWS = tuple(c["row"] for c in cases(quick=False))  # what --rows accepts
 
 def parse_rows(text: str) -> list[int]:
     """'1,2,3' -> [1, 2, 3]; anything else a ValueError naming the flag and the accepted rows."""
-    accepted = f"accepted: comma-separated row numbers of the hf suite from {ROWS[0]} to {ROWS[-1]}, e.g. '1,2,3'"
-    parts = [p.strip() for p in str(text).split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise ValueError(f"--rows {text!r}: {accepted}")
-    numbers = sorted({int(p) for p in parts})
-    unknown = [n for n in numbers if n not in ROWS]
-    if unknown:
-        raise ValueError(f"--rows {text!r}: no row {unknown[0]}; {accepted}")
-    return numbers
+    return parse_row_numbers(text, ROWS, "row numbers of the hf suite", "1,2,3")
 
 
 # What a row repeats of its case, for the table's heading.

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .common import case_in_subprocess, git_commit, machine_slug, write_result
+from .common import case_in_subprocess, git_commit, machine_slug, parse_row_numbers, write_result
 from .models import GPT_1_9B, GPTConfig, hub_config
 from .workload_cases import CASES
 from .workload_tables import OURS, add_bounds, markdown, plot, row_checks
@@ -320,15 +320,7 @@ def parse_runners(text: str) -> list[str]:
 
 def parse_rows(text: str) -> list[int]:
     """'1,3,9' -> [1, 3, 9]; anything else a ValueError naming the accepted row numbers."""
-    accepted = f"accepted: comma-separated row numbers from {ROWS[0]} to {ROWS[-1]}, e.g. '1,3,9'"
-    parts = [p.strip() for p in str(text).split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise ValueError(f"--rows {text!r}: {accepted}")
-    numbers = sorted({int(p) for p in parts})
-    unknown = [n for n in numbers if n not in ROWS]
-    if unknown:
-        raise ValueError(f"--rows {text!r}: no row {unknown[0]}; {accepted}")
-    return numbers
+    return parse_row_numbers(text, ROWS, "row numbers", "1,3,9")
 
 
 # -- the suite: every case in its own process --------------------------------------------------------
