@@ -1,5 +1,6 @@
 """Review R13: defects found in engine/pinned.py (registered host memory) and in the fused
-cross-entropy row op (ops/loss_rows.py), each a strict xfail until it is fixed.
+cross-entropy row op (ops/loss_rows.py): a strict xfail while a defect is not fixed, the test of
+its fix once it is.
 
 On the CPU the CUDA runtime is a fake that records its calls (as tests/engine/test_pinned.py
 does); the mappings, their views, their lifetimes and the forks are real."""

@@ -1,5 +1,6 @@
 """Review R14 of the non-finite paths (device state against the host path): what the two paths
-still answer differently. Each defect found is a strict xfail; its reason says what differs."""
+still answered differently, and the hf bench's merge. A defect not fixed yet is a strict xfail
+whose reason says what differs; the others are the tests of their fixes."""
 
 from __future__ import annotations
 
@@ -40,19 +41,7 @@ def _state_order(nonfinite: str) -> tuple:
     return bool(model._trainstream_engine.plan.device_state), list(opt.state_dict()["state"]), weights
 
 
-_MERGED = pytest.mark.xfail(
-    strict=True,
-    reason="R14: with eager updates and nonfinite 'raise' or 'ignore' the device-state update is merged into one "
-    "batch (engine._update_device_state, merge=True) before DeviceState.update places the states, and "
-    "_in_placing_order places a merged (None) batch in update order: state_dict()['state'] lists the params "
-    "0, 1, 2, ... where the host path (and this path before b9779ad, and nonfinite='skip') lists them in "
-    "backward's order",
-)
-
-
-@pytest.mark.parametrize(
-    "nonfinite", ["skip", pytest.param("raise", marks=_MERGED), pytest.param("ignore", marks=_MERGED)]
-)
+@pytest.mark.parametrize("nonfinite", ["skip", "raise", "ignore"])
 def test_eager_device_state_keeps_the_host_paths_state_dict_order(nonfinite, monkeypatch):
     """The states enter optimizer.state in the order the host path makes them (b9779ad: "state
     dicts keep their order"), whatever the nonfinite option; the weights are the same bits."""
@@ -99,12 +88,6 @@ def _found_in_an_earlier_pass() -> tuple:
     return bool(model._trainstream_engine.plan.device_state), raised, lines, opt.skipped_steps
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R14: engine._device_state_pass_raised checks only the units backward completed in the pass that raised "
-    "(completed_batches), so a held window's gradient found not finite in an earlier pass (still in p.grad's "
-    "sum) is not named; the host path's raised_pass names it (GradStreamer.nonfinite is the window's)",
-)
 def test_a_held_windows_find_in_an_earlier_pass_is_named_when_a_later_pass_raises(monkeypatch):
     """docs/semantics.md (an exception inside backward): a gradient found not finite before the
     exception is not lost, the events name it, alike on both paths (device state: "reported the
@@ -135,12 +118,6 @@ def _fake_case_process(module, batch, timeout):
     return [dict(s_per_step=1.0, first_loss=5.0, losses=[5.0, 4.0]) for _ in batch], None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R14: hf.merge keeps every previous row whose (row, run) this call did not measure, also one that is no "
-    "case of the suite (a label of an older cap or model, a row written before rows had numbers, or before the "
-    "payload said 'quick'): it is never replaced, and its row number shows twice in the tables",
-)
 @pytest.mark.parametrize("previous", ["a label no case has", "a row without its number"])
 def test_the_merge_keeps_only_rows_of_the_suites_cases(previous):
     from trainstream.bench import hf

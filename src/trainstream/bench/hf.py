@@ -441,12 +441,17 @@ def compare(rows: list[dict]) -> None:
 def merge(previous: dict | None, rows: list[dict], quick: bool) -> dict:
     """`rows` with `previous`'s rows that this call did not measure again (by row number and
     run label; each keeps its own commit and date), in the suite's order, compared again. A
-    quick run and a full one never mix."""
+    quick run and a full one never mix (a payload that does not say which it is mixes with
+    neither), and a previous row that is none of the suite's cases now is dropped."""
     fresh = {(r["row"], r["run"]) for r in rows}
-    kept = []
-    if previous is not None and bool(previous.get("quick")) == bool(quick):
-        kept = [r for r in previous.get("rows", []) if (r.get("row"), r.get("run")) not in fresh]
     order = {(c["row"], c["label"]): i for i, c in enumerate(cases(quick))}
+    kept = []
+    if previous is not None and "quick" in previous and bool(previous["quick"]) == bool(quick):
+        kept = [
+            r
+            for r in previous.get("rows", [])
+            if (r.get("row"), r.get("run")) in order and (r.get("row"), r.get("run")) not in fresh
+        ]
     merged = sorted(kept + rows, key=lambda r: order.get((r.get("row"), r.get("run")), len(order)))
     compare(merged)
     return {"quick": quick, "rows": merged}

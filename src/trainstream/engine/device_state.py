@@ -422,6 +422,14 @@ class DeviceState:
                 master.copy_(p.detach())
                 versions[p] = p._version
 
+    def place(self, batches) -> None:
+        """Give the batches' slots that lack their state one, in the order the host path makes
+        them (_in_placing_order); before the batches are merged into one, whose order is the
+        update's."""
+        unplaced = self._unplaced([s for _, ss in batches for s in ss])
+        if unplaced:
+            self._place(self._in_placing_order(batches, set(unplaced)))
+
     def update(self, batches, grad_scale: float = 1.0, check: bool = False, step: int = 0) -> None:
         """AdamW over the batches' slots from their gradients, scaled by `grad_scale`
         (clipping): one kernel per param group and (gradient dtype, master or not), whatever
@@ -434,9 +442,7 @@ class DeviceState:
         slots = [s for _, ss in batches for s in ss]
         if not slots:
             return
-        unplaced = self._unplaced(slots)
-        if unplaced:
-            self._place(self._in_placing_order(batches, set(unplaced)))
+        self.place(batches)
         self.take_edits(slots)
         if check and self._queued:
             raise RuntimeError("trainstream internal: a device-state update was not settled before the next")

@@ -1077,10 +1077,11 @@ class Engine:
             return
         if not self._device_state_by_unit():
             if self._ds_order and self.opts.max_grad_norm is None:
-                batches = self.device_state.completed_batches()
-                bad = self.device_state.first_nonfinite([s for _, ss in batches for s in ss])
+                # the window's sums: a find of an earlier pass of it is still in p.grad
+                bad = self.device_state.first_nonfinite()
                 if bad is not None:
                     self.events.add(found_before_an_exception(bad, self.opts.nonfinite))
+            self.device_state.new_pass()  # the pass's order is forgotten
             return
         batches = self.device_state.completed_batches()
         if self.opts.nonfinite == "raise":
@@ -1105,6 +1106,7 @@ class Engine:
         for unit, slots in batches:
             self.updates.note_hyperparameters(unit.name if unit is not None else "device state", slots)
         if merge and len(batches) > 1:
+            self.device_state.place(batches)  # state_dict()'s order: the units', not the merged batch's
             batches = [(None, [s for _, ss in batches for s in ss])]
         self.device_state.update(batches, grad_scale, check=check, step=self.steps + 1)
 
