@@ -6,32 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import RESIDENT
 
 import trainstream
-from engine.test_device_state import _host_path, lora_mlp
-
-
-def _wrapped(nonfinite: str, accumulation: int = 1):
-    torch.manual_seed(0)
-    model, batch, loss_fn = lora_mlp()
-    model, opt = trainstream.wrap(
-        model,
-        None,
-        device="cpu",
-        lr=1e-2,
-        offload=True,
-        nonfinite=nonfinite,
-        accumulation_steps=accumulation,
-        **RESIDENT,
-    )
-    return model, opt, batch, loss_fn
+from engine.test_device_state import _host_path
+from engine.test_nonfinite_paths import _wrapped
 
 
 def _state_order(nonfinite: str) -> tuple:
     """Two eager steps with finite gradients: (whether the adapters are in device state, the
     order of the optimizer state_dict()'s "state", the weights)."""
-    model, opt, batch, loss_fn = _wrapped(nonfinite)
+    model, opt, batch, loss_fn = _wrapped(nonfinite, None, 1)
     for i in range(2):
         loss_fn(model, batch(i, "cpu")).backward()
         opt.step()
@@ -64,7 +48,7 @@ def _found_in_an_earlier_pass() -> tuple:
     pass, then the user's own exception from a hook on block 2 in its second pass (backward
     reaches block 2 before block 1). Returns (device state or not, the exception's type, the
     events' lines about gradients not finite, skipped_steps)."""
-    model, opt, batch, loss_fn = _wrapped("skip", accumulation=2)
+    model, opt, batch, loss_fn = _wrapped("skip", None, 2)
     params = dict(model.named_parameters())
     pass_number = [0]
     params["layers.1.fc1.lora_a"].register_hook(lambda g: g * float("nan") if pass_number[0] == 1 else g)
