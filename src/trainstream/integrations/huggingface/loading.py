@@ -28,6 +28,7 @@ from ...quant import stored
 from ...quant.model import block_slots, check_block_size
 from ...quant.weight import QuantizedWeight, quantized_nbytes
 from ...sizes import GiB
+from .random_draws import parallel_draws
 
 CALLER = "load_model()"
 QUANTIZE = ("auto", "none", "int8", "nf4")
@@ -146,8 +147,10 @@ def load_model(
     floating-point dtype (float32, bfloat16 or float16). `quant_block_size`: values per fp32
     scale. `random_weights`: no checkpoint is read (only config.json); every tensor is
     initialized by the model's own ``_init_weights`` (one module at a time, each block weight
-    quantized right after), as a benchmark of a base's shapes. `config_overrides`: fields of
-    the config to change (an unknown field is a ValueError naming it).
+    quantized right after; large draws run on every core, random_draws.py), as a benchmark of
+    a base's shapes: ``torch.manual_seed`` before the call fixes the values.
+    `config_overrides`: fields of the config to change (an unknown field is a ValueError
+    naming it).
 
     What trains: quantized ("int8", "nf4", or "auto" that quantized), every parameter comes
     back frozen (requires_grad=False), the base of a LoRA (add adapters with peft, or unfreeze
@@ -185,7 +188,8 @@ def load_model(
         quantized = _quantized_blocks(model) if fmt is not None else {}
         fill = _Filler(model, quantized, fmt, block_size)
         if checkpoint is None:
-            fill.initialize()
+            with parallel_draws():  # the large draws on every core
+                fill.initialize()
         else:
             fill.read(checkpoint)
     return model.eval()
