@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 import torch  # noqa: E402
 
 from trainstream.bench import __main__ as bench_main  # noqa: E402
-from trainstream.bench import hf  # noqa: E402
+from trainstream.bench import common, hf  # noqa: E402
 from trainstream.bench.__main__ import SUITES  # noqa: E402
 
 TOY = dict(
@@ -305,7 +305,7 @@ def test_chosen_rows_merge_into_the_results_row_by_row(monkeypatch, tmp_path):
         return [_fake_result(batch[0], s_per_step=1.0 if batch[0]["row"] == 4 else 3.0)], None
 
     monkeypatch.setattr(hf, "case_in_subprocess", fake_subprocess)
-    monkeypatch.setattr(hf, "git_commit", lambda: "newcommit")
+    monkeypatch.setattr(common, "git_commit", lambda: "newcommit")
     result = hf.run(rows=[6, 4], out_dir=tmp_path, env=ENV)
     assert seen == [4, 6]
     assert [(r["row"], r["commit"]) for r in result["rows"]] == [
@@ -362,7 +362,7 @@ def test_a_quick_run_of_chosen_rows_in_a_real_process_on_the_cpu(tmp_path):
     label = hf.cases(quick=True)[5]["label"]
     earlier = dict({k: c for k, c in hf.cases(quick=True)[5].items() if k in hf.CASE_FIELDS}, run=label, cap_GiB=24)
     earlier.update(s_per_step=1.0, first_loss=7.0, commit="old", date="then")
-    path = tmp_path / "hf-nvidia-h200.json"
+    path = tmp_path / "hf-nvidia-h200-quick.json"  # a quick run's results, apart from the full ones
     path.write_text(json.dumps(dict(suite="hf", env={}, quick=True, rows=[earlier])))
     result = hf.run(quick=True, rows=[4], out_dir=tmp_path, env=ENV, device="cpu")
     assert [r["row"] for r in result["rows"]] == [4, 6]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trainstream.bench import __main__ as bench_main
+from trainstream.bench import common
 from trainstream.bench import workload_cases as cases
 from trainstream.bench import workload_tables as tables
 from trainstream.bench import workloads as wl
@@ -364,9 +365,9 @@ def test_run_measures_each_case_in_its_own_process_and_merges(monkeypatch, tmp_p
         return dict(s_per_step=1.0, peak_GiB=2.0, finite=True, trained_params=10), None
 
     monkeypatch.setattr(wl, "case_in_subprocess", fake_subprocess)
-    monkeypatch.setattr(wl, "git_commit", lambda: "newcommit")
+    monkeypatch.setattr(common, "git_commit", lambda: "newcommit")
     table = wl.rows_table(device="cuda")
-    stem = tmp_path / f"workloads-{wl.machine_slug(wl._machine())}"
+    stem = tmp_path / f"workloads-{common.machine_slug(wl._machine())}"
     old = [
         dict(
             row=n, workload="w", run=c["label"], runner=c["runner"], cap_GiB=c["cap_gib"], s_per_step=9.0, commit="old"

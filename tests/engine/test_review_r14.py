@@ -117,12 +117,10 @@ def test_the_merge_keeps_only_rows_of_the_suites_cases(previous):
     assert [(r.get("row"), r["run"]) for r in merged["rows"]] == [(2, cases[1]["label"])]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R14: a --quick run of the hf suite writes hf-<gpu>.json (hf.run, and bench/__main__ again) with its "
-    "quick rows alone: the full rows merged there over several device calls are gone",
-)
 def test_a_quick_run_leaves_the_full_results_in_place(monkeypatch, tmp_path):
+    """R14: a --quick run wrote hf-<gpu>.json with its quick rows alone, and the full rows
+    merged there over several device calls were gone. Its rows go to hf-<gpu>-quick.json, each
+    with the host it ran on."""
     from trainstream.bench import __main__ as bench_main
     from trainstream.bench import hf
 
@@ -135,3 +133,6 @@ def test_a_quick_run_leaves_the_full_results_in_place(monkeypatch, tmp_path):
     assert bench_main.main(["hf", "--quick", "--rows", "1", "--out", str(tmp_path)]) == 0
     kept = __import__("json").loads(path.read_text())
     assert kept["quick"] is False and [r["commit"] for r in kept["rows"]] == ["old"] * 6
+    quick = __import__("json").loads((tmp_path / "hf-nvidia-h200-quick.json").read_text())
+    assert quick["quick"] is True and [r["row"] for r in quick["rows"]] == [1]
+    assert quick["rows"][0]["cores"] >= 1 and quick["rows"][0]["cpu"]

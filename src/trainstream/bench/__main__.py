@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     for name in chosen:
         print(f"[{name}]", flush=True)
         result = SUITES[name][1](args)
-        path = write_result(args.out, name, env, result, result.pop("markdown"))
+        path = write_result(args.out, name, env, result, result.pop("markdown"), quick=args.quick)
         print(path.with_suffix(".md").read_text(), flush=True)
     return 0
 

@@ -88,6 +88,23 @@ def machine_slug(env: dict) -> str:
     return f"cpu-{env['cores']}core"
 
 
+def result_stem(suite: str, env: dict, quick: bool = False) -> str:
+    """The file name, without suffix, of a suite's results on a machine: a quick run's apart
+    (SUITE-MACHINE-quick), so that a smoke run never replaces measured results."""
+    return f"{suite}-{machine_slug(env)}" + ("-quick" if quick else "")
+
+
+def call_stamp() -> dict:
+    """What each row of a suite merged over several calls keeps of the call that measured it:
+    the commit, the date, and the host (rows of one file may come from different hosts)."""
+    return dict(
+        commit=git_commit(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        cpu=cpu_model(),
+        cores=_native.lib().available_cores(),
+    )
+
+
 def cap_vram(cap_gib) -> None:
     """Simulate a smaller card in this process: a VRAM cap of `cap_gib` GiB (None: none)."""
     if cap_gib:
@@ -215,10 +232,10 @@ def env_line(env: dict) -> str:
     return text
 
 
-def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: str) -> Path:
+def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: str, *, quick: bool = False) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{suite}-{machine_slug(env)}"
-    payload = {"suite": suite, "env": env, **result, "markdown": markdown}
+    stem = result_stem(suite, env, quick)
+    payload = {"suite": suite, "env": env, "quick": quick, **result, "markdown": markdown}
     (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
     (out_dir / f"{stem}.md").write_text(f"### {suite} ({env_line(env)})\n\n{markdown}\n")
     return out_dir / f"{stem}.json"

@@ -43,7 +43,6 @@ under about 500 s can share a call (CASE_TIMEOUT_S stops any one case at 540 s).
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import resource
@@ -57,12 +56,12 @@ import torch
 
 from ..sizes import GiB
 from .common import (
+    call_stamp,
     cap_vram,
     case_in_subprocess,
-    git_commit,
-    machine_slug,
     markdown_table,
     parse_row_numbers,
+    result_stem,
     write_result,
 )
 from .lora import LINEARS
@@ -492,8 +491,8 @@ def run(
         if unknown or not rows:
             raise ValueError(f"hf bench: rows {sorted(rows)}; accepted: some of {list(ROWS)}")
         chosen = [case for case in chosen if case["row"] in rows]
-    stamp = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    path = Path(out_dir) / f"{SUITE}-{machine_slug(env)}.json" if out_dir is not None else None
+    stamp = call_stamp()
+    path = Path(out_dir) / f"{result_stem(SUITE, env, quick)}.json" if out_dir is not None else None
     previous = _previous(path) if path is not None else None
     batches = [chosen] if quick else [[case] for case in chosen]
     new, payload = [], None
@@ -508,7 +507,7 @@ def run(
             print(f"    {json.dumps(new[-1])}", flush=True)
         payload = merge(previous, new, quick)
         if path is not None:
-            write_result(path.parent, SUITE, env, dict(payload), markdown(payload["rows"]))
+            write_result(path.parent, SUITE, env, dict(payload), markdown(payload["rows"]), quick=quick)
     payload["markdown"] = markdown(payload["rows"])
     return payload
 

@@ -49,8 +49,10 @@ _MODELS = {
 
 
 def load(results_dir: Path) -> dict[str, list[dict]]:
-    """suite -> its committed results, one per machine: GPU machines first, then by file name."""
+    """suite -> its committed results, one per machine: GPU machines first, then by file name.
+    A quick run's results (smoke sizes) are never a table's."""
     payloads = [(json.loads(f.read_text()), f.name) for f in Path(results_dir).glob("*.json")]
+    payloads = [(payload, name) for payload, name in payloads if not payload.get("quick")]
     results: dict[str, list[dict]] = {}
     for payload, _ in sorted(payloads, key=lambda pair: (not pair[0]["env"].get("gpu"), pair[1])):
         results.setdefault(payload["suite"], []).append(payload)

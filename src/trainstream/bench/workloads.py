@@ -23,7 +23,6 @@ CUDA (torchao, DeepSpeed, the interleaved runner of row 9) are reported as skipp
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .common import case_in_subprocess, git_commit, machine_slug, parse_row_numbers, write_result
+from .common import call_stamp, case_in_subprocess, parse_row_numbers, result_stem, write_result
 from .models import GPT_1_9B, GPTConfig, hub_config
 from .workload_cases import CASES
 from .workload_tables import OURS, add_bounds, markdown, plot, row_checks
@@ -398,8 +397,8 @@ def run(
     todo = [c for n in chosen for c in table[n]["cases"] if runners is None or c["runner"] in runners]
     if not todo:
         raise ValueError(f"workloads: rows {chosen} have no case of the runners {sorted(runners)}")
-    stamp = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    stem = Path(out_dir) / f"{SUITE}-{machine_slug(_machine())}"
+    stamp = call_stamp()
+    stem = Path(out_dir) / result_stem(SUITE, _machine(), quick)
     previous = _previous(stem.with_suffix(".json"))
     probe, *_ = _measure(dict(runner="probe", row=0, label="bandwidths and rates", device=device, quick=quick))
     probe.pop("case_wall_s", None)
@@ -425,7 +424,7 @@ def run(
         payload = merge(previous, new, quick, table)
         payload["plot"], payload["plot_note"] = plot(payload["rows"], stem.with_suffix(".png"))
         if env is not None:
-            write_result(Path(out_dir), SUITE, env, dict(payload), markdown(payload))
+            write_result(Path(out_dir), SUITE, env, dict(payload), markdown(payload), quick=quick)
     payload["markdown"] = markdown(payload)
     return payload
 
