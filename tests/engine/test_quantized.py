@@ -102,6 +102,22 @@ def test_peft_lora_over_a_quantized_base(fmt):
     assert len(lora_b) == 21 and all(v.abs().sum() > 0 for v in lora_b)  # the adapters trained (they start at 0)
 
 
+def test_merging_adapters_into_a_quantized_base_needs_the_plain_model():
+    """docs/semantics.md, "Reading a quantized weight": peft's merge into a wrapped quantized
+    base raises (nothing is written into it), and unwrap() then merge gives the same model."""
+    _, batch, loss_fn = MODELS["llama"]()
+    _, _, (model, _) = train("llama", dict(RESIDENT, quantize="nf4"), steps=3, model_factory=_peft_llama())
+    with pytest.raises(RuntimeError, match="refers to a single memory location"):
+        model.merge_and_unload()
+    plain = trainstream.unwrap(model)
+    with torch.no_grad():
+        unmerged = loss_fn(plain, batch(7, "cpu"))
+        merged_model = plain.merge_and_unload()
+        merged = loss_fn(merged_model, batch(7, "cpu"))
+    assert not any(torch.isnan(p).any() for p in merged_model.parameters())
+    assert torch.isfinite(merged) and abs(merged.item() - unmerged.item()) < 1e-4
+
+
 def test_quantized_weights_are_stored_as_codes_and_reported():
     _, _, (model, _) = train(
         "gpt", dict(param_offload=[1, 3], activation_offload=False, quantize="nf4"), steps=1, freeze=FROZEN
