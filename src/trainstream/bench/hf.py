@@ -32,13 +32,11 @@ case, so that a call cut short keeps the rows it finished; the markdown is writt
 the merged rows.
 
 In calls of at most 10 minutes (the device's limit): rows 1,2,3 together (about 150 s for the
-three on the H200 at 18a4c50), then each LoRA row alone: ``--rows 4``, ``--rows 5``, ``--rows 6``.
-A LoRA case's own work before its first step is mostly load_model's random init of the 14.8G
-values: torch's CPU generator draws them on one thread (about 5 ns a value), the rest of the
-load runs on every core; some 70-80 s in all on the H200's host, an estimate scaled per value
-from builds of 1-4 of the 48 layers on a 2-core CPU. A row's case_wall_s (its process, imports
-included) says how long the case took: once the LoRA rows' are known, rows whose sum stays
-under about 500 s can share a call (CASE_TIMEOUT_S stops any one case at 540 s).
+three on the H200), then the LoRA rows. A LoRA case's own work before its first step is mostly
+load_model's random init of the 14.8G values, drawn on every core (random_draws.py; one thread
+draws 5-10 ns a value). A row's case_wall_s (its process, imports included) says how long the
+case took: rows whose sum stays under about 500 s can share a call (CASE_TIMEOUT_S stops any
+one case at 540 s).
 """
 
 from __future__ import annotations
