@@ -8,6 +8,7 @@ near-zero gradients, so the engine must be within three times DDP's distance."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -78,6 +79,19 @@ def _same_bits(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert_same_bits(a[k], b[k])
+
+
+def _same_values(a, b) -> None:
+    """Two state dicts (or any values in them) alike: the same keys, tensors bit for bit,
+    everything else equal."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _same_values(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert_same_bits(a, b)
+    else:
+        assert a == b
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -171,7 +185,9 @@ def _two_runs(rank, world, checkpoint):
     placements = _placements_differ(rank, world, 2)
     bf16 = _bf16_model(rank, world)
     repaged = _repaged(rank, world)
+    rank0_only = _gathered_to_rank_zero(rank, world, _checkpoint(checkpoint, rank0_only=True))
     return {
+        "rank0_only": rank0_only,
         "repaged": repaged,
         "eager": eager,
         "held": held,
@@ -274,14 +290,78 @@ def _repaged(rank, world):
     return out
 
 
+# state_dict(rank0_only=True)'s cases: the model's dtype and wrap()'s options.
+GATHER_CASES = {
+    "fp32": (torch.float32, {"offload": True}),
+    "bf16 model": (torch.bfloat16, {"offload": True}),  # fp32 masters, gathered under "master"
+    "bf16 moments": (torch.float32, {"offload": True, "moment_dtype": "bfloat16"}),
+    "stock": (torch.float32, {}),  # offload="auto" switches to stock training after 2 steps
+}
+
+
+def _checkpoint(checkpoint: str, rank0_only: bool) -> str:
+    """Where rank 0 saves the eager run's checkpoint (its optimizer state from state_dict() on
+    every rank), or the fp32 case's of GATHER_CASES (from state_dict(rank0_only=True))."""
+    return os.path.splitext(checkpoint)[0] + "-rank0-only.pt" if rank0_only else checkpoint
+
+
+def _gathered_to_rank_zero(rank, world, checkpoint=None):
+    """Each of GATHER_CASES: STEPS steps, state_dict() on every rank and then
+    state_dict(rank0_only=True), and one step more; beside it the same run without the
+    second call. `checkpoint`: rank 0 saves the fp32 case's model and rank-0 dict there."""
+    out = {}
+    for case, (dtype, options) in GATHER_CASES.items():
+        out[case] = {}
+        for asks in (True, False):
+            model = _model().to(dtype)
+            model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, **options)
+            _train(model, opt, rank, world, STEPS)
+            run = {"mode": trainstream.memory_report(model)["mode"], "every rank": copy.deepcopy(opt.state_dict())}
+            if asks:
+                with _gathers_recorded() as run["gathers"]:
+                    run["rank 0 only"] = copy.deepcopy(opt.state_dict(rank0_only=True))  # a collective too
+                if checkpoint is not None and case == "fp32" and rank == 0:
+                    torch.save({"model": model.state_dict(), "optim": run["rank 0 only"]}, checkpoint)
+            _train(model, opt, rank, world, 1)
+            run["after"] = {"state": _host_state(model), "optim": copy.deepcopy(opt.state_dict())}
+            out[case]["asked" if asks else "not asked"] = run
+    return out
+
+
+@contextlib.contextmanager
+def _gathers_recorded():
+    """The gathers the engine issues inside the block, in order: ("all-gather", True) or
+    ("gather", whether this rank receives)."""
+    from trainstream.engine import distributed as engine_dist
+
+    issued = []
+    real_gather, real_all_gather = dist.gather, engine_dist._all_gather
+
+    def gather(tensor, gather_list=None, *args, **kwargs):
+        issued.append(("gather", gather_list is not None))
+        return real_gather(tensor, gather_list, *args, **kwargs)
+
+    def all_gather(*args, **kwargs):
+        issued.append(("all-gather", True))
+        return real_all_gather(*args, **kwargs)
+
+    dist.gather, engine_dist._all_gather = gather, all_gather
+    try:
+        yield issued
+    finally:
+        dist.gather, engine_dist._all_gather = real_gather, real_all_gather
+
+
 def _resume(rank, world, checkpoint):
-    """Load a checkpoint, give back both state dicts, then take one step."""
+    """Load a checkpoint, give back both state dicts (the optimizer's also as gathered to rank 0
+    alone), then take one step."""
     model = _model()
     model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
     saved = torch.load(checkpoint, weights_only=False)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optim"])
     loaded = {"model": _host_state(model), "optim": copy.deepcopy(opt.state_dict())}  # steps write the live one
+    loaded["optim rank 0 only"] = copy.deepcopy(opt.state_dict(rank0_only=True))
     _train(model, opt, rank, world, 1)
     return {"loaded": loaded, "after": _host_state(model)}
 
@@ -477,7 +557,8 @@ PARTIAL_STEPS = 2  # of ACCUMULATION passes, the last one of 1
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Two ranks train 3 eager steps (rank 0 saves a checkpoint), then 2 steps of 2
-    accumulated passes with clipping; DDP beside each."""
+    accumulated passes with clipping; DDP beside each. Then the other runs of _two_runs,
+    among them GATHER_CASES (rank 0 saves the fp32 case's rank-0 dict as a second checkpoint)."""
     root = tmp_path_factory.mktemp("dp2")
     checkpoint = str(root / "ckpt.pt")
     results = _ok(_spawn(2, root, _two_runs, checkpoint))
@@ -490,19 +571,22 @@ def two_ranks(tmp_path_factory):
         [r["placements"] for r in results],
         [r["bf16"] for r in results],
         [r["repaged"] for r in results],
+        [r["rank0_only"] for r in results],
     )
 
 
 @pytest.fixture(scope="module")
 def three_ranks(two_ranks, tmp_path_factory):
-    """Three ranks resume the two ranks' checkpoint, then train paged with a NaN on rank 2."""
+    """Three ranks resume the two ranks' checkpoints, then train paged with a NaN on rank 2, then
+    the rest of _three_runs."""
     _, checkpoint, *_ = two_ranks
     return _ok(_spawn(3, tmp_path_factory.mktemp("dp3"), _three_runs, checkpoint))
 
 
 def _three_runs(rank, world, checkpoint):
     return {
-        "resume": _resume(rank, world, checkpoint),
+        "resume": {gathered: _resume(rank, world, _checkpoint(checkpoint, gathered)) for gathered in (False, True)},
+        "rank0_only": _gathered_to_rank_zero(rank, world),
         "paged": _paged_with_a_nan(rank, world, 3, 2, 1),
         "quantized": _frozen_quantized_base(rank, world),
     }
@@ -675,8 +759,10 @@ def test_a_block_moved_between_paged_and_resident_trains_as_one_left_in_place(tw
     assert a["master bytes"] + b["master bytes"] == 4 * sum(p.numel() for p in _model().parameters())
 
 
-def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
+@pytest.mark.parametrize("rank0_only", [False, True], ids=["every-rank", "rank0-only"])
+def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks, rank0_only):
     _, checkpoint, *_ = two_ranks
+    checkpoint = _checkpoint(checkpoint, rank0_only)
     saved = torch.load(checkpoint, weights_only=False)
     res = _resume(0, 1, checkpoint)  # no process group here: the engine trains alone
     _same_bits(res["loaded"]["model"], {k: v for k, v in saved["model"].items()})
@@ -685,10 +771,13 @@ def test_saved_with_two_ranks_resumes_alone_exactly(two_ranks):
             assert torch.equal(res["loaded"]["optim"]["state"][pid][key], st[key]), (pid, key)
 
 
-def test_saved_with_two_ranks_resumes_with_three_exactly(two_ranks, three_ranks):
+@pytest.mark.parametrize("rank0_only", [False, True], ids=["every-rank", "rank0-only"])
+def test_saved_with_two_ranks_resumes_with_three_exactly(two_ranks, three_ranks, rank0_only):
     _, checkpoint, *_ = two_ranks
-    saved = torch.load(checkpoint, weights_only=False)
-    results = [r["resume"] for r in three_ranks]
+    saved = torch.load(_checkpoint(checkpoint, rank0_only), weights_only=False)
+    results = [r["resume"][rank0_only] for r in three_ranks]
+    _same_values(results[0]["loaded"]["optim rank 0 only"], results[0]["loaded"]["optim"])  # after a load too
+    assert results[1]["loaded"]["optim rank 0 only"] == results[2]["loaded"]["optim rank 0 only"] == {}
     for res in results:
         _same_bits(res["loaded"]["model"], saved["model"])
         for pid, st in saved["optim"]["state"].items():
@@ -697,6 +786,61 @@ def test_saved_with_two_ranks_resumes_with_three_exactly(two_ranks, three_ranks)
     _same_bits(results[0]["after"], results[1]["after"])
     _same_bits(results[0]["after"], results[2]["after"])
     assert _max_diff(results[0]["after"], saved["model"]) > 0  # the step trained
+
+
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+@pytest.mark.parametrize("world", [2, 3])
+def test_state_dict_rank0_only_gives_rank_0_the_whole_dict_and_the_others_nothing(request, world, case):
+    """state_dict(rank0_only=True) gathers to rank 0 alone (every other rank only sends, one
+    gather per moment and master): rank 0 gets the dict every rank gets from state_dict(),
+    bit for bit (the fp32 masters of a bf16 model too), every other rank {}; after the switch
+    to stock, with nothing to gather, the same. The run goes on after it as the run without
+    it, bit for bit."""
+    if world == 2:
+        ranks = [r[case] for r in request.getfixturevalue("two_ranks")[8]]
+    else:
+        ranks = [r["rank0_only"][case] for r in request.getfixturevalue("three_ranks")]
+    whole = ranks[0]["asked"]["every rank"]
+    assert ranks[0]["asked"]["mode"] == ("stock" if case == "stock" else "offload")
+    shapes = [tuple(p.shape) for p in _model().parameters()]
+    assert [tuple(st["exp_avg"].shape) for _, st in sorted(whole["state"].items())] == shapes
+    if case == "bf16 model":
+        assert all(st["master"].dtype == torch.float32 for st in whole["state"].values())
+    gathers = 0 if case == "stock" else len(shapes) * (3 if case == "bf16 model" else 2)
+    for r, res in enumerate(ranks):
+        asked, not_asked = res["asked"], res["not asked"]
+        assert asked["gathers"] == [("gather", r == 0)] * gathers, f"rank {r}"
+        _same_values(asked["every rank"], whole)
+        if r == 0:
+            _same_values(asked["rank 0 only"], whole)
+        else:
+            assert asked["rank 0 only"] == {}, f"rank {r}"
+        _same_values(asked["after"], not_asked["after"])
+    assert _max_diff(ranks[0]["asked"]["after"]["state"], _host_state(_model())) > 0  # it trained
+
+
+def test_state_dict_rank0_only_training_alone_gives_the_whole_dict():
+    model, opt, _ = _alone(2)
+    _same_values(opt.state_dict(rank0_only=True), opt.state_dict())
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_state_dict_rank0_only_must_be_true_or_false(value):
+    _, opt, _ = _alone(1)
+    with pytest.raises(TypeError, match=rf"state_dict\(\): rank0_only must be True or False, got {value!r}"):
+        opt.state_dict(rank0_only=value)
+
+
+def test_loading_the_empty_dict_of_a_rank_other_than_0_says_which_dict_to_load():
+    _, opt, _ = _alone(1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(
+        ValueError,
+        match=r"state_dict is empty \(\{\}\), which is what state_dict\(rank0_only=True\) returns on ranks "
+        r"other than 0; load the state_dict rank 0 saved, on every rank",
+    ):
+        opt.load_state_dict({})
+    _same_values(opt.state_dict(), before)
 
 
 def test_accumulation_and_clipping_match_one_process_as_closely_as_ddp(two_ranks):

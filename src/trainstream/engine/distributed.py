@@ -430,14 +430,23 @@ class DataParallel:
 
     # -- whole tensors (state dicts) ----------------------------------------------------------
 
-    def full_tensor(self, shard: torch.Tensor, param) -> torch.Tensor:
+    def full_tensor(self, shard: torch.Tensor, param, to_rank_zero: bool = False) -> torch.Tensor | None:
         """Every rank's elements of `param`-shaped state (this rank's: `shard`, 1-D) as one
-        tensor of the param's shape (a collective: every rank calls it, in the same order)."""
+        tensor of the param's shape (a collective: every rank calls it, in the same order and
+        with the same `to_rank_zero`). `to_rank_zero`: a gather to rank 0 alone; every other
+        rank only sends its chunk and gets None, never holding the whole tensor."""
         sh = next(sh for us in self.shards.values() for sh in us.slots if sh.slot.param is param)
         send = torch.zeros(sh.chunk, dtype=shard.dtype)
         send[: sh.hi - sh.lo].copy_(shard.reshape(-1))
+        if to_rank_zero and self.rank != 0:
+            dist.gather(send, None, dst=dist.get_global_rank(self.reduce_group, 0), group=self.reduce_group)
+            return None
         recv = torch.empty(self.world * sh.chunk, dtype=shard.dtype)
-        _all_gather(recv, send, group=self.reduce_group)
+        if to_rank_zero:
+            chunks = list(recv.chunk(self.world))  # rank r's chunk lands at r * chunk, as the all-gather puts it
+            dist.gather(send, chunks, dst=dist.get_global_rank(self.reduce_group, 0), group=self.reduce_group)
+        else:
+            _all_gather(recv, send, group=self.reduce_group)
         return recv[: sh.numel].view(param.shape).clone()
 
     def stop(self) -> None:

@@ -224,7 +224,7 @@ class Engine:
                 opts.nonfinite != "ignore",
                 learn=not self.grads.hold,
             )
-            optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor)
+            optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor, self.dp.rank)
         self._ds_by_unit = self._device_state_order_decides()
         # Backward's order of the device-state gradients is recorded where it decides what a
         # non-finite gradient skips (eager updates) or which parameter it is reported by (any

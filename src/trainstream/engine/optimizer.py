@@ -101,14 +101,19 @@ class StreamedAdamW(OffloadAdamW):
                 state[key] = buf
 
     _shards: dict = {}  # data parallel: param -> (lo, hi), this rank's elements ({}: every element)
-    _full_tensor = None  # data parallel: (shard, param) -> the whole tensor, gathered (a collective)
+    # data parallel: (shard, param, to_rank_zero) -> the whole tensor, gathered (a collective);
+    # to_rank_zero: on rank 0 alone, None on the others (DataParallel.full_tensor)
+    _full_tensor = None
+    # This process's rank among those it trains data parallel with (0 training alone), kept
+    # after unwrap() and the switch to stock: the rank state_dict(rank0_only=True) answers for.
+    _rank = 0
 
-    def shard_state(self, ranges: dict | None, full_tensor=None) -> None:
-        """Data parallel: this rank keeps and updates only elements [lo:hi) of each param's
-        flat weights (`ranges`: param -> (lo, hi)), so its moments are 1-D of hi-lo
-        elements; whole moments held now are cut to them. `full_tensor(shard, param)` gathers
-        a moment whole, for state_dict(). None: back to whole moments (gathered first: every
-        rank calls it), as after unwrap()."""
+    def shard_state(self, ranges: dict | None, full_tensor=None, rank: int = 0) -> None:
+        """Data parallel: this rank (`rank`) keeps and updates only elements [lo:hi) of each
+        param's flat weights (`ranges`: param -> (lo, hi)), so its moments are 1-D of hi-lo
+        elements; whole moments held now are cut to them. `full_tensor(shard, param,
+        to_rank_zero)` gathers a moment whole, for state_dict(). None: back to whole moments
+        (gathered first: every rank calls it), as after unwrap(); the rank stays."""
         if ranges is None:
             if self._shards:
                 for p, st in self._gathered_state().items():
@@ -119,7 +124,12 @@ class StreamedAdamW(OffloadAdamW):
                     }
             self._shards, self._full_tensor = {}, None
             return
-        self._shards, self._full_tensor = dict(ranges), full_tensor
+        self._shards, self._full_tensor, self._rank = dict(ranges), full_tensor, rank
+        self._cut_to_shards()
+
+    def _cut_to_shards(self) -> None:
+        """Data parallel: each whole moment held (converted, or loaded) cut to this rank's
+        elements of it."""
         for p, st in self.state.items():
             if p in self._shards:
                 lo, hi = self._shards[p]
@@ -127,14 +137,18 @@ class StreamedAdamW(OffloadAdamW):
                     if key in st and st[key].numel() == p.numel():
                         st[key] = st[key].reshape(-1)[lo:hi].clone()
 
-    def _gathered_state(self) -> dict:
+    def _gathered_state(self, to_rank_zero: bool = False) -> dict:
         """param -> its state with whole moments, every rank's shards gathered, in param-group
-        order (every rank calls this: each gather is a collective)."""
+        order (every rank calls this: each gather is a collective). `to_rank_zero`: gathered
+        on rank 0 alone; on the others each moment is None (sent, never held whole)."""
         out = {}
         for p in [p for g in self.param_groups for p in g["params"]]:
             st = self.state.get(p)
             if st and p in self._shards:
-                out[p] = {k: (self._full_tensor(v, p) if k in ("exp_avg", "exp_avg_sq") else v) for k, v in st.items()}
+                out[p] = {
+                    k: (self._full_tensor(v, p, to_rank_zero) if k in ("exp_avg", "exp_avg_sq") else v)
+                    for k, v in st.items()
+                }
         return out
 
     def _state_for(self, p: torch.Tensor) -> dict:
@@ -324,12 +338,13 @@ class StreamedAdamW(OffloadAdamW):
             self._loaded_hook.remove()
             self._loaded_hook = None
 
-    def _master_of(self, s):
+    def _master_of(self, s, to_rank_zero: bool = False):
         """Slot `s`'s fp32 master for state_dict(): CPU, the param's shape, apart from the
         live one (a view of the host arena would be saved by torch.save with its whole piece,
         and the next update writes it); None where the param is its master for now (a
         device-state param before its first update). Data parallel: gathered whole from
-        every rank's shard (a collective: every rank asks for the same slots in order)."""
+        every rank's shard (a collective: every rank asks for the same slots in order, with
+        the same `to_rank_zero`: gathered on rank 0 alone, None on the others)."""
         if s.device_state:
             master = self._engine.device_state.master_of(s.param)
             return None if master is None else master.detach().to(device="cpu", copy=True)
@@ -337,7 +352,7 @@ class StreamedAdamW(OffloadAdamW):
         # the edited weights are the param's value from now on.
         self._engine.weights.take_edits(s.unit)
         if s.master_shard is not None:
-            return self._full_tensor(s.master_shard, s.param)
+            return self._full_tensor(s.master_shard, s.param, to_rank_zero)
         return s.master.detach().clone().view(s.param.shape)
 
     def detach(self) -> None:
@@ -474,36 +489,62 @@ class StreamedAdamW(OffloadAdamW):
             self._engine.zero_grad()
         super().zero_grad(set_to_none)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, rank0_only: bool = False) -> dict:
         """torch AdamW's format, after synchronize(); each param that is not fp32 also has its
-        fp32 master under "master" ([Note: masters in state dicts]). Data parallel: whole
-        moments and masters on every rank (every rank calls it: the gathers are collectives).
-        After the switch to stock, the fused AdamW's own."""
+        fp32 master under "master" ([Note: masters in state dicts]). After the switch to
+        stock, the fused AdamW's own.
+
+        Data parallel: the moments and masters are gathered whole from every rank's shards,
+        so this is a collective: every rank must call it, with the same `rank0_only`. False:
+        every rank gets the whole dict. True: rank 0 gets the same dict, and every other rank
+        only sends its shards and gets ``{}`` (as torch.distributed.checkpoint's full state
+        dict with cpu_offload), never holding the whole moments and masters: save rank 0's,
+        and load it on every rank. Training alone this process is rank 0 and gets the whole
+        dict. After the switch to stock the moments are whole on every rank and nothing is
+        gathered; ranks other than 0 still get ``{}`` with True."""
+        if not isinstance(rank0_only, bool):
+            raise TypeError(
+                f"trainstream: optimizer.state_dict(): rank0_only must be True or False, got {rank0_only!r}"
+            )
+        sends_only = rank0_only and self._rank != 0  # its part goes to rank 0, and it gets {}
         if self._stock is not None:
+            if sends_only:
+                return {}
             sd = self._stock.state_dict()
         else:
-            self._settle_loaded_masters(last=False)  # a master loaded before the weights: taken by now
-            sd = super().state_dict()
-            ids = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-            if self._shards:  # data parallel: whole moments, torch's format, every rank
-                for p, st in self._gathered_state().items():
-                    sd["state"][ids[p]] = st
-            if self._engine is not None:
-                self._add_masters(sd, ids)
-            else:  # unwrapped: the engine's last masters
-                for p, master in self._carried.items():
-                    _put_master(sd, ids.get(p), master)
+            sd = self._offload_state_dict(to_rank_zero=rank0_only)
+            if sends_only:
+                return {}  # its gathered entries are None: this rank's shards went to rank 0
         sd[MODE_KEY] = "stock" if self._stock is not None else "offload"  # switch.py, [Note: resuming ...]
         return sd
 
-    def _add_masters(self, sd: dict, ids: dict) -> None:
+    def _offload_state_dict(self, to_rank_zero: bool) -> dict:
+        """The engine's state in torch AdamW's format, with the masters. Data parallel: whole
+        moments and masters, every rank's shards gathered (a collective); `to_rank_zero`:
+        gathered on rank 0 alone, and on the others each gathered tensor is None. Every rank
+        walks the same entries in the same order either way: the same collectives."""
+        self._settle_loaded_masters(last=False)  # a master loaded before the weights: taken by now
+        sd = super().state_dict()  # this rank's own entries, not copies: nothing whole is made here
+        ids = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        if self._shards:  # data parallel: whole moments, torch's format
+            for p, st in self._gathered_state(to_rank_zero).items():
+                sd["state"][ids[p]] = st
+        if self._engine is not None:
+            self._add_masters(sd, ids, to_rank_zero)
+        else:  # unwrapped: the engine's last masters
+            for p, master in self._carried.items():
+                _put_master(sd, ids.get(p), master)
+        return sd
+
+    def _add_masters(self, sd: dict, ids: dict, to_rank_zero: bool = False) -> None:
         """Each master into its param's entry of `sd`, where the param has state (torch
-        AdamW takes an entry without "step" for a param never updated). The entries are new
-        dicts: torch's state_dict() hands out this optimizer's own."""
+        AdamW takes an entry without "step" for a param never updated; which params have
+        state is alike on every rank, so every rank gathers the same masters). The entries
+        are new dicts: torch's state_dict() hands out this optimizer's own."""
         for s in self._slots_with_masters():
             pid = ids.get(s.param)
             if sd["state"].get(pid):
-                _put_master(sd, pid, self._master_of(s))
+                _put_master(sd, pid, self._master_of(s, to_rank_zero))
 
     def resume_in(self, mode: str | None, source: str) -> None:
         """A state saved in `mode` is about to load (switch.py, [Note: resuming in the saved
@@ -521,6 +562,12 @@ class StreamedAdamW(OffloadAdamW):
         engine.apply(SwitchToStock(need={}))
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if isinstance(state_dict, dict) and not state_dict:
+            raise ValueError(
+                "trainstream: optimizer.load_state_dict(): the state_dict is empty ({}), which is what "
+                "state_dict(rank0_only=True) returns on ranks other than 0; load the state_dict rank 0 saved, "
+                "on every rank"
+            )
         # Everything that can refuse the state is checked before resume_in, whose switch to
         # stock cannot be undone: a refused load leaves the run as it was.
         _check_moments(state_dict, self.param_groups)
@@ -547,7 +594,7 @@ class StreamedAdamW(OffloadAdamW):
             self._loaded_taken = None  # no master to count: no event
         self._keep_group_dicts(groups)
         if self._shards:  # data parallel: whole moments loaded, this rank's elements kept
-            self.shard_state(self._shards, self._full_tensor)
+            self._cut_to_shards()
         self._into_mapped()  # the kernel keeps reading the buffers it was given at wrap()
         if self._engine is not None:  # device state: the loaded moments go back to the device
             self._engine.device_state.adopt_state()
