@@ -218,11 +218,12 @@ def _every_run(rank: int, world: int, root: str) -> dict:
     args = _args(f"{root}/ours", world, save_strategy="steps", save_steps=SAVE_STEPS)
     # Rank 1 builds other initial weights: rank 0's are taken, as DDP broadcasts them.
     ours = Recording(model=_model(seed=0 if rank == 0 else 3), args=args, train_dataset=Tokens(), trainstream=ENGINE)
-    with _recording_writes() as written:
+    with _recording_writes() as written, _recording_state_dicts() as state_dicts:
         ours.train()
     out["ours"] = {
         **_run(ours),
         "written": written,
+        "state_dicts": state_dicts,
         "report": trainstream.memory_report(ours.model)["distributed"],
         "eval_loss": ours.evaluate(Tokens(rows=EVAL_ROWS, seed=3))["eval_loss"],
     }
@@ -236,6 +237,14 @@ def _every_run(rank: int, world: int, root: str) -> dict:
     )
     resumed.train(resume_from_checkpoint=f"{root}/ours/checkpoint-{SAVE_STEPS}")
     out["resumed"] = _run(resumed)
+
+    # save_on_each_node: each node's first process saves (here rank 0, the one node's), and
+    # every rank gets the whole optimizer state.
+    args = _args(f"{root}/each-node", world, save_strategy="steps", save_steps=SAVE_STEPS, save_on_each_node=True)
+    each_node = TrainStreamTrainer(model=_model(), args=args, train_dataset=Tokens(), trainstream=ENGINE)
+    with _recording_writes() as written, _recording_state_dicts() as state_dicts:
+        each_node.train()
+    out["each_node"] = {"written": written, "state_dicts": state_dicts}
 
     auto = TrainStreamTrainer(model=_model(), args=_args(f"{root}/auto", world), train_dataset=Tokens())
     auto.train()
@@ -311,6 +320,36 @@ def _recording_writes():
         yield written
     finally:
         torch.save, modeling_utils.safe_save_file = real_save, real_safe_save
+
+
+@contextlib.contextmanager
+def _recording_state_dicts():
+    """Each call of the wrapped optimizer's state_dict() on this process while the Trainer
+    saves the optimizer (accelerate calls it too, when it prepares the optimizer): whether it
+    was asked with rank0_only=True, and whether it gave the "whole" state or an "empty" dict."""
+    from trainstream.engine.optimizer import StreamedAdamW
+
+    calls, saving = [], []
+    real, real_save = StreamedAdamW.state_dict, TrainStreamTrainer._save_optimizer_and_scheduler
+
+    def state_dict(self, *args, **kwargs):
+        sd = real(self, *args, **kwargs)
+        if saving:
+            calls.append((kwargs.get("rank0_only", False), "whole" if sd.get("state") else "empty"))
+        return sd
+
+    def save(self, output_dir):
+        saving.append(output_dir)
+        try:
+            real_save(self, output_dir)
+        finally:
+            saving.pop()
+
+    StreamedAdamW.state_dict, TrainStreamTrainer._save_optimizer_and_scheduler = state_dict, save
+    try:
+        yield calls
+    finally:
+        StreamedAdamW.state_dict, TrainStreamTrainer._save_optimizer_and_scheduler = real, real_save
 
 
 def _one_process(root) -> dict:
@@ -478,6 +517,11 @@ def test_only_the_main_process_writes_the_checkpoint_and_it_holds_the_whole_stat
 
 
 def test_resume_with_two_processes_continues_bit_for_bit(runs):
+    # Each checkpoint's optimizer state was gathered to rank 0, which saved it, alone: rank 1's
+    # state_dict() only sent its shards and gave {}.
+    r0, r1 = runs["ranks"]
+    assert r0["ours"]["state_dicts"] == [(True, "whole")] * (STEPS // SAVE_STEPS)
+    assert r1["ours"]["state_dicts"] == [(True, "empty")] * (STEPS // SAVE_STEPS)
     for rank in runs["ranks"]:
         assert rank["resumed"]["loss"][SAVE_STEPS:] == rank["ours"]["loss"][SAVE_STEPS:]
         assert rank["resumed"]["grad_norm"][SAVE_STEPS:] == rank["ours"]["grad_norm"][SAVE_STEPS:]
@@ -498,6 +542,17 @@ def test_resume_with_one_process_loads_the_whole_state_and_continues_within_ddps
     ddp_loss = _loss_distance(runs["ranks"][0]["stock"]["loss"], runs["one"]["stock"]["loss"])
     for got, want in zip(resumed["loss"][SAVE_STEPS:], r0["loss"][SAVE_STEPS:]):
         assert abs(got - want) <= 3 * ddp_loss
+
+
+def test_with_save_on_each_node_every_rank_gets_the_whole_optimizer_state(runs):
+    """Each node's first process saves: the state is not gathered to rank 0 alone."""
+    r0, r1 = runs["ranks"]
+    for rank in (r0, r1):
+        assert rank["each_node"]["state_dicts"] == [(False, "whole")] * (STEPS // SAVE_STEPS)
+    assert "optimizer.pt" in r0["each_node"]["written"] and "optimizer.pt" not in r1["each_node"]["written"]
+    saved = torch.load(runs["root"] / "each-node" / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)
+    shapes = sorted(tuple(p.shape) for p in _model().parameters())
+    assert sorted(tuple(st["exp_avg"].shape) for st in saved["state"].values()) == shapes
 
 
 def test_frozen_weights_that_agree_are_compared_and_not_sent(runs):

@@ -18,7 +18,8 @@ Trainer's code path that would act on ``p.grad`` (None under the engine) is turn
   process group and is not wrapped in DistributedDataParallel ([Note: no DDP wrapper]); rank
   0's parameters and buffers are taken first wherever a rank's differ, as DDP broadcasts them
   ([Note: rank 0's weights]); every rank takes part in the optimizer's state_dict() when the
-  main process saves a checkpoint.
+  main process saves a checkpoint, which gathers the moments to that process alone (to every
+  rank with save_on_each_node).
 
 With ``chunked_loss`` (default True) a causal LM's training loss is computed by
 :func:`trainstream.causal_lm_loss` from the final hidden states and the output layer's
@@ -284,12 +285,17 @@ class TrainStreamTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # The engine's mode is saved inside the optimizer's state_dict (engine/switch.py).
         _synchronize(self.optimizer)
-        if self.args.world_size > 1 and not self.args.should_save:
-            # Data parallel: state_dict() gathers every rank's moment shards (a collective).
-            # The stock method calls it on the processes that save (should_save) and nowhere
-            # else, so every other rank takes its part here: each rank calls it once.
-            self.optimizer.state_dict()
-        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.world_size <= 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Data parallel: state_dict() gathers every rank's moment shards (a collective), so
+        # every rank calls it once, here. The stock method calls it on the processes that save
+        # (should_save) and nowhere else: they get the dict gathered here. Without
+        # save_on_each_node the one that saves is rank 0, and the shards are gathered to it
+        # alone (the others get {}); with it each node's first process saves, and every rank
+        # gets the whole dict.
+        state = _ours(self.optimizer).state_dict(rank0_only=not self.args.save_on_each_node)
+        with _state_dict_given(self.optimizer, state):
+            super()._save_optimizer_and_scheduler(output_dir)
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -675,6 +681,17 @@ def _check_scheduler(scheduler, optimizer) -> None:
 def _ours(optimizer):
     """The wrapped optimizer, inside accelerate's AcceleratedOptimizer when the Trainer made one."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+@contextlib.contextmanager
+def _state_dict_given(optimizer, state: dict):
+    """Inside the block `optimizer.state_dict()` returns `state`, gathered already, rather
+    than gathering again where only this process would call it."""
+    optimizer.state_dict = lambda: state
+    try:
+        yield
+    finally:
+        del optimizer.state_dict  # the class's method again
 
 
 def _synchronize(optimizer) -> None:
