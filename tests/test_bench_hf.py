@@ -372,3 +372,17 @@ def test_a_quick_run_of_chosen_rows_in_a_real_process_on_the_cpu(tmp_path):
     assert four["commit"] != "old" and six["commit"] == "old"
     assert six["first_loss_diff"] == pytest.approx(abs(7.0 - four["first_loss"]))
     assert json.loads(path.read_text())["rows"] == result["rows"]
+
+
+def test_the_calls_list_says_the_host_of_each_call():
+    rows = [
+        dict(row=1, commit="aaa", date="d1", cpu="Xeon", cores=16),
+        dict(row=2, commit="aaa", date="d1", cpu="Xeon", cores=16),
+        dict(row=4, commit="aaa", date="d1", cpu="EPYC", cores=16),
+        dict(row=5, commit="old", date="d0"),  # measured before rows kept their host
+    ]
+    assert hf._calls(rows).splitlines() == [
+        "- rows 1, 2: commit aaa, d1, Xeon, 16 cores",
+        "- rows 4: commit aaa, d1, EPYC, 16 cores",
+        "- rows 5: commit old, d0",
+    ]

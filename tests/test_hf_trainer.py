@@ -645,3 +645,24 @@ def test_gpu_bf16_parity_with_the_stock_trainer(tmp_path):
     assert next(ours.model.parameters()).device.type == "cuda"
     assert_close_rel(logged(ours, "loss"), logged(stock, "loss"), 1e-2)
     assert_close_rel(logged(ours, "grad_norm"), logged(stock, "grad_norm"), 1e-2)
+
+
+def test_the_state_given_to_the_stock_save_leaves_the_optimizer_as_it_was():
+    """_state_dict_given (data-parallel checkpoints): inside, state_dict() gives the gathered
+    state; afterwards the class's method, or an instance attribute set before, is back, also
+    when the save raises."""
+    from trainstream.integrations.huggingface.trainer import _state_dict_given
+
+    class Optimizer:
+        def state_dict(self):
+            return "the class's"
+
+    opt = Optimizer()
+    with _state_dict_given(opt, {"gathered": 1}):
+        assert opt.state_dict() == {"gathered": 1}
+    assert opt.state_dict() == "the class's" and "state_dict" not in vars(opt)
+    own = lambda: "an instance's"  # noqa: E731
+    opt.state_dict = own
+    with pytest.raises(KeyError), _state_dict_given(opt, {}):
+        raise KeyError("the save failed")
+    assert opt.state_dict is own

@@ -84,6 +84,20 @@ def test_what_it_does_not_split_runs_as_torch_would():
     assert 0 <= ints.min() and ints.max() < 10
 
 
+def test_a_draw_autograd_sees_is_torchs_own():
+    """With grad enabled a tensor that requires grad is left to torch: a leaf is refused as
+    torch refuses it, and a non-leaf's draw is recorded in the graph."""
+    leaf = torch.nn.Parameter(torch.empty(8192))
+    with parallel_draws(), pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        leaf.normal_()
+    x = torch.ones(8192, requires_grad=True)
+    with parallel_draws():
+        y = x * 2
+        y.normal_()
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))  # normal_'s gradient is zero, as torch's graph says
+
+
 def test_the_draws_are_fixed_by_the_seed_before_a_random_load(tmp_path):
     pytest.importorskip("transformers")
     from trainstream.integrations.huggingface import load_model

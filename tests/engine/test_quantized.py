@@ -118,6 +118,44 @@ def test_merging_adapters_into_a_quantized_base_needs_the_plain_model():
     assert torch.isfinite(merged) and abs(merged.item() - unmerged.item()) < 1e-4
 
 
+@pytest.mark.parametrize("placement", ["resident", "paged"])
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda w: w.zero_(),
+        lambda w: torch.nn.init.constant_(w, 0.5),
+        lambda w: w.masked_fill_(torch.arange(w.numel()).view(w.shape) % 2 == 0, 0.0),  # a pruning mask
+    ],
+    ids=["zero_", "nn.init.constant_", "masked_fill_"],
+)
+def test_a_write_to_a_quantized_weight_is_refused_at_its_next_use_until_values_are_loaded(placement, write):
+    """[Note: quantized edits]: the writes that succeed on the placeholder write one element,
+    which cannot say what was meant: the weight's next forward refuses them, naming it; the
+    codes and state_dict() are untouched; new values loaded through the state dict are
+    quantized again and training goes on."""
+    opts = dict(RESIDENT if placement == "resident" else PAGED, quantize="nf4")
+    _, _, (model, opt) = train("gpt", opts, steps=1, freeze=FROZEN)
+    _, batch, loss_fn = MODELS["gpt"]()
+    key, w = "layers.1.fc.weight", model.layers[1].fc.weight
+    before = model.state_dict()[key]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: masked_fill_ on an expanded tensor is deprecated
+        write(w)
+    with pytest.raises(ValueError, match=r"layers\.1\.fc\.weight is held as nf4 codes, and an in-place write"):
+        loss_fn(model, batch(0, "cpu"))
+    assert torch.equal(model.state_dict()[key], before)  # the codes stand
+    new = before.flip(0)
+    model.load_state_dict({key: new}, strict=False)
+    assert torch.isnan(w).all()  # the placeholder again
+    assert torch.equal(model.state_dict()[key], QuantizedWeight.quantize(new, "nf4").dequantize())
+    for i in range(2):
+        loss = loss_fn(model, batch(i, "cpu"))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.isfinite(loss)
+
+
 def test_quantized_weights_are_stored_as_codes_and_reported():
     _, _, (model, _) = train(
         "gpt", dict(param_offload=[1, 3], activation_offload=False, quantize="nf4"), steps=1, freeze=FROZEN

@@ -232,6 +232,11 @@ def env_line(env: dict) -> str:
     return text
 
 
+def host_of(row: dict) -> str:
+    """ ", CPU, N cores" of the call that measured `row` (call_stamp); "" for a row without."""
+    return f", {row.get('cpu')}, {row['cores']} cores" if row.get("cores") is not None else ""
+
+
 def write_result(out_dir: Path, suite: str, env: dict, result: dict, markdown: str, *, quick: bool = False) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(suite, env, quick)

@@ -57,6 +57,7 @@ from .common import (
     call_stamp,
     cap_vram,
     case_in_subprocess,
+    host_of,
     markdown_table,
     parse_row_numbers,
     result_stem,
@@ -511,12 +512,13 @@ def run(
 
 
 def _calls(rows: list[dict]) -> str:
-    """Which call measured which rows: one line per commit and date."""
+    """Which call measured which rows: one line per commit, date and host."""
     calls: dict = {}
     for r in rows:
-        calls.setdefault((r.get("commit"), r.get("date")), []).append(str(r.get("row")))
+        calls.setdefault((r.get("commit"), r.get("date"), host_of(r)), []).append(str(r.get("row")))
     return "\n".join(
-        f"- rows {', '.join(numbers)}: commit {str(commit)[:12]}, {date}" for (commit, date), numbers in calls.items()
+        f"- rows {', '.join(numbers)}: commit {str(commit)[:12]}, {date}{host}"
+        for (commit, date, host), numbers in calls.items()
     )
 
 

@@ -16,7 +16,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .common import markdown_table
+from .common import host_of, markdown_table
 from .workload_cases import first_line
 
 OURS = ("trainstream", "trainer_ours")
@@ -274,12 +274,12 @@ def markdown(payload: dict) -> str:
     totals, calls = {}, {}
     for r in rows:  # each call: its commit, date and rates, and how many runs of which rows it measured
         totals[r["row"]] = totals.get(r["row"], 0) + 1
-        call = calls.setdefault((r.get("commit"), r.get("date")), dict(rates=r.get("rates") or {}, rows={}))
+        call = calls.setdefault((r.get("commit"), r.get("date"), host_of(r)), dict(rates=r.get("rates") or {}, rows={}))
         call["rows"][r["row"]] = call["rows"].get(r["row"], 0) + 1
     measured = []
-    for (commit, date), call in calls.items():
+    for (commit, date, host), call in calls.items():
         done = [f"{n}" if k == totals[n] else f"{n} ({k} of its {totals[n]} runs)" for n, k in call["rows"].items()]
-        measured.append(f"- rows {', '.join(done)}: commit {str(commit)[:12]}, {date}{_rates(call['rates'])}")
+        measured.append(f"- rows {', '.join(done)}: commit {str(commit)[:12]}, {date}{host}{_rates(call['rates'])}")
     titles = [f"{n}. {title}" for n, title in sorted(by_row.items())]
     quick = (
         "Quick run: toy sizes of every row (not results); on the CPU no VRAM cap applies.\n\n"

@@ -232,14 +232,23 @@ class UnitViews:
     one is made after any change, so an object identity check tells a cache built on these
     (the pager's fetch layouts) whether it is current."""
 
-    __slots__ = ("unit", "slots", "device_state_slots", "pageable_slots", "streamed_slots", "streamed", "fetch_nbytes")
+    __slots__ = (
+        "unit",
+        "slots",
+        "device_state_slots",
+        "pageable_slots",
+        "quantized_slots",
+        "streamed_slots",
+        "streamed",
+        "fetch_nbytes",
+    )
 
     def __init__(self, unit: Unit):
         self.unit, self.slots = unit, unit.slots  # what they were made for (Unit.views checks)
         slots = unit.slots
         self.device_state_slots = tuple(s for s in slots if s.device_state)
         self.pageable_slots = tuple(s for s in slots if not s.device_state)
-        quantized = tuple(s for s in slots if s.quant_format is not None)
+        self.quantized_slots = quantized = tuple(s for s in slots if s.quant_format is not None)
         self.streamed_slots = self.pageable_slots if unit.paged else quantized
         self.streamed = unit.paged or bool(quantized)
         self.fetch_nbytes = sum(s.full_nbytes for s in self.streamed_slots)

@@ -19,7 +19,8 @@ into the device's address space), which a kernel reads across PCIe. Reads are cu
 ``optimizer.synchronize()`` (the host threads write these buffers). An in-place edit through
 it writes the host weights, and the version counter tells the engine to level the other
 copies (_take_edit). A quantized weight has no full-precision host copy: its placeholder is
-one NaN expanded to its shape (reads give NaN, writes fail); state_dict() dequantizes it.
+one NaN expanded to its shape (reads give NaN; a write either fails or is refused at the
+weight's next use: [Note: quantized edits]); state_dict() dequantizes it.
 
 [Note: edits] The engine's own writes to a param go through ``p.data`` (its own version
 counter) or raw pointers; a user's in-place edit (``p.zero_()``, ``nn.init``, ``p.copy_``
@@ -206,6 +207,7 @@ class WeightPager:
         s.quant = q
         s.placeholder = self.nans.placeholder(s)
         s.param.data = s.placeholder
+        s.version = s.param._version  # from here a write to the placeholder is the user's
 
     def restore(self) -> None:
         """unwrap(): every weight back on the device in the model's dtype (a quantized one
@@ -271,9 +273,11 @@ class WeightPager:
         its dtype (the placeholder views them), a resident one's in its device tensor; every
         other host copy is brought level (the fp32 master exactly, lower-precision copies
         rounded to nearest even, as the optimizer writes them)."""
+        if s.quant is not None:
+            return  # nothing to take: the unit's next fetch refuses the write (refuse_quantized_edits)
         s.version = s.param._version
-        if s.quant is not None or not (s.host or s.master_shard is not None):
-            return  # a quantized param cannot be edited; a frozen resident one has no host copy yet
+        if not (s.host or s.master_shard is not None):
+            return  # a frozen resident param has no host copy yet
         edited = s.host[s.dtype] if s.unit.paged else s.param.data
         if s.master_shard is not None:  # data parallel: this rank's elements of the master
             lo, hi = s.shard
@@ -454,6 +458,7 @@ class WeightPager:
         if unit.fetch is not Fetch.RELEASED:
             return
         layout = self._layout(unit, dtypes)
+        refuse_quantized_edits(layout.views.quantized_slots)
         nbytes = layout.views.fetch_nbytes
         if ahead:
             if not self.ledger.may_fetch_ahead(nbytes):
@@ -645,6 +650,26 @@ class WeightPager:
                     f"parameters stay as wrap() placed them ({s.dtype} on {device}). To change the dtype or "
                     "the device: trainstream.unwrap(model), convert or move it, then wrap() it again"
                 )
+
+
+def refuse_quantized_edits(slots) -> None:
+    """[Note: quantized edits] A weight held as codes has no values to edit between uses: its
+    placeholder expands one NaN, so the only in-place writes that succeed on it write one
+    element (zero_(), fill_(), eye_(), masked_fill_(), index_fill_(); every other raises),
+    from which what was meant cannot be told (a pruning mask's masked_fill_ leaves the 0 that
+    zero_() does). Such a write moves the param's version counter; the weight's next use
+    refuses it here, naming it, rather than compute with codes the user believes changed. It
+    stays refused until new values are loaded through the state dict (state.py: quantized
+    again, the placeholder made NaN again), or the model is unwrapped (the codes' values)."""
+    for s in slots:
+        if s.param._version != s.version:
+            raise ValueError(
+                f"trainstream: {s.name} is held as {s.quant_format} codes, and an in-place write to it "
+                "(zero_(), fill_(), nn.init, masked_fill_, ...) cannot be applied to them: between uses the "
+                "weight exists only as codes (docs/semantics.md, 'Reading a quantized weight'). To give it "
+                f"new values, load them: model.load_state_dict({{'<its state_dict key>': values}}, strict=False) "
+                "quantizes them again; or trainstream.unwrap(model), edit, and wrap() again"
+            )
 
 
 def _mapped_view(host: torch.Tensor) -> torch.Tensor:

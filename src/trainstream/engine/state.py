@@ -150,7 +150,11 @@ class StateHooks:
         # loaded values, now in every host copy, are no edit (params.py, [Note: edits]). A paged
         # param the state dict does not hold keeps its count, and with it an edit of its own.
         self.weights.values_known([s for s in slots if s in self._saved or s not in _exposed(slots)])
-        self._restore([s for s in _exposed(slots) if s in self._saved])
+        loaded = [s for s in _exposed(slots) if s in self._saved]
+        self._restore(loaded)
+        for s in loaded:
+            if s.quant is not None:  # a write refused before may have spoiled its NaN ([Note: quantized edits])
+                s.param.data.fill_(float("nan"))
         backend = self.backend
         backend.follow_compute(backend.copy_in)  # re-quantized codes were written on the compute stream
         self.weights.loaded({s.unit for s in slots})

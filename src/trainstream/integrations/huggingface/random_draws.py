@@ -62,6 +62,7 @@ class _ParallelDraws(TorchFunctionMode):
         return (
             isinstance(tensor, torch.Tensor)
             and kwargs.get("generator") is None
+            and not (tensor.requires_grad and torch.is_grad_enabled())  # autograd's checks and graph: torch's
             and tensor.device.type == "cpu"
             and tensor.is_floating_point()
             and tensor.is_contiguous()

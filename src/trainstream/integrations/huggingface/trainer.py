@@ -683,15 +683,23 @@ def _ours(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
+_NONE = object()  # _state_dict_given: no instance attribute to put back
+
+
 @contextlib.contextmanager
 def _state_dict_given(optimizer, state: dict):
     """Inside the block `optimizer.state_dict()` returns `state`, gathered already, rather
-    than gathering again where only this process would call it."""
+    than gathering again where only this process would call it. Afterwards it is what it was
+    (the class's method, or an attribute of the instance someone had set)."""
+    own = vars(optimizer).get("state_dict", _NONE)
     optimizer.state_dict = lambda: state
     try:
         yield
     finally:
-        del optimizer.state_dict  # the class's method again
+        if own is _NONE:
+            del optimizer.state_dict
+        else:
+            optimizer.state_dict = own
 
 
 def _synchronize(optimizer) -> None:
