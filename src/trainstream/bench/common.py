@@ -233,7 +233,8 @@ def env_line(env: dict) -> str:
 
 
 def host_of(row: dict) -> str:
-    """ ", CPU, N cores" of the call that measured `row` (call_stamp); "" for a row without."""
+    """The host of the call that measured `row` (call_stamp), as ", CPU, N cores" to follow its
+    date in a calls list; "" for a row measured before rows kept it."""
     return f", {row.get('cpu')}, {row['cores']} cores" if row.get("cores") is not None else ""
 
 

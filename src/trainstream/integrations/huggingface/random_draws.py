@@ -34,7 +34,7 @@ def _chunk_seed(seed: int, draw: int, chunk: int) -> int:
 class _ParallelDraws(TorchFunctionMode):
     """The mode behind parallel_draws(): see the module's docstring."""
 
-    # func -> (where its tensor method's arguments sit: positional names, defaults)
+    # func -> (the tensor method each chunk calls, the names of its two arguments, their defaults)
     DRAWS = {
         torch.Tensor.normal_: ("normal_", ("mean", "std"), (0.0, 1.0)),
         torch.nn.init.normal_: ("normal_", ("mean", "std"), (0.0, 1.0)),
