@@ -22,7 +22,9 @@ from models import tiny_gpt
 
 import trainstream
 from trainstream.api import _engine_of
-from trainstream.engine.distributed import UnitShards, order_with_unseen
+from trainstream.engine import distributed as engine_dist
+from trainstream.engine.distributed import StockGradients, UnitShards, order_with_unseen
+from trainstream.engine.switch import stock_bytes
 
 GLOBAL_ROWS = 6  # sequences per step, split evenly over 1, 2 or 3 ranks
 LR = 1e-2
@@ -101,12 +103,14 @@ def _max_diff(a: dict, b: dict) -> float:
 # -- spawning ---------------------------------------------------------------------------------
 
 
-def _entry(rank, world, root, timeout_s, fn, args):
+def _entry(rank, world, root, timeout_s, fn, args, backend):
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     torch.set_num_threads(1)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
     store = os.path.join(root, "store")
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store}",
         rank=rank,
         world_size=world,
@@ -120,11 +124,11 @@ def _entry(rank, world, root, timeout_s, fn, args):
     dist.destroy_process_group()
 
 
-def _spawn(world: int, root, fn, *args, timeout_s: float = 30) -> list:
+def _spawn(world: int, root, fn, *args, timeout_s: float = 30, backend: str = "gloo") -> list:
     """Run fn(rank, world, *args) on `world` processes; each one's return value (or
     {"error": ...}). A process still running past JOIN_S is killed and reads as None."""
     root = str(root)
-    return run_ranks(_entry, world, root, lambda r: (r, world, root, timeout_s, fn, args), JOIN_S)
+    return run_ranks(_entry, world, root, lambda r: (r, world, root, timeout_s, fn, args, backend), JOIN_S)
 
 
 def _ok(results: list) -> list:
@@ -899,6 +903,216 @@ def test_offload_auto_switches_every_rank_to_stock_training_as_ddp(two_ranks):
     assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
 
 
+# -- the averaging after the switch to stock ([Note: stock buckets]) -------------------------
+
+STOCK_BUCKET_BYTES = 64 * 1024  # the tiny GPT's matrices are 16 to 64 KiB in fp32: a few buckets per block
+# StockGradients on its own, each parameter a bucket of its own, in this order: "one" only rank
+# 0 has a gradient for (the first bucket: rank 0 launches buckets during backward, the others
+# none before its end), "none" no rank has.
+FLAG_PARAMS = {"one": 3, "all": 5, "all2": 2, "none": 4}
+
+
+def _flat_average(group, params) -> None:
+    """The reference, the averaging after the switch as it was before buckets: at the end of
+    backward every gradient in one flat fp32 host tensor, divided by the world size, one
+    all-reduce, and one of the flags, one per parameter (a parameter no rank had stays None)."""
+    world = dist.get_world_size(group)
+    present = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
+    flat = torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.reshape(-1).float().cpu() for p in params])
+    flat.div_(world)
+    dist.all_reduce(flat, group=group)
+    dist.all_reduce(present, group=group)
+    offset = 0
+    for p, some in zip(params, present.tolist()):
+        part = flat[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        if some:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(part)
+
+
+@contextlib.contextmanager
+def _launches_recorded(events: list):
+    """Every all-reduce issued inside the block appends "launch" to `events`."""
+    real = dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        events.append("launch")
+        return real(*args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+def _stock_buckets(rank, world, device="cpu"):
+    """offload="auto" switched to stock training, buckets of STOCK_BUCKET_BYTES, 2 passes a
+    step; then a step whose passes are recorded: each pass's averaged gradients beside those
+    of a plain copy of the model averaged by _flat_average on the same batches, and the order
+    of the buckets' launches and of block 0's gradients landing."""
+    engine_dist.STOCK_BUCKET_BYTES = STOCK_BUCKET_BYTES
+    reference_group = dist.new_group(backend="gloo")  # host tensors, whatever the default group's backend
+
+    def loss(model, i):
+        idx, tgt = _batch(i, rank, world)
+        return model(idx.to(device), tgt.to(device)) / ACCUMULATION
+
+    model = _model().to(device)
+    model, opt = trainstream.wrap(
+        model, _optimizer(model), device=device, threads=1, profile=False, accumulation_steps=ACCUMULATION
+    )
+    for step in range(SWITCHED_STEPS):
+        for micro in range(ACCUMULATION):
+            loss(model, step * ACCUMULATION + micro).backward()
+        opt.step()
+        opt.zero_grad()
+    averaging = _engine_of(model)._stock_grads
+    out = {"mode": trainstream.memory_report(model)["mode"], "buckets": len(averaging.buckets), "passes": []}
+    out["on device"] = averaging.on_device
+    plain = _model().to(device)
+    plain.load_state_dict(model.state_dict())
+    events = []
+    for p in model.layers[0].parameters():  # registered after the averaging's own: they fire after them
+        p.register_post_accumulate_grad_hook(lambda p: events.append("block 0"))
+    for micro in range(ACCUMULATION):  # no zero_grad between the passes: every pass is averaged
+        events.clear()
+        with _launches_recorded(events):
+            loss(model, SWITCHED_STEPS * ACCUMULATION + micro).backward()
+        loss(plain, SWITCHED_STEPS * ACCUMULATION + micro).backward()
+        _flat_average(reference_group, list(plain.parameters()))
+        out["passes"].append(
+            {
+                "events": list(events),
+                "grads": {n: p.grad.cpu().clone() for n, p in model.named_parameters()},
+                "reference": {n: p.grad.cpu().clone() for n, p in plain.named_parameters()},
+            }
+        )
+    opt.step()
+    return out
+
+
+def _flag_coefficients(rank, world, name, step) -> torch.Tensor:
+    """Rank `rank`'s gradient of FLAG_PARAMS' `name` in pass `step`: multiples of world**2,
+    so that every mean (divided by world, summed, accumulated) is exact."""
+    g = torch.Generator().manual_seed(100 * step + 10 * rank + list(FLAG_PARAMS).index(name))
+    return world**2 * torch.randint(-3, 4, (FLAG_PARAMS[name],), generator=g).double()
+
+
+def _uses(rank, name) -> bool:
+    return name in ("all", "all2") or (name == "one" and rank == 0)
+
+
+def _stock_flags(rank, world):
+    """StockGradients over FLAG_PARAMS, 2 accumulated passes: each pass's gradients and the
+    order of the buckets' launches and of the gradients landing."""
+    engine_dist.STOCK_BUCKET_BYTES = 4  # each parameter a bucket of its own
+    params = {name: torch.nn.Parameter(torch.zeros(n)) for name, n in FLAG_PARAMS.items()}
+    averaging = StockGradients(dist.group.WORLD, dist.group.WORLD, list(params.values()))
+    events = []
+    for p in params.values():
+        p.register_post_accumulate_grad_hook(lambda p: events.append("landed"))
+    out = {"buckets": len(averaging.buckets), "passes": []}
+    for step in range(2):
+        events.clear()
+        # Backward runs the term made last first: "one" lands first on rank 0.
+        used = [
+            (_flag_coefficients(rank, world, n, step).float() * p).sum()
+            for n, p in reversed(params.items())
+            if _uses(rank, n)
+        ]
+        with _launches_recorded(events):
+            sum(used).backward()
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
+        out["passes"].append({"events": list(events), "grads": grads})
+    averaging.remove()
+    return out
+
+
+def _stock_averaging(rank, world):
+    return {"switched": _stock_buckets(rank, world), "flags": _stock_flags(rank, world)}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def stock_averaging(request, tmp_path_factory):
+    return _ok(_spawn(request.param, tmp_path_factory.mktemp("stock"), _stock_averaging))
+
+
+def _same_as_the_flat_average(ranks: list, exact: bool, atol: float = 1e-8) -> None:
+    """Every rank's gradients alike, bit for bit, and those of the flat reference: bit for bit
+    if `exact`, else within rounding."""
+    for p, first in enumerate(ranks[0]["passes"]):
+        for res in ranks:
+            mine = res["passes"][p]
+            _same_bits(mine["grads"], first["grads"])
+            if exact:
+                _same_bits(mine["grads"], mine["reference"])
+            for name, g in mine["grads"].items():
+                torch.testing.assert_close(g, mine["reference"][name], rtol=1e-5, atol=atol)
+
+
+def test_after_the_switch_to_stock_the_buckets_average_as_one_flat_all_reduce_did(stock_averaging):
+    """After offload='auto' switched to stock under data parallel, 2 accumulated passes: each
+    pass's gradients are those the averaging gave before buckets (one flat all-reduce at the end
+    of backward), on every rank."""
+    ranks = [r["switched"] for r in stock_averaging]
+    for res in ranks:
+        assert res["mode"] == "stock" and not res["on device"]
+        assert res["buckets"] > 4  # several buckets, each block's matrices in more than one
+        assert len(res["passes"]) == ACCUMULATION
+    # Bit for bit with 2 ranks, where a sum of two is the same in any order; within rounding
+    # with 3, where gloo sums an element in an order that depends on where it sits in the
+    # tensor reduced, which the flat tensor and the buckets place differently.
+    _same_as_the_flat_average(ranks, exact=len(ranks) == 2)
+    first, second = ranks[0]["passes"]
+    assert any(not torch.equal(first["grads"][n], second["grads"][n]) for n in first["grads"])  # it accumulated
+
+
+def test_after_the_switch_to_stock_buckets_are_reduced_while_backward_goes_on(stock_averaging):
+    """Buckets are launched as backward completes them: on every rank, in every pass, a
+    bucket's all-reduce goes before the first gradient of block 0 (the last block backward
+    reaches) has landed, and every bucket goes once."""
+    _overlapped([r["switched"] for r in stock_averaging])
+
+
+def test_after_the_switch_to_stock_a_gradient_some_rank_or_no_rank_had_averages_as_before(stock_averaging):
+    """A parameter only rank 0 has a gradient for gets the mean with zeros from the others on
+    every rank; one no rank has stays None; every pass is averaged (2 passes accumulated). The
+    first bucket is the parameter of rank 0 alone: rank 0 launches buckets during backward,
+    every other rank only at its end, and the all-reduces still pair bucket with bucket."""
+    world = len(stock_averaging)
+    grads = dict.fromkeys(FLAG_PARAMS)
+    for step in range(2):
+        for name in FLAG_PARAMS:  # the mean of every rank's gradient, absent ones as zeros (exact in float64)
+            mine = [grads[name]] * world
+            for r in range(world):
+                if _uses(r, name):
+                    c = _flag_coefficients(r, world, name, step)
+                    mine[r] = c if mine[r] is None else mine[r] + c
+            had = [g for g in mine if g is not None]
+            grads[name] = sum(g / world for g in had) if had else None
+        for r, res in enumerate(stock_averaging):
+            flags = res["flags"]
+            assert flags["buckets"] == len(FLAG_PARAMS)
+            recorded = flags["passes"][step]
+            for name, want in grads.items():
+                got = recorded["grads"][name]
+                if want is None:
+                    assert got is None, (r, step, name)
+                else:
+                    assert_same_bits(got, want.float())
+            events = recorded["events"]
+            assert events.count("launch") == len(FLAG_PARAMS)
+            last_landing = len(events) - 1 - events[::-1].index("landed")
+            if r == 0:  # during backward: before its last gradient landed
+                assert events.index("launch") < last_landing, (step, events)
+            else:  # its first bucket's gradient never lands: everything goes at the end
+                assert events.index("launch") > last_landing, (r, step, events)
+    assert grads["one"] is not None and grads["none"] is None
+
+
 def test_paging_bf16_moments_and_a_nan_on_one_rank(three_ranks):
     """Three ranks, every block's weights and activations paged, bf16 moments, bf16 autocast;
     rank 2's loss is NaN at step 1: every rank skips that step, and all stay identical."""
@@ -1097,6 +1311,64 @@ def _on_the_gpu_paging_differently(rank, world):
         "master bytes": report["host_master_bytes"],
         "paged": report["params"]["paged_blocks"],
     }
+
+
+def test_the_buckets_go_on_the_device_where_the_group_reduces_cuda_tensors_with_nccl(monkeypatch):
+    """After the switch to stock, the averaging reduces on the device only for CUDA gradients
+    with a group whose CUDA backend is NCCL; the fp32 buckets it then holds there are counted
+    in the memory the switch needs, and nothing where they are host copies."""
+    configs = {"nccl": "cuda:nccl", "mixed": "cpu:gloo,cuda:nccl", "gloo": "cpu:gloo,cuda:gloo"}
+    monkeypatch.setattr(dist, "get_backend_config", lambda group: configs[group])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert engine_dist.reduces_on_device("nccl", cuda) and engine_dist.reduces_on_device("mixed", cuda)
+    assert not engine_dist.reduces_on_device("gloo", cuda) and not engine_dist.reduces_on_device("mixed", cpu)
+    model, _, _ = _alone(1)
+    engine = _engine_of(model)
+    elements = sum(p.numel() for p in _model().parameters())
+    ranks = type("Ranks", (), {"user": "mixed"})
+    assert engine_dist.stock_averaging_bytes(ranks, cuda, engine.units) == 4 * elements
+    assert engine_dist.stock_averaging_bytes(ranks, cpu, engine.units) == 0
+    assert engine_dist.stock_averaging_bytes(None, cuda, engine.units) == 0
+    alone = stock_bytes(engine.units, engine.meter, 0)
+    assert stock_bytes(engine.units, engine.meter, 0, 4 * elements) == {
+        **alone,
+        "gradient buckets (data parallel)": 4 * elements,
+    }
+
+
+def _overlapped(ranks: list) -> None:
+    """_stock_buckets' passes launched every bucket, the first before block 0's gradients."""
+    for r, res in enumerate(ranks):
+        for p, recorded in enumerate(res["passes"]):
+            events = recorded["events"]
+            assert events.count("launch") == res["buckets"] > 4, (r, p)
+            assert events.index("launch") < events.index("block 0"), (r, p, events)
+
+
+@pytest.mark.gpu
+def test_two_processes_on_one_gpu_average_in_buckets_after_the_switch_to_stock(tmp_path):
+    """On a GPU, gloo the default group: after the switch to stock the buckets are host copies
+    of the device's gradients, launched during backward; every rank's averaged gradients are
+    alike, and those of the flat reference within rounding (the model's own backward on a GPU
+    need not repeat bit for bit: the reference's runs apart)."""
+    ranks = _ok(_spawn(2, tmp_path, _stock_buckets, "cuda"))
+    for res in ranks:
+        assert res["mode"] == "stock" and not res["on device"]
+    _same_as_the_flat_average(ranks, exact=False, atol=1e-6)
+    _overlapped(ranks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL takes one per rank)")
+def test_two_gpus_over_nccl_average_in_buckets_on_the_device_after_the_switch_to_stock(tmp_path):
+    """NCCL the default group, a GPU per rank: after the switch to stock the buckets are
+    reduced on the device, launched during backward; every rank's averaged gradients are
+    alike, and those of the flat reference (host copies over gloo) within rounding."""
+    ranks = _ok(_spawn(2, tmp_path, _stock_buckets, "cuda", backend="nccl"))
+    for res in ranks:
+        assert res["mode"] == "stock" and res["on device"]
+    _same_as_the_flat_average(ranks, exact=False, atol=1e-6)
+    _overlapped(ranks)
 
 
 def test_the_ranks_of_a_machine_share_its_pinnable_memory(monkeypatch):

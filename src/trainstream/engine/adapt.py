@@ -115,8 +115,13 @@ class Adapter:
     SETTLED_MARGIN = 0.1  # a settled block's mode changes only for a plan predicted this much faster
     AFTER_STACK_SHARE = 0.4  # of the usable memory, kept by the first pass's guard for what runs after the stack
 
-    def __init__(self, backend, opts, block_units, outside_units, meter, profile, unpageable, on_device, events):
+    def __init__(
+        self, backend, opts, block_units, outside_units, meter, profile, unpageable, on_device, events, averaging=0
+    ):
+        """`averaging`: the device bytes data parallel's gradient buckets would hold after the
+        switch to stock (StockGradients; 0 where they stay on the host)."""
         self.backend = backend
+        self.averaging = averaging
         self.opts = opts
         self.block_units = block_units  # read: the placement as the engine applied it
         self.outside_units = outside_units
@@ -808,7 +813,8 @@ class Adapter:
         if reason is None:
             reason = why_not_stock(self.meter, self.block_units)
         if reason is None:
-            need = stock_bytes(self.block_units + self.outside_units, self.meter, self.planned_after_stack())
+            units = self.block_units + self.outside_units
+            need = stock_bytes(units, self.meter, self.planned_after_stack(), self.averaging)
             total = sum(need.values())
             detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in need.items())
             if total > self.usable:

@@ -242,6 +242,7 @@ class RankGroups:
     def __init__(self, group, units: list, settings: tuple = ()):
         """`settings`: the options that decide which collectives a window issues, which
         every rank must share as it shares the model."""
+        self.user = group  # the user's: after the switch to stock it may reduce on the device (StockGradients)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = _timeout_of(group)
@@ -256,8 +257,9 @@ class RankGroups:
         assign_shards(units, self.rank, self.world)
 
     def release_gather(self) -> None:
-        """Give the gather group back (the switch to stock: only the reduction group is used
-        from then on, by StockGradients). Once only; a local call, not a collective."""
+        """Give the gather group back (the switch to stock: StockGradients averages over the
+        reduction group, or on the device over the user's). Once only; a local call, not a
+        collective."""
         if self.gather is not None:
             _give_back(self.gather)
             self.gather = None
@@ -463,56 +465,151 @@ class DataParallel:
         )
 
 
-def _stock_landed(ref, param) -> None:
+# [Note: stock buckets] After the switch to stock, a backward pass's gradients are averaged
+# as DDP averages them: in buckets of parameters in a fixed order, the same on every rank
+# (the reduction order, [Note: collective order], each unit's parameters last to first: about
+# the order backward makes them), each bucket's all-reduce launched, asynchronously, once
+# every one of its parameters has had its gradient accumulated in this pass, while the rest
+# of backward goes on; the end of backward launches the buckets left and waits for them all.
+# Collectives are matched by their order, and which buckets are complete early differs
+# between ranks (a parameter one rank has no gradient for holds its bucket until that rank's
+# backward ends), so buckets go strictly in index order: bucket k only once 0..k-1 have gone.
+# Every rank then issues the same all-reduces in the same order, each bucket once per pass,
+# whenever each goes. What a bucket carries does not depend on when it goes: early only once
+# each of its gradients is final for the pass, at the end every gradient is; a parameter with
+# no gradient on this rank sends zeros and a flag of 0. The flags travel at the bucket's end,
+# summed with it (not divided): a parameter whose flags sum to 0 stays None on every rank, as
+# torch leaves it, and one some rank had gets the sum of each rank's gradient / world (zeros
+# from the others): per element what one all-reduce of every gradient at the end of backward
+# gives (with more than 2 ranks gloo may add the terms in another order: it picks the order by
+# where an element sits in the tensor reduced).
+#
+# DDP's default bucket size (bucket_cap_mb=25): large enough that a collective's fixed cost is
+# spread over many bytes, small enough that the first buckets fill, and go, early in backward.
+# Counted in fp32, the dtype the buckets average in.
+STOCK_BUCKET_BYTES = 25 * 2**20
+
+
+def reduces_on_device(group, device: torch.device) -> bool:
+    """Whether `group` all-reduces tensors on `device` there: NCCL for a CUDA device (the
+    engine's own groups are gloo, which reduces host tensors)."""
+    if device.type != "cuda":
+        return False
+    pairs = dict(pair.split(":") for pair in dist.get_backend_config(group).split(","))
+    return pairs.get("cuda") == "nccl"
+
+
+def stock_averaging_bytes(ranks, device: torch.device, units) -> int:
+    """The device bytes StockGradients' buckets hold at the end of backward after the switch
+    to stock: every trainable element in fp32 where the user's group reduces on the device,
+    none where they are host copies (or without data parallel)."""
+    if ranks is None or not reduces_on_device(ranks.user, device):
+        return 0
+    return 4 * sum(s.param.numel() for u in units for s in u.trainable)
+
+
+def stock_buckets(params: list, bucket_bytes: int) -> list:
+    """`params` cut, in order, into runs of at most `bucket_bytes` in fp32 (a larger
+    parameter alone in its own)."""
+    buckets, size = [], 0
+    for p in params:
+        if buckets and size + 4 * p.numel() <= bucket_bytes:
+            buckets[-1].append(p)
+            size += 4 * p.numel()
+        else:
+            buckets.append([p])
+            size = 4 * p.numel()
+    return buckets
+
+
+def _stock_landed(ref, bucket, param) -> None:
     me = ref()
     if me is not None:
-        me.landed()
+        me.landed(bucket)
 
 
 class StockGradients:
     """After offload='auto' switched to stock training (torch's fused AdamW on the device):
-    DDP's part. At the end of each backward pass every trainable parameter's gradient is
-    averaged over the ranks, in one fixed order, with a flag per parameter saying whether
-    some rank had one (one no rank had stays None, as torch leaves it). With accumulation in
-    the loop every pass is averaged, which gives the mean of the sums, as DDP without
-    no_sync does."""
+    DDP's part. Every trainable parameter's gradient is averaged over the ranks in buckets
+    launched as backward makes them and waited for at its end ([Note: stock buckets]), with
+    a flag per parameter saying whether some rank had one (one no rank had stays None, as
+    torch leaves it). With accumulation in the loop every pass is averaged, which gives the
+    mean of the sums, as DDP without no_sync does. On the device over `device_group` (the
+    user's) where it reduces there (NCCL), else host copies over `host_group` (gloo)."""
 
-    def __init__(self, group, params: list):
-        self.group = group
-        self.world = dist.get_world_size(group)
+    def __init__(self, host_group, device_group, params: list):
+        """`params`: every rank's same list, in the order backward makes them (about)."""
+        self.world = dist.get_world_size(host_group)
         self.params = list(params)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        # The same on every rank, or the collectives of the two groups would never pair.
+        self.on_device = agree(host_group, reduces_on_device(device_group, self.device))
+        self.group = device_group if self.on_device else host_group
+        self.buckets = stock_buckets(self.params, STOCK_BUCKET_BYTES)
+        self._missing = [len(b) for b in self.buckets]  # of each bucket, the gradients not landed this pass
+        self._next = 0  # the next bucket to launch ([Note: stock buckets]: strictly in order)
+        self._inflight: list = []  # (bucket, buffer, work) launched this pass
         self._queued = False
         # Weakly held by the hooks: a hook dict lives in C++ autograd metadata, out of the
         # cyclic GC's sight (see the engine's install()).
         me = weakref.ref(self)
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_stock_landed, me)) for p in self.params
+            p.register_post_accumulate_grad_hook(functools.partial(_stock_landed, me, b))
+            for b, bucket in enumerate(self.buckets)
+            for p in bucket
         ]
 
-    def landed(self) -> None:
+    def landed(self, bucket: int) -> None:
+        """A gradient of `bucket` is final for this pass: launch every bucket now complete
+        whose predecessors have all gone."""
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self._missing[bucket] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch()
 
-    def reduce(self) -> None:
-        """Average every parameter's gradient over the ranks (host tensors over gloo)."""
-        self._queued = False
-        present = torch.tensor([0.0 if p.grad is None else 1.0 for p in self.params])
-        grads = [p.grad.detach().reshape(-1).float().cpu() if p.grad is not None else None for p in self.params]
-        flat = torch.cat([g if g is not None else torch.zeros(p.numel()) for g, p in zip(grads, self.params)])
-        flat.div_(self.world)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        dist.all_reduce(present, group=self.group)
-        work.wait()
-        offset = 0
-        for p, some in zip(self.params, present.tolist()):
-            part = flat[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            if some == 0:
-                continue
+    def _launch(self) -> None:
+        bucket = self.buckets[self._next]
+        self._next += 1
+        numel = sum(p.numel() for p in bucket)
+        device = self.device if self.on_device else torch.device("cpu")
+        buffer = torch.empty(numel + len(bucket), dtype=torch.float32, device=device)
+        at = 0
+        for p in bucket:
+            part = buffer[at : at + p.numel()]
+            at += p.numel()
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(part)
+                part.zero_()
+            else:
+                part.copy_(p.grad.detach().reshape(-1))
+        buffer[:numel].div_(self.world)  # the mean over ranks, as DDP divides before its all-reduce
+        flags = [0.0 if p.grad is None else 1.0 for p in bucket]
+        buffer[numel:].copy_(torch.tensor(flags))
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self._inflight.append((bucket, buffer, work))
+
+    def finish(self) -> None:
+        """The end of backward: launch the buckets left, wait for all, and write each average
+        where some rank had a gradient."""
+        self._queued = False
+        while self._next < len(self.buckets):
+            self._launch()
+        for bucket, buffer, work in self._inflight:
+            work.wait()
+            flags = buffer[buffer.numel() - len(bucket) :].tolist()  # how many ranks had each gradient
+            at = 0
+            for p, some in zip(bucket, flags):
+                part = buffer[at : at + p.numel()].view(p.shape)
+                at += p.numel()
+                if some == 0:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(part)
+        self._inflight = []
+        self._next = 0
+        self._missing = [len(b) for b in self.buckets]
 
     def remove(self) -> None:
         for h in self._handles:

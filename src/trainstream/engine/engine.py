@@ -36,7 +36,7 @@ from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
 from .device_state import DeviceState
-from .distributed import DataParallel, StockGradients, agree
+from .distributed import DataParallel, StockGradients, agree, stock_averaging_bytes
 from .frozen_linear import FrozenLinears
 from .grads import GradSettings, GradStreamer
 from .layout import Fetch, PlanEpoch, set_device_state, set_recompute
@@ -187,6 +187,7 @@ class Engine:
             layout.unpageable,
             layout.on_device,
             self.events,
+            averaging=stock_averaging_bytes(ranks, backend.device, self.units),
         )
         self.adapter.slab_bytes = lambda: self.acts.slab_bytes  # a pass that pins slabs is not timed
         self.state_hooks = StateHooks(model, self.units, backend, self.weights)
@@ -1199,11 +1200,15 @@ class Engine:
             self.mode = "stock"
             if self.dp is not None:  # DDP's part from here on: gradients averaged over the ranks
                 self.ranks.release_gather()  # no weights are gathered from here on
-                params = [s.param for u in self.units for s in u.trainable]
-                self._stock_grads = StockGradients(self.dp.reduce_group, params)
+                # The reduction order, alike on every rank, each unit's parameters last to first:
+                # about the order backward makes them ([Note: stock buckets]).
+                params = [s.param for u in self.dp.order for s in reversed(u.trainable)]
+                self._stock_grads = grads = StockGradients(self.dp.reduce_group, self.ranks.user, params)
+                where = "on the device over nccl" if grads.on_device else "over gloo from host copies"
                 self.events.add(
                     "data parallel in stock mode: each backward's gradients are averaged over the "
-                    f"{self.dp.world} ranks before the fused AdamW steps, as DDP does"
+                    f"{self.dp.world} ranks before the fused AdamW steps, as DDP does: in {len(grads.buckets)} "
+                    f"buckets, {where}, each launched as backward completes it"
                 )
             return
         if not isinstance(decision, Replan):

@@ -50,17 +50,21 @@ def why_not_stock(meter, block_units=()) -> str | None:
     return None
 
 
-def stock_bytes(units, meter, after_stack: int) -> dict:
-    """Device bytes of stock training with torch AdamW, by class."""
+def stock_bytes(units, meter, after_stack: int, averaging: int = 0) -> dict:
+    """Device bytes of stock training with torch AdamW, by class. `averaging`: what data
+    parallel's gradient buckets hold on the device at the end of backward (0: none there)."""
     params = {s.param: s for u in units for s in u.slots}
     trainable = [s for s in params.values() if s.trainable]
-    return {
+    need = {
         "weights": sum(s.nbytes for s in params.values()),
         "gradients": sum(s.nbytes for s in trainable),
         "AdamW moments": 2 * sum(s.nbytes for s in trainable),
         "activations (measured)": sum(meter.activation_bytes.values()),  # as with the weights resident
         "loss and head (measured)": after_stack,
     }
+    if averaging:
+        need["gradient buckets (data parallel)"] = averaging
+    return need
 
 
 # [Note: resuming in the saved mode]
