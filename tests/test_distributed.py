@@ -146,9 +146,10 @@ def _step_counts(opt) -> list:
     return [float(st["step"]) for _, st in sorted(opt.state_dict()["state"].items())]
 
 
-def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint, last=None):
-    """The engine data parallel, then torch's DDP on the same batches (same processes)."""
-    model = _model()
+def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint, last=None, make=_model):
+    """The engine data parallel, then torch's DDP on the same batches (same processes), each
+    on a model from `make`."""
+    model = make()
     opt = _optimizer(model)
     model, opt = trainstream.wrap(
         model,
@@ -172,7 +173,7 @@ def _wrapped_and_ddp(rank, world, steps, options, accumulation, clip, checkpoint
         osd = opt.state_dict()  # a collective: every rank asks
         if rank == 0:
             torch.save({"model": model.state_dict(), "optim": osd}, checkpoint)
-    ddp_model = torch.nn.parallel.DistributedDataParallel(_model())
+    ddp_model = torch.nn.parallel.DistributedDataParallel(make())
     ddp_opt = _optimizer(ddp_model)
     _train(ddp_model, ddp_opt, rank, world, steps, accumulation, clip, stock=True, last=last)
     out["ddp"] = {k.removeprefix("module."): v for k, v in _host_state(ddp_model).items()}
@@ -356,10 +357,10 @@ def _gathers_recorded():
         dist.gather, engine_dist._all_gather = real_gather, real_all_gather
 
 
-def _resume(rank, world, checkpoint):
-    """Load a checkpoint, give back both state dicts (the optimizer's also as gathered to rank 0
-    alone), then take one step."""
-    model = _model()
+def _resume(rank, world, checkpoint, make=_model):
+    """Load a checkpoint into a model from `make`, give back both state dicts (the optimizer's
+    also as gathered to rank 0 alone), then take one step."""
+    model = make()
     model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
     saved = torch.load(checkpoint, weights_only=False)
     model.load_state_dict(saved["model"])
@@ -367,15 +368,15 @@ def _resume(rank, world, checkpoint):
     loaded = {"model": _host_state(model), "optim": copy.deepcopy(opt.state_dict())}  # steps write the live one
     loaded["optim rank 0 only"] = copy.deepcopy(opt.state_dict(rank0_only=True))
     _train(model, opt, rank, world, 1)
-    return {"loaded": loaded, "after": _host_state(model)}
+    return {"loaded": loaded, "after": _host_state(model), "report": trainstream.memory_report(model)}
 
 
-def _dropped_windows(rank, world, poison_rank):
+def _dropped_windows(rank, world, poison_rank, make=_model):
     """A held window (2 accumulated passes, or clipping) dropped by zero_grad() after one pass
-    whose loss is NaN on `poison_rank`: optimizer.skipped_steps for each."""
+    whose loss is NaN on `poison_rank`: optimizer.skipped_steps for each (a model from `make`)."""
     out = {}
     for name, options in (("accumulated", {"accumulation_steps": 2}), ("clipped", {"max_grad_norm": 1.0})):
-        model = _model()
+        model = make()
         model, opt = trainstream.wrap(
             model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, **options
         )
@@ -383,6 +384,7 @@ def _dropped_windows(rank, world, poison_rank):
         (loss * float("nan") if rank == poison_rank else loss).backward()
         opt.zero_grad()
         out[name] = opt.skipped_steps
+        out[f"{name} device state"] = bool(_engine_of(model).plan.device_state)
     return out
 
 
@@ -533,8 +535,8 @@ def _failures(rank, world):
 # -- single-process references ----------------------------------------------------------------
 
 
-def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True, last=None):
-    model = _model()
+def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True, last=None, make=_model):
+    model = make()
     opt = _optimizer(model)
     if wrapped:
         model, opt = trainstream.wrap(
@@ -550,6 +552,19 @@ def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True, last=No
         )
     norms = _train(model, opt, 0, 1, steps, accumulation, clip, stock=not wrapped, last=last)
     return model, opt, norms
+
+
+def _as_close_as_ddp(run: dict, steps: int, **options) -> tuple:
+    """The weights a data-parallel run of _wrapped_and_ddp ended with are within three times
+    DDP's own distance (its "ddp" weights) from one process training on the whole batch, wrapped
+    and stock, with _alone's `options`. Returns that one wrapped process's (model, optimizer,
+    norms)."""
+    alone = _alone(steps, **options)
+    stock, _, _ = _alone(steps, wrapped=False, **{k: v for k, v in options.items() if k != "offload"})
+    ours = _max_diff(run["state"], _host_state(alone[0]))
+    ddp = _max_diff(run["ddp"], _host_state(stock))
+    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
+    return alone
 
 
 STEPS = 3
@@ -616,11 +631,7 @@ def test_every_rank_holds_the_same_weights(two_ranks):
 
 def test_matches_one_process_as_closely_as_ddp(two_ranks):
     (a, _), *_ = two_ranks
-    model, _, _ = _alone(STEPS)
-    stock, _, _ = _alone(STEPS, wrapped=False)
-    ours = _max_diff(a["state"], _host_state(model))
-    ddp = _max_diff(a["ddp"], _host_state(stock))
-    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
+    _as_close_as_ddp(a, STEPS)
 
 
 def test_each_rank_holds_half_the_moments(two_ranks):
@@ -868,12 +879,8 @@ def test_a_step_that_ends_a_window_early_updates_as_one_process(two_ranks):
     batch): every rank updates from the partial window, as one process does."""
     a, b = two_ranks[4]
     _same_bits(a["state"], b["state"])
-    model, opt, _ = _alone(PARTIAL_STEPS, ACCUMULATION, last=1)
+    _, opt, _ = _as_close_as_ddp(a, PARTIAL_STEPS, accumulation=ACCUMULATION, last=1)
     assert a["step counts"] == b["step counts"] == _step_counts(opt) == [float(PARTIAL_STEPS)] * len(a["step counts"])
-    stock, _, _ = _alone(PARTIAL_STEPS, ACCUMULATION, wrapped=False, last=1)
-    ours = _max_diff(a["state"], _host_state(model))
-    ddp = _max_diff(a["ddp"], _host_state(stock))
-    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
 
 
 def test_ranks_whose_paging_differs_train_alike(two_ranks):
@@ -895,15 +902,11 @@ def test_offload_auto_switches_every_rank_to_stock_training_as_ddp(two_ranks):
         assert r["report"]["mode"] == "stock"
         assert "averaged over the 2 ranks" in r["report"]["events"]
     _same_bits(a["state"], b["state"])
-    model, _, _ = _alone(SWITCHED_STEPS, offload="auto")
+    model, _, _ = _as_close_as_ddp(a, SWITCHED_STEPS, offload="auto")
     assert trainstream.memory_report(model)["mode"] == "stock"
-    stock, _, _ = _alone(SWITCHED_STEPS, wrapped=False)
-    ours = _max_diff(a["state"], _host_state(model))
-    ddp = _max_diff(a["ddp"], _host_state(stock))
-    assert ours <= 3 * max(ddp, 1e-7), (ours, ddp)
 
 
-# -- the averaging after the switch to stock ([Note: stock buckets]) -------------------------
+# -- the averaging after the switch to stock ([Note: averaging buckets]) -------------------------
 
 STOCK_BUCKET_BYTES = 64 * 1024  # the tiny GPT's matrices are 16 to 64 KiB in fp32: a few buckets per block
 # StockGradients on its own, each parameter a bucket of its own, in this order: "one" only rank
@@ -953,7 +956,7 @@ def _stock_buckets(rank, world, device="cpu"):
     step; then a step whose passes are recorded: each pass's averaged gradients beside those
     of a plain copy of the model averaged by _flat_average on the same batches, and the order
     of the buckets' launches and of block 0's gradients landing."""
-    engine_dist.STOCK_BUCKET_BYTES = STOCK_BUCKET_BYTES
+    engine_dist.AVERAGING_BUCKET_BYTES = STOCK_BUCKET_BYTES
     reference_group = dist.new_group(backend="gloo")  # host tensors, whatever the default group's backend
 
     def loss(model, i):
@@ -1008,7 +1011,7 @@ def _uses(rank, name) -> bool:
 def _stock_flags(rank, world):
     """StockGradients over FLAG_PARAMS, 2 accumulated passes: each pass's gradients and the
     order of the buckets' launches and of the gradients landing."""
-    engine_dist.STOCK_BUCKET_BYTES = 4  # each parameter a bucket of its own
+    engine_dist.AVERAGING_BUCKET_BYTES = 4  # each parameter a bucket of its own
     params = {name: torch.nn.Parameter(torch.zeros(n)) for name, n in FLAG_PARAMS.items()}
     averaging = StockGradients(dist.group.WORLD, dist.group.WORLD, list(params.values()))
     events = []
@@ -1163,7 +1166,7 @@ def test_a_dropped_window_with_a_nan_on_one_rank_counts_alike_on_every_rank(fail
     """zero_grad() dropping a held window: skipped or not is decided alike on every rank, as
     one process decides it from the whole batch's gradient."""
     alone = _dropped_windows(0, 1, poison_rank=0)  # no process group here: one process
-    assert alone == {"accumulated": 1, "clipped": 1}
+    assert alone == {"accumulated": 1, "clipped": 1, "accumulated device state": False, "clipped device state": False}
     for res in failures:
         assert res["dropped"] == alone
 

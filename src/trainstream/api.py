@@ -167,6 +167,12 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
         # 2. Every decision, before a byte moves (DoesNotFit here leaves the model as it was).
         plan = plan_run(opts, layout, profile, backend)
+        if ranks is not None and not ranks.alike(bool(plan.device_state)):
+            # Device state decides which collectives a window issues (its gradients' averaging
+            # or the host path's reduce-scatters): every rank takes it or none does. Each rank
+            # places its own weights (param_offload, quantize, what is on the device already),
+            # and that can tip the choice on one rank alone.
+            plan = plan_run(opts, layout, profile, backend, refuse_device_state="not every rank's plan took it")
         if plan.warning:
             warnings.warn(plan.warning, stacklevel=2)
         optimizer.set_moment_dtype(plan.moment_dtype)

@@ -169,7 +169,7 @@ def test_a_full_fine_tune_keeps_the_host_path():
     opt.step()
 
 
-def test_the_decision_refuses_data_parallel_large_shares_and_non_contiguous_params():
+def test_the_decision_refuses_large_shares_and_non_contiguous_params():
     from trainstream.engine.layout import Slot, Unit
 
     def unit(*shapes_trainable):
@@ -180,13 +180,12 @@ def test_the_decision_refuses_data_parallel_large_shares_and_non_contiguous_para
         return u
 
     lora = [unit(((100, 100), False), ((2, 100), True), ((100, 2), True))]  # 400 of 10,400: 3.8%
-    assert placement.why_not_device_state(None, lora, ranks=1) is None
-    assert "data parallel over 2 ranks" in placement.why_not_device_state(None, lora, ranks=2)
+    assert placement.why_not_device_state(None, lora) is None
     big = [unit(((100, 100), False), ((40, 100), True))]  # 4,000 of 14,000
-    assert "28.6% of the model" in placement.why_not_device_state(None, big, ranks=1)
+    assert "28.6% of the model" in placement.why_not_device_state(None, big)
     transposed = unit(((100, 100), False), ((2, 100), True))
     transposed.slots[1].param = nn.Parameter(torch.empty(100, 2).t())
-    assert "w1 is not contiguous" in placement.why_not_device_state(None, [transposed], ranks=1)
+    assert "w1 is not contiguous" in placement.why_not_device_state(None, [transposed])
 
 
 def _lora_layout(blocks=4, dim=1024, rank=32):
@@ -230,11 +229,19 @@ def test_the_decision_on_simulated_profiles(monkeypatch):
     assert host.paged == tight.paged and host.budget == tight.budget
 
 
-def test_data_parallel_keeps_the_host_path(monkeypatch):
+def test_data_parallel_takes_device_state_replicated_on_every_rank(monkeypatch):
+    """Data parallel replicates device state on every rank: the ranks do not refuse it, and each
+    rank's budget counts the whole of it and the fp32 buckets its gradients are averaged in."""
+    layout = _lora_layout()
+    alone = _plan(layout, machine(vram_gib=8, ram_gib=8), activation_offload=False)
     monkeypatch.setattr(placement, "world_size", lambda distributed: 2)
-    plan = _plan(_lora_layout(), machine(vram_gib=8, ram_gib=8), activation_offload=False)
-    assert plan.device_state == frozenset()
-    assert "data parallel over 2 ranks (the reduction of device-state gradients is not built)" in plan.notes[-1]
+    plan = _plan(layout, machine(vram_gib=8, ram_gib=8), activation_offload=False)
+    assert plan.device_state == alone.device_state == {s.name for u in layout.units for s in u.slots if s.trainable}
+    assert "on each of the 2 ranks: replicated" in plan.device_state_notes[0]
+    n = 4 * 2 * 32 * 1024  # trainable parameters
+    device = placement.DEVICE_STATE_CLASS
+    assert plan.budget["device"][device] == alone.budget["device"][device] + 4 * n
+    assert plan.budget["host"]["moments"] == 0
 
 
 def _nan_at(model, step: int, steps: list):

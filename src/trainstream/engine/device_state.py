@@ -25,6 +25,17 @@ the outcome later (`settle`), reading the marks once the kernels have run, and t
 skipped step counts back. ``zero_grad()`` clears ``p.grad`` as torch does (the optimizer's
 own zero_grad).
 
+Data parallel (docs/distributed.md): every rank keeps the whole device state, replicated.
+The window's last backward pass averages its gradients over the ranks before the update is
+queued (distributed.BucketAverage, [Note: averaging buckets]: buckets launched as the pass
+completes them, all waited for at its end); the passes before it sum ``p.grad`` locally, as
+DDP's no_sync does, and a step() that ends a window early averages it there. An all-reduce
+gives every rank the same bits, so every rank applies the same update, and what is read from
+the averages (a value not finite, which the sum carries over from any rank; the clipping
+norm, counted once) is alike everywhere. What a gradient that is not finite skips or names
+follows a fixed order standing in for backward's (the reduction order, `backward_order`):
+each rank's own could differ.
+
 Invariants:
 - the moments are ``optimizer.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` on the device in the
   plan's moment dtype, ``["step"]`` a float32 CPU tensor as on the host path (a 0-dim view
@@ -136,12 +147,16 @@ class Skipped:
 class DeviceState:
     """Owns the device-state slots' moments' placement, masters and update."""
 
-    def __init__(self, optimizer, slots: list, backend):
+    def __init__(self, optimizer, slots: list, backend, backward_order: list | None = None):
         """Built with the engine, before the weights are placed on the device: the masters
-        and moments are made there at the first update (_place), as torch makes its state."""
+        and moments are made there at the first update (_place), as torch makes its state.
+        `backward_order`: `slots` in a fixed order standing in for backward's where no hook
+        records it (data parallel: each rank's own order could differ, and what a gradient
+        that is not finite skips or names must be alike on every rank); None: as given."""
         self.optimizer = optimizer  # the AdamW math and the state dicts
         self.slots = slots  # in the engine's update order
         self.backend = backend
+        self._fixed = None if backward_order is None else {s: i for i, s in enumerate(backward_order)}
         self.masters: dict = {}  # param -> fp32 master on the device, for params not fp32
         self._versions: dict = {}  # param -> its _version when the master last matched it
         # A converted OffloadAdamW's fp32 masters of bf16 params (optimizer.py, _carried; the
@@ -349,17 +364,23 @@ class DeviceState:
 
     def _slots_of(self, unit, has) -> list:
         """`unit`'s slots in `has`, in the order their gradients came this pass (the host path
-        checks a unit's gradients in that order), then those no hook saw, in the unit's."""
+        checks a unit's gradients in that order), then those no hook saw, in the unit's (or
+        the fixed order)."""
         seen = self._seen.get(unit, {})
-        return [s for s in seen if s in has] + [s for s in unit.device_state_slots if s in has and s not in seen]
+        unseen = [s for s in unit.device_state_slots if s in has and s not in seen]
+        return [s for s in seen if s in has] + self._in_fixed_order(unseen)
+
+    def _in_fixed_order(self, slots) -> list:
+        """`slots` in the fixed order that stands in for backward's, if there is one."""
+        return list(slots) if self._fixed is None else sorted(slots, key=self._fixed.__getitem__)
 
     def in_backward_order(self, slots) -> list:
         """`slots` in the order backward produced their gradients this pass (units as
         _units_in_backward_order, each unit's as _slots_of), which decides the parameter a
-        non-finite gradient is reported by (docs/semantics.md); the order given where no
-        hook recorded one."""
+        non-finite gradient is reported by (docs/semantics.md); where no hook recorded one,
+        the fixed order, else the order given."""
         if not self._seen:
-            return list(slots)
+            return self._in_fixed_order(slots)
         has = set(slots)
         out = [s for u in self._units_in_backward_order() for s in self._slots_of(u, has)]
         placed = set(out)
@@ -373,7 +394,8 @@ class DeviceState:
         host path would hand them on (complete units as they completed, then those only some
         of whose params got a gradient, by their first), each unit's slots in their
         gradients' order, or (`by_unit` False) one batch of every slot (None for its unit),
-        in that order where a hook recorded it (nonfinite checked), else in update order.
+        in that order where a hook recorded it (nonfinite checked), else in the fixed order
+        standing in for backward's (data parallel), else in update order.
         The first slot of that order found not finite is the one reported. The order is
         forgotten."""
         with_grads = self.with_grads()
@@ -386,7 +408,8 @@ class DeviceState:
             return [(None, ordered)]
         has = set(with_grads)
         order = self._units_in_backward_order()
-        order += [u for u in dict.fromkeys(s.unit for s in with_grads) if u not in set(order)]  # no hook saw them
+        unseen = dict.fromkeys(s.unit for s in self._in_fixed_order(with_grads))
+        order += [u for u in unseen if u not in set(order)]  # no hook saw them
         out = []
         for u in order:
             slots = self._slots_of(u, has)

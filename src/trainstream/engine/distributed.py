@@ -242,7 +242,7 @@ class RankGroups:
     def __init__(self, group, units: list, settings: tuple = ()):
         """`settings`: the options that decide which collectives a window issues, which
         every rank must share as it shares the model."""
-        self.user = group  # the user's: after the switch to stock it may reduce on the device (StockGradients)
+        self.user = group  # the user's: BucketAverage may reduce on the device over it (NCCL)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = _timeout_of(group)
@@ -271,6 +271,12 @@ class RankGroups:
         if self.reduce is not None:
             _give_back(self.reduce)
             self.reduce = None
+
+    def alike(self, yes: bool) -> bool:
+        """Whether `yes` is the same on every rank (a collective)."""
+        flags = torch.tensor([int(yes), -int(yes)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.reduce)
+        return int(flags[0]) == -int(flags[1])  # the least equals the greatest
 
     def from_rank_zero(self, obj):
         """Rank 0's `obj` on every rank (pickled): what each rank decides from must agree."""
@@ -465,29 +471,38 @@ class DataParallel:
         )
 
 
-# [Note: stock buckets] After the switch to stock, a backward pass's gradients are averaged
-# as DDP averages them: in buckets of parameters in a fixed order, the same on every rank
-# (the reduction order, [Note: collective order], each unit's parameters last to first: about
-# the order backward makes them), each bucket's all-reduce launched, asynchronously, once
-# every one of its parameters has had its gradient accumulated in this pass, while the rest
-# of backward goes on; the end of backward launches the buckets left and waits for them all.
-# Collectives are matched by their order, and which buckets are complete early differs
-# between ranks (a parameter one rank has no gradient for holds its bucket until that rank's
-# backward ends), so buckets go strictly in index order: bucket k only once 0..k-1 have gone.
-# Every rank then issues the same all-reduces in the same order, each bucket once per pass,
-# whenever each goes. What a bucket carries does not depend on when it goes: early only once
-# each of its gradients is final for the pass, at the end every gradient is; a parameter with
-# no gradient on this rank sends zeros and a flag of 0. The flags travel at the bucket's end,
-# summed with it (not divided): a parameter whose flags sum to 0 stays None on every rank, as
-# torch leaves it, and one some rank had gets the sum of each rank's gradient / world (zeros
-# from the others): per element what one all-reduce of every gradient at the end of backward
-# gives (with more than 2 ranks gloo may add the terms in another order: it picks the order by
-# where an element sits in the tensor reduced).
+# [Note: averaging buckets] Where every rank keeps the whole of some trainable parameters
+# (after the switch to stock, all of them; device state, the small trainable set that stays on
+# the compute device, device_state.py), their gradients are averaged as DDP averages them: in
+# buckets of parameters in a fixed order, the same on every rank (the reduction order, [Note:
+# collective order], each unit's parameters last to first: about the order backward makes
+# them), each bucket's all-reduce launched, asynchronously, once every one of its parameters
+# has had its gradient accumulated in this pass, while the rest of backward goes on; the end of
+# the pass launches the buckets left and waits for them all. Collectives are matched by their
+# order, and which buckets are complete early differs between ranks (a parameter one rank has
+# no gradient for holds its bucket until that rank's pass ends), so buckets go strictly in
+# index order: bucket k only once 0..k-1 have gone. Every rank then issues the same all-reduces
+# in the same order, each bucket once per pass averaged, whenever each goes; nothing else may
+# be issued on the group between a pass's first launch and its end on one rank but not on
+# another (the end launches what is left before anything else there communicates). What a
+# bucket carries does not depend on when it goes: early only once each of its gradients is
+# final for the pass (a second gradient of a parameter whose bucket has gone raises, as the
+# host path's landing does), at the end every gradient is; a parameter with no gradient on
+# this rank sends zeros and a flag of 0. The flags travel at the bucket's end, summed with it
+# (not divided): a parameter whose flags sum to 0 stays None on every rank, as torch leaves it,
+# and one some rank had gets the sum of each rank's gradient / world (zeros from the others):
+# per element what one all-reduce of every gradient at the end of backward gives (with more
+# than 2 ranks gloo may add the terms in another order: it picks the order by where an element
+# sits in the tensor reduced). The sum an all-reduce gives is the same bits on every rank, so
+# every decision read from the averages (not finite, the clipping norm) is alike everywhere.
+# Which passes are averaged is the caller's: after the switch every pass (the mean of the
+# sums, as DDP without no_sync), device state a window's last pass only (the sums stay local
+# until then, as under DDP's no_sync).
 #
 # DDP's default bucket size (bucket_cap_mb=25): large enough that a collective's fixed cost is
 # spread over many bytes, small enough that the first buckets fill, and go, early in backward.
 # Counted in fp32, the dtype the buckets average in.
-STOCK_BUCKET_BYTES = 25 * 2**20
+AVERAGING_BUCKET_BYTES = 25 * 2**20
 
 
 def reduces_on_device(group, device: torch.device) -> bool:
@@ -501,14 +516,15 @@ def reduces_on_device(group, device: torch.device) -> bool:
 
 def stock_averaging_bytes(ranks, device: torch.device, units) -> int:
     """The device bytes StockGradients' buckets hold at the end of backward after the switch
-    to stock: every trainable element in fp32 where the user's group reduces on the device,
-    none where they are host copies (or without data parallel)."""
+    to stock: every trainable element (the host path's and device state's) in fp32 where the
+    user's group reduces on the device, none where they are host copies (or without data
+    parallel)."""
     if ranks is None or not reduces_on_device(ranks.user, device):
         return 0
-    return 4 * sum(s.param.numel() for u in units for s in u.trainable)
+    return 4 * sum(s.param.numel() for u in units for s in u.slots if s.trainable)
 
 
-def stock_buckets(params: list, bucket_bytes: int) -> list:
+def averaging_buckets(params: list, bucket_bytes: int) -> list:
     """`params` cut, in order, into runs of at most `bucket_bytes` in fp32 (a larger
     parameter alone in its own)."""
     buckets, size = [], 0
@@ -522,50 +538,48 @@ def stock_buckets(params: list, bucket_bytes: int) -> list:
     return buckets
 
 
-def _stock_landed(ref, bucket, param) -> None:
-    me = ref()
-    if me is not None:
-        me.landed(bucket)
+class BucketAverage:
+    """The gradients of a fixed list of parameters, which every rank keeps whole, averaged
+    over the ranks in buckets ([Note: averaging buckets]): landed() as each gradient is final
+    for the pass, finish() at the pass's end. On `device` over `device_group` (the user's)
+    where it reduces there (NCCL), else host copies over `host_group` (gloo)."""
 
-
-class StockGradients:
-    """After offload='auto' switched to stock training (torch's fused AdamW on the device):
-    DDP's part. Every trainable parameter's gradient is averaged over the ranks in buckets
-    launched as backward makes them and waited for at its end ([Note: stock buckets]), with
-    a flag per parameter saying whether some rank had one (one no rank had stays None, as
-    torch leaves it). With accumulation in the loop every pass is averaged, which gives the
-    mean of the sums, as DDP without no_sync does. On the device over `device_group` (the
-    user's) where it reduces there (NCCL), else host copies over `host_group` (gloo)."""
-
-    def __init__(self, host_group, device_group, params: list):
-        """`params`: every rank's same list, in the order backward makes them (about)."""
+    def __init__(self, host_group, device_group, params: list, device: torch.device):
+        """`params`: every rank's same list, in the order backward makes them (about);
+        `device`: where their gradients are made (the params may not be there yet)."""
         self.world = dist.get_world_size(host_group)
         self.params = list(params)
-        self.device = self.params[0].device if self.params else torch.device("cpu")
         # The same on every rank, or the collectives of the two groups would never pair.
-        self.on_device = agree(host_group, reduces_on_device(device_group, self.device))
+        self.on_device = agree(host_group, reduces_on_device(device_group, device))
+        self.device = device if self.on_device else torch.device("cpu")
         self.group = device_group if self.on_device else host_group
-        self.buckets = stock_buckets(self.params, STOCK_BUCKET_BYTES)
-        self._missing = [len(b) for b in self.buckets]  # of each bucket, the gradients not landed this pass
-        self._next = 0  # the next bucket to launch ([Note: stock buckets]: strictly in order)
-        self._inflight: list = []  # (bucket, buffer, work) launched this pass
-        self._queued = False
-        # Weakly held by the hooks: a hook dict lives in C++ autograd metadata, out of the
-        # cyclic GC's sight (see the engine's install()).
-        me = weakref.ref(self)
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_stock_landed, me, b))
-            for b, bucket in enumerate(self.buckets)
-            for p in bucket
-        ]
+        self.buckets = averaging_buckets(self.params, AVERAGING_BUCKET_BYTES)
+        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.bytes_sent = 0  # what this rank sent into the all-reduces, in total
+        self._new_pass()
 
-    def landed(self, bucket: int) -> None:
-        """A gradient of `bucket` is final for this pass: launch every bucket now complete
-        whose predecessors have all gone."""
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self._missing[bucket] -= 1
+    def _new_pass(self) -> None:
+        self._missing = [len(b) for b in self.buckets]  # of each bucket, the gradients not landed this pass
+        self._landed: set = set()  # ids of the params landed this pass
+        self._next = 0  # the next bucket to launch (strictly in order)
+        self._inflight: list = []  # (bucket, buffer, work) launched this pass
+
+    def landed(self, param) -> None:
+        """`param`'s gradient is final for this pass (its post-accumulate-grad hook): launch
+        every bucket now complete whose predecessors have all gone. A second gradient in one
+        pass (a parameter used by several reentrant checkpoint segments) is summed into
+        p.grad by autograd, which its bucket reads if it has not gone yet."""
+        b = self._bucket_of[id(param)]
+        if id(param) in self._landed:
+            if b < self._next:
+                raise RuntimeError(
+                    "trainstream: a parameter got a second gradient in one backward pass after its bucket had "
+                    "gone to be averaged over the ranks (a parameter used by several reentrant checkpoint "
+                    "segments); use checkpoint(..., use_reentrant=False), or keep the parameter inside one segment"
+                )
+            return
+        self._landed.add(id(param))
+        self._missing[b] -= 1
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
             self._launch()
 
@@ -573,8 +587,7 @@ class StockGradients:
         bucket = self.buckets[self._next]
         self._next += 1
         numel = sum(p.numel() for p in bucket)
-        device = self.device if self.on_device else torch.device("cpu")
-        buffer = torch.empty(numel + len(bucket), dtype=torch.float32, device=device)
+        buffer = torch.empty(numel + len(bucket), dtype=torch.float32, device=self.device)
         at = 0
         for p in bucket:
             part = buffer[at : at + p.numel()]
@@ -587,12 +600,12 @@ class StockGradients:
         flags = [0.0 if p.grad is None else 1.0 for p in bucket]
         buffer[numel:].copy_(torch.tensor(flags))
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self.bytes_sent += buffer.numel() * buffer.element_size()
         self._inflight.append((bucket, buffer, work))
 
     def finish(self) -> None:
-        """The end of backward: launch the buckets left, wait for all, and write each average
-        where some rank had a gradient."""
-        self._queued = False
+        """The pass's end: launch the buckets left, wait for all, and write each average where
+        some rank had a gradient."""
         while self._next < len(self.buckets):
             self._launch()
         for bucket, buffer, work in self._inflight:
@@ -607,9 +620,72 @@ class StockGradients:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(part)
-        self._inflight = []
-        self._next = 0
-        self._missing = [len(b) for b in self.buckets]
+        self._new_pass()
+
+    def discard(self) -> None:
+        """A pass that raised: forget it. What was launched is not waited for (a rank that
+        raised has left the collective order, and the run ends with the group's timeout on
+        the others); its buffers go with it."""
+        self._new_pass()
+
+
+def take_rank_zeros(group, params: list) -> None:
+    """Rank 0's values of `params` on every rank (a collective over `group`), as DDP broadcasts
+    a model's parameters when it wraps it: every rank keeps these whole and applies the same
+    averaged updates to them, so they stay alike only if they start alike. One broadcast of
+    their bytes through a host buffer; written through `.data` (not an edit of the param)."""
+    if not params:
+        return
+    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8).cpu() for p in params])
+    dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+    at = 0
+    for p in params:
+        n = p.numel() * p.element_size()
+        p.data.reshape(-1).view(torch.uint8).copy_(flat[at : at + n])
+        at += n
+
+
+def _stock_landed(ref, param) -> None:
+    me = ref()
+    if me is not None:
+        me.landed(param)
+
+
+class StockGradients:
+    """After offload='auto' switched to stock training (torch's fused AdamW on the device):
+    DDP's part. Every trainable parameter's gradient is averaged over the ranks in every
+    backward pass (BucketAverage), fed by post-accumulate-grad hooks of its own and finished
+    by autograd's final callback. With accumulation in the loop every pass is averaged, which
+    gives the mean of the sums, as DDP without no_sync does."""
+
+    def __init__(self, host_group, device_group, params: list):
+        """`params`: every rank's same list, in the order backward makes them (about)."""
+        device = params[0].device if params else torch.device("cpu")
+        self.average = BucketAverage(host_group, device_group, params, device)
+        self._queued = False
+        # Weakly held by the hooks: a hook dict lives in C++ autograd metadata, out of the
+        # cyclic GC's sight (see the engine's install()).
+        me = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(_stock_landed, me)) for p in params]
+
+    @property
+    def buckets(self) -> list:
+        return self.average.buckets
+
+    @property
+    def on_device(self) -> bool:
+        return self.average.on_device
+
+    def landed(self, param) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.average.landed(param)
+
+    def finish(self) -> None:
+        """The end of backward."""
+        self._queued = False
+        self.average.finish()
 
     def remove(self) -> None:
         for h in self._handles:

@@ -36,7 +36,7 @@ from .activations import ActivationPager, PagedTensor
 from .adapt import Adapter, Replan, SwitchToStock
 from .device import HostArena, TransferLedger
 from .device_state import DeviceState
-from .distributed import DataParallel, StockGradients, agree, stock_averaging_bytes
+from .distributed import BucketAverage, DataParallel, StockGradients, agree, stock_averaging_bytes, take_rank_zeros
 from .frozen_linear import FrozenLinears
 from .grads import GradSettings, GradStreamer
 from .layout import Fetch, PlanEpoch, set_device_state, set_recompute
@@ -197,7 +197,10 @@ class Engine:
             backend, optimizer, self.grads, self.weights, self.moments, self.ledger, self.update_order()
         )
         self.device_state = DeviceState(
-            optimizer, [s for u in self.update_order() for s in u.device_state_slots], backend
+            optimizer,
+            [s for u in self.update_order() for s in u.device_state_slots],
+            backend,
+            backward_order=self._device_state_reduction_order() if ranks is not None else None,
         )
         self._entered: set = set()  # blocks whose backward has started this pass
         # Whether backward marks each block's start (watch_backward), and the PlanEpoch it was
@@ -226,12 +229,18 @@ class Engine:
                 learn=not self.grads.hold,
             )
             optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor, self.dp.rank)
+        # Data parallel: device state is replicated on every rank and its gradients averaged
+        # over the ranks at the window's last pass ([Note: averaging buckets]).
+        self.ds_average = self._device_state_average(ranks)
         self._ds_by_unit = self._device_state_order_decides()
         # Backward's order of the device-state gradients is recorded where it decides what a
         # non-finite gradient skips (eager updates) or which parameter it is reported by (any
         # checked window, as the host path reports the first in that order). Read on every
-        # device-state gradient.
-        self._ds_order = len(self.device_state) > 0 and (self._ds_by_unit or opts.nonfinite != "ignore")
+        # device-state gradient. Not with data parallel: each rank's order could differ, and
+        # the decisions must be alike on every rank (the fixed reduction order stands in).
+        self._ds_order = (
+            len(self.device_state) > 0 and self.dp is None and (self._ds_by_unit or opts.nonfinite != "ignore")
+        )
         self._log_plan()
 
     def __deepcopy__(self, memo):
@@ -239,6 +248,33 @@ class Engine:
 
     def __reduce_ex__(self, protocol):
         raise TypeError(_NOT_COPIED)
+
+    def _device_state_reduction_order(self) -> list:
+        """The device-state slots in the order their gradients are averaged, the same on every
+        rank: units last to first, each unit's params last to first (about backward's order)."""
+        return [s for u in reversed(self.update_order()) for s in reversed(u.device_state_slots)]
+
+    def _device_state_average(self, ranks) -> BucketAverage | None:
+        """Data parallel with device state: its gradients' averaging (None otherwise). The
+        reduction group then carries nothing else during backward: the plan puts every
+        trainable param in device state or none ([Note: averaging buckets]: another
+        collective issued there in backward would pair differently on each rank)."""
+        if ranks is None or not len(self.device_state):
+            return None
+        if self.dp.shards:
+            raise RuntimeError("trainstream internal: device state beside host-path gradients under data parallel")
+        params = [s.param for s in self._device_state_reduction_order()]
+        return BucketAverage(ranks.reduce, ranks.user, params, self.backend.device)
+
+    def _describe_device_state_average(self) -> str:
+        average, n = self.ds_average, len(self.ds_average.buckets)
+        where = "on the device over nccl" if average.on_device else "over gloo from host copies"
+        return (
+            f"data parallel: rank {self.dp.rank} of {average.world}; device state replicated on every rank (each "
+            f"holds its whole weights, gradients and moments); its gradients averaged over the {average.world} "
+            f"ranks before the update (their mean, as DDP), in {n} bucket{'s' if n != 1 else ''} {where}, each "
+            "launched as the window's last backward pass completes it"
+        )
 
     def _lay_out_moments(self) -> MomentStager:
         """optimizer_mode="gpu": the moments (and gradient sums, with accumulation) in one
@@ -302,8 +338,10 @@ class Engine:
             events.add(note)
         for note in plan.device_state_notes:
             events.add(note)
-        if self.dp is not None:
+        if self.dp is not None and self.dp.shards:
             events.add(self.dp.describe())
+        if self.ds_average is not None:
+            events.add(self._describe_device_state_average())
         if not opts.guard_params:
             events.add("guard_params=False: step() waits for every update to reach the device before returning")
 
@@ -418,6 +456,8 @@ class Engine:
             self._applies[module] = module.__dict__.get("_apply")
             module._apply = _Installed(functools.partial(self._converting, module, module._apply))
         self.optimizer.attach(self)
+        if self.ds_average is not None:  # replicated: every rank starts from rank 0's, as under DDP
+            take_rank_zeros(self.ranks.reduce, [s.param for s in self.device_state.slots])
 
     def _converting(self, module, apply, fn, *args, **kwargs):
         self.weights.check_conversion(module, fn)
@@ -771,10 +811,20 @@ class Engine:
             self._begin_pass()
         if self._ds_order:
             self.device_state.on_grad(slot)
+        if self.ds_average is not None and self._last_pass():
+            self.ds_average.landed(slot.param)
+
+    def _last_pass(self) -> bool:
+        """The pass running (or just ended) is its window's last: its gradients are final for
+        the window (the passes are counted from each one's first gradient, alike on every
+        rank)."""
+        return self.grads.passes == self.opts.accumulation_steps
 
     def _end_pass(self) -> None:
         """autograd's final callback of a backward pass: the units not handed on yet go now."""
         try:
+            if self.ds_average is not None and self._last_pass():  # before any other collective
+                self.ds_average.finish()
             self._queue(self.grads.end_pass())
             if self.dp is not None and self._dp_window_ends_in_backward():
                 self._apply_reduced(self.dp.drain())
@@ -783,8 +833,7 @@ class Engine:
             self.weights.land_updates()
         except BaseException:
             queued = self.grads.describe_queued()
-            if self.dp is not None:
-                self.dp.discard()
+            self._discard_reductions()
             self.grads.drop_pass()  # no half-landed state for the next pass to count
             self.device_state.drop()  # nor device state's (recover() drops both too)
             self.events.add("the end of a backward pass raised: its gradients were dropped" + queued)
@@ -797,12 +846,18 @@ class Engine:
     def recover(self) -> None:
         """A backward pass that raised left its pass open: close it (its gradients dropped)."""
         if self.grads.raised_pass():
-            if self.dp is not None:
-                self.dp.discard()
+            self._discard_reductions()
             self._device_state_pass_raised()
             self.device_state.drop()  # the window's gradients go with the host path's
             self.after_backward()
         self._report_skipped()
+
+    def _discard_reductions(self) -> None:
+        """Data parallel: a pass that raised leaves its reductions (nothing of it is applied)."""
+        if self.dp is not None:
+            self.dp.discard()
+        if self.ds_average is not None:
+            self.ds_average.discard()
 
     def _report_skipped(self, wait: bool = False) -> None:
         """Units whose update a non-finite gradient made the streamer skip: into the events,
@@ -910,35 +965,62 @@ class Engine:
             "counts are unchanged)"
         )
 
-    def _dp_step(self, pending: list) -> None:
+    def _dp_step(self, pending: list, on_device: list) -> tuple[float, list]:
         """step() with data parallel. With clipping the window's units are reduced now, and
-        the global norm is taken over every rank's reduced shards. Without it the window was
-        reduced at the end of its last backward pass, unless step() ends it early (fewer
-        passes than accumulation_steps: the last partial batch of an epoch), which one
-        process updates from: then it is reduced now. Whether the window is open is read
-        from the passes, which every rank counts alike, not from `pending`, which is empty
-        on a rank with no gradients (every rank must issue the same collectives)."""
+        the global norm is taken over every rank's reduced shards and the device-state
+        gradients (`on_device`, averaged already). Without it the window was reduced at the
+        end of its last backward pass, unless step() ends it early (fewer passes than
+        accumulation_steps: the last partial batch of an epoch), which one process updates
+        from: then it is reduced now. Whether the window is open is read from the passes,
+        which every rank counts alike, not from `pending`, which is empty on a rank with no
+        gradients (every rank must issue the same collectives). Returns the scale of the
+        device-state update and the slots it updates (none: the window was skipped)."""
         if self.opts.max_grad_norm is None:
             if self.grads.passes == 0 or self._dp_window_ends_in_backward():
-                return  # no window, or reduced and applied at the end of its last pass
+                return 1.0, on_device  # no window, or reduced and applied at the end of its last pass
             for unit in pending:
                 self.dp.offer(unit)
             self._apply_reduced(self.dp.ready() + self.dp.drain())
             self._dp_end_window()
-            return
+            return 1.0, on_device
         for unit in pending:
             self.dp.offer(unit)
         reduced = self.dp.ready() + self.dp.drain()
-        total = torch.tensor(math.sqrt(self.dp.global_sq_norm(reduced)), dtype=torch.float32)
+        square = self.dp.global_sq_norm(reduced) + self._device_state_sq_norm(on_device)
+        total = torch.tensor(math.sqrt(square), dtype=torch.float32)
         self._last_grad_norm = float(total)
         finite = math.isfinite(self._last_grad_norm) and all(r.finite for r in reduced)
-        if not finite and self.opts.nonfinite != "ignore":
-            self._dp_bad = next((r.shards.unit for r in reduced if not r.finite), reduced[0].shards.unit)
-            self._dp_skipped = [r.shards.unit for r in reduced]
-        else:
-            scale = float(torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0))
-            self._apply_reduced(reduced, scale)
+        bad = None if finite or self.opts.nonfinite == "ignore" else self._dp_first_nonfinite(reduced, on_device)
+        if bad is not None:
+            self._dp_bad = bad
+            self._dp_skipped = [r.shards.unit for r in reduced] + list(dict.fromkeys(s.unit for s in on_device))
+            self.device_state.drop()
+            self._dp_end_window()
+            return 1.0, []
+        scale = float(torch.clamp(self.opts.max_grad_norm / (total + 1e-6), max=1.0))
+        self._apply_reduced(reduced, scale)
         self._dp_end_window()
+        return scale, on_device
+
+    def _device_state_sq_norm(self, slots) -> float:
+        """The squared norm of the device-state gradients of `slots`, as _global_norm takes
+        it. Data parallel: they are averaged already, the same on every rank, so they count
+        once (the host path's shards are summed over the ranks instead)."""
+        if not slots:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(self.device_state.norms(slots)), 2.0)) ** 2
+
+    def _dp_first_nonfinite(self, reduced: list, on_device: list):
+        """A clipped window whose global norm is not finite: what it is named by (a unit some
+        rank found not finite, else the first device-state slot whose averaged gradient is
+        not, else the first unit reduced), or None where only the norm of finite device-state
+        gradients overflowed (the update goes on, scaled by zero, as one process's does)."""
+        bad = next((r.shards.unit for r in reduced if not r.finite), None)
+        if bad is None:
+            bad = self.device_state.first_nonfinite(on_device)
+        if bad is None and reduced:
+            bad = reduced[0].shards.unit
+        return bad
 
     def queue_update(self, unit, grad_scale: float = 1.0) -> None:
         self.updates.queue(unit, grad_scale)
@@ -953,12 +1035,16 @@ class Engine:
         if self.grads.in_backward:
             raise RuntimeError("trainstream: optimizer.step() called during backward")
         self._warn_changed_hyperparameters()
+        if self.ds_average is not None and 0 < self.grads.passes < self.opts.accumulation_steps:
+            # A window step() ends early (every rank ends it after the same passes): its sums
+            # are averaged now, before anything else communicates.
+            self.ds_average.finish()
         self._queue(self.grads.flush())
         pending = self.grads.take_pending()
         on_device = self.device_state.with_grads() if self._device_state_held() else []  # updated below
         scale = 1.0
         if self.dp is not None:
-            self._dp_step(pending)
+            scale, on_device = self._dp_step(pending, on_device)
         elif pending or on_device:
             if self.opts.max_grad_norm is not None:
                 slots = [s for u in self.units for s in u.trainable if s.has_grad]
@@ -1018,16 +1104,13 @@ class Engine:
         """Eager updates: the host path updates each unit as backward completes it, so a
         non-finite gradient skips the unit found and every unit after it in backward's order,
         and a backward pass that raises keeps the updates of the units completed before it.
-        The order is recorded (device_state.on_grad) and the update goes unit by unit. Held
-        windows are applied, or skipped, whole. Fixed at wrap(): the options, data parallel
-        and the device-state slots never change after it."""
+        The order is recorded (device_state.on_grad) and the update goes unit by unit; with
+        data parallel the fixed reduction order stands in for it (DeviceState), and a pass that
+        raises keeps nothing (its gradients were never averaged). Held windows are applied, or
+        skipped, whole. Fixed at wrap(): the options and the device-state slots never change
+        after it."""
         opts = self.opts
-        return (
-            opts.max_grad_norm is None
-            and opts.accumulation_steps == 1
-            and self.dp is None
-            and len(self.device_state) > 0
-        )
+        return opts.max_grad_norm is None and opts.accumulation_steps == 1 and len(self.device_state) > 0
 
     def _device_state_held(self) -> bool:
         """step() applies the device-state window: with clipping (held for step(), as the host
@@ -1046,7 +1129,9 @@ class Engine:
         if not len(self.device_state) or self.opts.max_grad_norm is not None:
             return  # nothing on the device, or held for step()
         by_unit = self._device_state_by_unit()
-        last = self.grads.passes == self.opts.accumulation_steps
+        last = self._last_pass()
+        if self.dp is not None and not last:
+            return  # data parallel: checked once averaged, alike on every rank (a sum keeps a value not finite)
         if self.opts.nonfinite == "raise":
             batches = self.device_state.batches(by_unit)
             bad = self.device_state.first_nonfinite([s for _, ss in batches for s in ss])
@@ -1075,6 +1160,9 @@ class Engine:
         keeps nothing; a gradient of it found not finite is named the same way (not with
         clipping, whose check is the global norm at step())."""
         if not len(self.device_state):
+            return
+        if self.dp is not None:  # nothing of a pass that raised was averaged: it keeps nothing
+            self.device_state.new_pass()
             return
         if not self._device_state_by_unit():
             if self._ds_order and self.opts.max_grad_norm is None:
@@ -1201,8 +1289,10 @@ class Engine:
             if self.dp is not None:  # DDP's part from here on: gradients averaged over the ranks
                 self.ranks.release_gather()  # no weights are gathered from here on
                 # The reduction order, alike on every rank, each unit's parameters last to first:
-                # about the order backward makes them ([Note: stock buckets]).
+                # about the order backward makes them ([Note: averaging buckets]); device state's
+                # (replicated, so whole on every rank already) in its own.
                 params = [s.param for u in self.dp.order for s in reversed(u.trainable)]
+                params += [s.param for s in self._device_state_reduction_order()]
                 self._stock_grads = grads = StockGradients(self.dp.reduce_group, self.ranks.user, params)
                 where = "on the device over nccl" if grads.on_device else "over gloo from host copies"
                 self.events.add(
@@ -1264,6 +1354,8 @@ class Engine:
         skipped and is reported as _check_dropped_window reports the host path's, once."""
         if self.opts.nonfinite != "skip" or self.grads.passes == 0 or self.grads.nonfinite is not None:
             return  # no window open, or the host path found (and counted) it already
+        if self.dp is not None:
+            return  # decided alike on every rank with the host path's (_dp_check_dropped_window)
         slots = self.device_state.with_grads()
         bad = self.device_state.first_nonfinite(slots)
         if bad is None:
@@ -1284,6 +1376,7 @@ class Engine:
         slots = [s for u in self.units for s in u.trainable]
         grads = (self._window_grad(s) for s in slots)
         finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+        finite = finite and self.device_state.first_nonfinite() is None  # its window's sums, or averages
         if agree(self.dp.reduce_group, finite):
             return
         self.optimizer.count_skipped_step()

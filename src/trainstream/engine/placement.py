@@ -141,7 +141,7 @@ def plan_inputs(
         sum(s.nbytes for u in outside_units for s in u.pageable_slots)
         + largest_block
         + dequantized_in_flight(block_units)
-        + device_state_bytes(block_units + outside_units, moment_bytes)
+        + device_state_bytes(block_units + outside_units, moment_bytes, world_size(opts.distributed))
         + correction
     )
     if act_bytes is None:
@@ -372,7 +372,7 @@ def check_fits(
         "resident weights": resident,
         "paged blocks in flight (2 largest)": 2 * largest_paged,
         "dequantized weights in flight": dequantized_in_flight(units),
-        DEVICE_STATE_CLASS: device_state_bytes(units, moment_bytes),
+        DEVICE_STATE_CLASS: device_state_bytes(units, moment_bytes, world_size(opts.distributed)),
     }
     need_host, need_dev = sum(host.values()), sum(device.values())
     have_host = ram_share(profile)
@@ -440,25 +440,30 @@ DEVICE_STATE_MAX_SHARE = 0.10
 DEVICE_STATE_CLASS = "device state (trainable weights, gradients, moments, fp32 masters)"
 
 
-def device_state_bytes(units, moment_bytes: int) -> int:
+def device_state_bytes(units, moment_bytes: int, ranks: int = 1) -> int:
     """Device bytes of the device-state slots among `units`: weights and gradient in the
-    param's dtype, both moments, and an fp32 master for a param that is not fp32."""
+    param's dtype, both moments, and an fp32 master for a param that is not fp32. Data
+    parallel (`ranks` > 1) replicates all of it on every rank, and adds the fp32 buckets its
+    gradients are averaged in ([Note: averaging buckets], distributed.py), held at the end of
+    the window's last pass: on the device where NCCL reduces there, else host copies, counted
+    here either way (an upper bound of 4 bytes per parameter)."""
     total = 0
     for u in units:
         for s in u.device_state_slots:
             n = s.param.numel()
             total += 2 * n * s.dtype.itemsize + 2 * n * moment_bytes + (4 * n if s.dtype != torch.float32 else 0)
+            total += 4 * n if ranks > 1 else 0
     return total
 
 
-def why_not_device_state(opts, units, ranks: int) -> str | None:
+def why_not_device_state(opts, units) -> str | None:
     """Why the trainable set keeps the host path whatever the bytes (None: it may go to
-    device state): too large a share of the model, data parallel, a non-contiguous param."""
+    device state): too large a share of the model, a non-contiguous param. Data parallel
+    replicates device state on every rank (its gradients averaged over them), so the ranks
+    do not decide it."""
     trainable = [s for u in units for s in u.slots if s.trainable]
     n_train = sum(s.param.numel() for s in trainable)
     n_all = sum(s.param.numel() for u in units for s in u.slots)
-    if ranks > 1:
-        return f"data parallel over {ranks} ranks (the reduction of device-state gradients is not built)"
     if n_train > DEVICE_STATE_MAX_SHARE * n_all:
         return (
             f"the trainable parameters are {n_train / n_all:.1%} of the model "
@@ -546,27 +551,29 @@ class _Fit:
     device_state_notes: list = field(default_factory=list)
 
 
-def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
+def _fit(opts, model, profile, backend, quantize_hint: str = "", no_device_state: str | None = None) -> _Fit:
     """Placement, moment dtype, optimizer mode and device state for the units with their
     quantization as set now; DoesNotFit when it does not fit.
 
     Device state is tried after the placement without it: every trainable slot keeps its
-    state on the device when why_not_device_state finds nothing against it, its bytes fit,
-    and the placement with them counted as resident pages no more blocks' weights and no
-    more blocks' activations than the one without them."""
+    state on the device when neither `no_device_state` (why not, said by the caller) nor
+    why_not_device_state finds anything against it, its bytes fit, and the placement with
+    them counted as resident pages no more blocks' weights and no more blocks' activations
+    than the one without them."""
     set_device_state(model.units, ())
     base = _fit_placement(opts, model, profile, backend, quantize_hint)
     trainable = [s for u in model.units for s in u.slots if s.trainable]
     if not trainable:
         return base
-    why = why_not_device_state(opts, model.units, world_size(opts.distributed))
+    ranks = world_size(opts.distributed)
+    why = no_device_state or why_not_device_state(opts, model.units)
     if why is None:
         names = frozenset(s.name for s in trainable)
         set_device_state(model.units, names)
         try:
             fit = _fit_placement(opts, model, profile, backend, quantize_hint)
         except DoesNotFit as e:
-            fit, why = None, f"its {_device_state_gib(model.units, 4)} would not fit ({'; '.join(e.problems)})"
+            fit, why = None, f"its {_device_state_gib(model.units, 4, ranks)} would not fit ({'; '.join(e.problems)})"
         if fit is not None:
             more = len(fit.placement.paged) - len(base.placement.paged)
             more_acts = len(fit.placement.act_paged) + len(fit.placement.recompute)
@@ -582,12 +589,18 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
                 masters = f" and {n_masters} fp32 masters" if n_masters else ""
                 where = "VRAM" if backend.is_cuda else f"{backend.device} memory"
                 fit.device_state = names
+                replicated = (
+                    f" on each of the {ranks} ranks: replicated, their gradients averaged over the ranks before "
+                    "the update"
+                    if ranks > 1
+                    else ""
+                )
                 fit.device_state_notes = [
                     f"device state: the {len(trainable)} trainable tensors "
                     f"({sum(s.param.numel() for s in trainable):,} parameters) keep their weights, "
                     f"gradients (p.grad), {moments} moments{masters} in {where} "
-                    f"({_device_state_gib(model.units, fit.moment_dtype.itemsize)}): no gradient hooks, no host "
-                    "round trip; their update runs in optimizer.step(), fused"
+                    f"({_device_state_gib(model.units, fit.moment_dtype.itemsize, ranks)}{replicated}): no "
+                    "gradient hooks, no host round trip; their update runs in optimizer.step(), fused"
                 ]
                 return fit
         set_device_state(model.units, ())
@@ -599,8 +612,8 @@ def _fit(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
     return base
 
 
-def _device_state_gib(units, moment_bytes: int) -> str:
-    return f"{device_state_bytes(units, moment_bytes) / MiB:.1f} MiB"
+def _device_state_gib(units, moment_bytes: int, ranks: int) -> str:
+    return f"{device_state_bytes(units, moment_bytes, ranks) / MiB:.1f} MiB"
 
 
 def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _Fit:
@@ -677,10 +690,13 @@ def _moment_arena_sizes(opts, units, moment_dtype, profile, sums: bool) -> list:
     return sizes
 
 
-def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, list, str | None]:
+def _fit_quantized(
+    opts, model, profile, backend, no_device_state: str | None
+) -> tuple[_Fit, str | None, list, str | None]:
     """The fit with the quantize setting applied: (fit, format, notes, warning). quantize='auto' tries
     no quantization, then int8, then NF4, and keeps the first that fits (prefer='speed': NF4
-    as well when it keeps every block resident where the first choice pages some)."""
+    as well when it keeps every block resident where the first choice pages some).
+    `no_device_state`: why device state is not to be used (_fit)."""
     quantizable = model.quantizable
     formats = {"auto": [None, "int8", "nf4"], "none": [None], "int8": ["int8"], "nf4": ["nf4"]}[opts.quantize]
     if not quantizable:
@@ -692,7 +708,7 @@ def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, lis
         smaller = QUANT_ORDER[QUANT_ORDER.index(fmt) + 1 :] if fmt else QUANT_ORDER  # formats that shrink more
         hint = " or ".join(f"quantize={f!r}" for f in smaller) if quantizable and last else ""
         try:
-            fit = _fit(opts, model, profile, backend, quantize_hint=hint)
+            fit = _fit(opts, model, profile, backend, quantize_hint=hint, no_device_state=no_device_state)
         except DoesNotFit as e:
             if not last:
                 refused.append(f"{fmt or 'no quantization'} ({'; '.join(e.problems)})")
@@ -713,7 +729,7 @@ def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, lis
     ):
         set_quantization(quantizable, "nf4", opts.quant_block_size)
         try:
-            nf4 = _fit(opts, model, profile, backend)
+            nf4 = _fit(opts, model, profile, backend, no_device_state=no_device_state)
         except DoesNotFit:
             nf4 = None
         if nf4 is not None and not nf4.placement.paged:
@@ -724,7 +740,7 @@ def _fit_quantized(opts, model, profile, backend) -> tuple[_Fit, str | None, lis
             fit, fmt = nf4, "nf4"
         else:
             set_quantization(quantizable, fmt, opts.quant_block_size)
-            fit = _fit(opts, model, profile, backend)
+            fit = _fit(opts, model, profile, backend, no_device_state=no_device_state)
     if fmt is None:
         more = " more" if model.prequantized else ""  # beside the weights that arrived quantized
         if opts.quantize in ("int8", "nf4"):
@@ -790,11 +806,13 @@ def _trial(model):
     )
 
 
-def plan_run(opts, model, profile, backend) -> Plan:
+def plan_run(opts, model, profile, backend, refuse_device_state: str | None = None) -> Plan:
     """Decide everything for `model` (a ModelLayout: the units and what wrap() found about
     them) on this machine; DoesNotFit when nothing fits. Formats and placements are tried on
-    a copy of the units: `model` is left as it is, and the engine applies the plan."""
-    fit, fmt, quant_notes, warning = _fit_quantized(opts, _trial(model), profile, backend)
+    a copy of the units: `model` is left as it is, and the engine applies the plan.
+    `refuse_device_state`: why the trainable set keeps the host path, decided by the caller
+    (None: the plan decides)."""
+    fit, fmt, quant_notes, warning = _fit_quantized(opts, _trial(model), profile, backend, refuse_device_state)
     inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
     return Plan(
         paged=tuple(fit.placement.paged),

@@ -109,8 +109,9 @@ def build_report(engine) -> dict:
 
 
 def device_state(engine) -> dict | None:
-    """The device-state set: how many tensors and parameters, and the device bytes its
-    weights, gradients, moments and masters hold now."""
+    """The device-state set: how many tensors and parameters, the device bytes its weights,
+    gradients, moments and masters hold now (on this rank), and on how many ranks it is
+    held whole (data parallel replicates it on every rank; 1 training alone)."""
     ds = engine.device_state
     if not len(ds):
         return None
@@ -118,6 +119,7 @@ def device_state(engine) -> dict | None:
         "tensors": len(ds),
         "parameters": sum(s.param.numel() for s in ds.slots),
         "device_bytes": ds.nbytes(),
+        "replicas": engine.dp.world if engine.dp is not None else 1,
     }
 
 
@@ -152,6 +154,7 @@ def data_parallel(engine) -> dict | None:
     if dp is None:
         return None
     windows = max(dp.windows, 1)
+    averaged = engine.ds_average.bytes_sent if engine.ds_average is not None else 0
     return {
         "world_size": dp.world,
         "rank": dp.rank,
@@ -159,6 +162,9 @@ def data_parallel(engine) -> dict | None:
         "trainable_elements": sum(sh.numel for us in dp.shards.values() for sh in us.slots),
         "shard_moment_bytes": host_moment_bytes(engine.optimizer),
         "shard_master_bytes": host_master_bytes(engine),  # this rank's shard of the fp32 master
-        # What this rank sent into the gradient reduce-scatters and the weight all-gathers.
-        "bytes_communicated_per_step": (dp.bytes_reduced + dp.bytes_gathered) // windows,
+        # Device state's elements: not sharded but replicated, whole on every rank.
+        "device_state_elements": sum(s.param.numel() for s in engine.device_state.slots),
+        # What this rank sent into the gradient reduce-scatters, the weight all-gathers and
+        # the device-state gradients' all-reduces.
+        "bytes_communicated_per_step": (dp.bytes_reduced + dp.bytes_gathered + averaged) // windows,
     }
