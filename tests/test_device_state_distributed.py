@@ -201,6 +201,78 @@ def _saved_rank_zero_only(rank, world, checkpoint):
     return {"every rank": every, "rank 0 only": rank0, "report": trainstream.memory_report(model)}
 
 
+def _halved(grad):
+    return grad / 2
+
+
+def _first_row_zeroed(p) -> None:
+    p.grad[0].zero_()
+
+
+def _user_hooks(model):
+    """A user's hooks on every adapter tensor: one that halves the incoming gradient, and a
+    post-accumulate-grad hook that zeroes p.grad's first row. Both commute with averaging, so
+    one process's run is the reference. Returns the model."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(_halved)
+            p.register_post_accumulate_grad_hook(_first_row_zeroed)
+    return model
+
+
+def _hooked_lora():
+    return _user_hooks(_lora())
+
+
+def _hooks_after_wrap(rank, world):
+    """The user's hooks registered after wrap(), so after the engine's own on the same tensors;
+    then the same hooks on a DDP model (before DDP: it hooks the AccumulateGrad nodes, which run
+    after every tensor hook whenever registered)."""
+    engine_dist.AVERAGING_BUCKET_BYTES = LORA_BUCKET_BYTES  # buckets go during backward
+    model, opt = _wrapped_lora()
+    _user_hooks(model)
+    _train(model, opt, rank, world, STEPS)
+    ddp = torch.nn.parallel.DistributedDataParallel(_hooked_lora())
+    ddp_opt = _optimizer(ddp)
+    _train(ddp, ddp_opt, rank, world, STEPS, stock=True)
+    ddp_state = {k.removeprefix("module."): v for k, v in _host_state(ddp).items()}
+    return {"state": _host_state(model), "ddp": ddp_state, "report": trainstream.memory_report(model)}
+
+
+def _raise_in_backward(grad):
+    raise RuntimeError("a backward that fails on purpose")
+
+
+def _fails_in_backward(module, args, out) -> None:
+    out.register_hook(_raise_in_backward)
+
+
+def _a_backward_raises(rank, world):
+    """STEPS steps; before step 1's, a pass over the same batch whose backward raises on every
+    rank between block 1 and block 2 (blocks 3 and 2 have their gradients, buckets have gone),
+    then zero_grad(). Buckets of LORA_BUCKET_BYTES, so that some go before the failure."""
+    engine_dist.AVERAGING_BUCKET_BYTES = LORA_BUCKET_BYTES
+    model, opt = _wrapped_lora()
+    out = {}
+    for step in range(STEPS):
+        if step == 1:
+            handle = model.layers[1].register_forward_hook(_fails_in_backward)
+            try:
+                model(*_batch(step, rank, world)).backward()
+            except RuntimeError as e:
+                out["failed pass"] = str(e)
+            handle.remove()
+            opt.zero_grad()
+        model(*_batch(step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp = torch.nn.parallel.DistributedDataParallel(_lora())
+    ddp_opt = _optimizer(ddp)
+    _train(ddp, ddp_opt, rank, world, STEPS, stock=True)
+    ddp_state = {k.removeprefix("module."): v for k, v in _host_state(ddp).items()}
+    return {**out, "state": _host_state(model), "ddp": ddp_state, "report": trainstream.memory_report(model)}
+
+
 def _two_lora_runs(rank, world, checkpoint):
     return {
         "eager": _wrapped_and_ddp(rank, world, STEPS, {"offload": True}, 1, None, checkpoint, make=_lora),
@@ -215,6 +287,8 @@ def _two_lora_runs(rank, world, checkpoint):
         "dropped": _dropped_windows(rank, world, poison_rank=1, make=_lora),
         "plans differ": _plans_that_differ(rank, world),
         "other adapters": _other_adapters(rank, world),
+        "user hooks": _hooks_after_wrap(rank, world),
+        "raised": _a_backward_raises(rank, world),
     }
 
 
@@ -298,7 +372,8 @@ def test_the_memory_report_says_the_device_state_is_replicated(lora_two_ranks):
         assert report["distributed"]["trainable_elements"] == 0  # nothing sharded
         # On the CPU path the device is host memory: the whole moments, as one process holds them.
         assert report["host_moment_bytes"] == alone["host_moment_bytes"] == 2 * 4 * n
-        assert report["distributed"]["bytes_communicated_per_step"] == 4 * (n + 16)  # the gradients and their flags
+        # The gradients, a flag each, and its one bucket's late flag ([Note: late gradients]).
+        assert report["distributed"]["bytes_communicated_per_step"] == 4 * (n + 16 + 1)
     assert alone["plan"]["device_state"]["replicas"] == 1
 
 
@@ -342,6 +417,28 @@ def test_a_step_that_ends_a_window_early_averages_it_there(lora_two_ranks):
     _same_bits(a["state"], b["state"])
     _, opt, _ = _as_close_as_ddp(a, PARTIAL_STEPS, accumulation=ACCUMULATION, last=1, make=_lora)
     assert a["step counts"] == b["step counts"] == _step_counts(opt) == [float(PARTIAL_STEPS)] * 16
+
+
+def test_a_users_hooks_registered_after_wrap_change_the_gradients_averaged_as_under_ddp(lora_two_ranks):
+    """A user's tensor hook and post-accumulate-grad hook on every adapter, registered after
+    wrap(): the gradients averaged are those the hooks leave, as under DDP, every bucket alike
+    (2221cbc averaged from the engine's own post-accumulate-grad hook: a bucket that went
+    early had the gradient of the parameter that completed it before the user's hook ran)."""
+    a, b = _runs(lora_two_ranks[1], "user hooks")
+    _took_device_state(a["report"], 2)
+    _same_bits(a["state"], b["state"])
+    _as_close_as_ddp(a, STEPS, make=_hooked_lora)
+
+
+def test_a_backward_that_raised_on_every_rank_leaves_nothing_and_training_goes_on_as_ddp(lora_two_ranks):
+    """A backward pass that raised on every rank after some buckets had gone, then zero_grad():
+    nothing of it is averaged or applied, and the next passes average as before: every rank
+    the same bits, as close to one process (without the failed pass) as DDP."""
+    a, b = _runs(lora_two_ranks[1], "raised")
+    assert a["failed pass"] == b["failed pass"] == "a backward that fails on purpose"
+    _took_device_state(a["report"], 2)
+    _same_bits(a["state"], b["state"])
+    _as_close_as_ddp(a, STEPS, make=_lora)
 
 
 def test_offload_auto_switches_device_state_to_stock_averaged_as_ddp(lora_two_ranks):

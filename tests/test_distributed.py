@@ -1013,7 +1013,9 @@ def _stock_flags(rank, world):
     order of the buckets' launches and of the gradients landing."""
     engine_dist.AVERAGING_BUCKET_BYTES = 4  # each parameter a bucket of its own
     params = {name: torch.nn.Parameter(torch.zeros(n)) for name, n in FLAG_PARAMS.items()}
-    averaging = StockGradients(dist.group.WORLD, dist.group.WORLD, list(params.values()))
+    averaging = StockGradients(
+        dist.group.WORLD, dist.group.WORLD, list(params.values()), torch.nn.ParameterDict(params)
+    )
     events = []
     for p in params.values():
         p.register_post_accumulate_grad_hook(lambda p: events.append("landed"))

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .hookpoints import grad_accumulator, in_autograd, tensors_in
+
 # Collectives in flight (reductions issued, not yet waited for): each holds one bucket, the
 # size of the largest unit's gradients in fp32.
 INFLIGHT_BUCKETS = 2
@@ -486,8 +488,7 @@ class DataParallel:
 # be issued on the group between a pass's first launch and its end on one rank but not on
 # another (the end launches what is left before anything else there communicates). What a
 # bucket carries does not depend on when it goes: early only once each of its gradients is
-# final for the pass (a second gradient of a parameter whose bucket has gone raises, as the
-# host path's landing does), at the end every gradient is; a parameter with no gradient on
+# final for the pass ([Note: late gradients]), at the end every gradient is; a parameter with no gradient on
 # this rank sends zeros and a flag of 0. The flags travel at the bucket's end, summed with it
 # (not divided): a parameter whose flags sum to 0 stays None on every rank, as torch leaves it,
 # and one some rank had gets the sum of each rank's gradient / world (zeros from the others):
@@ -498,6 +499,16 @@ class DataParallel:
 # Which passes are averaged is the caller's: after the switch every pass (the mean of the
 # sums, as DDP without no_sync), device state a window's last pass only (the sums stay local
 # until then, as under DDP's no_sync).
+#
+# [Note: late gradients] A parameter used by several reentrant checkpoint segments gets a
+# gradient in each segment's inner backward, and nothing tells the first from the last: its
+# bucket may go with only part of the sum (DDP refuses this unless static_graph=True). So a
+# bucket that went before another gradient of one of its parameters landed is flagged on that
+# rank, and the last bucket, which only the pass's end launches, carries every rank's flags,
+# summed; every rank then sends each flagged bucket again, in index order, from the final
+# gradients, and keeps that average. Every rank issues the same collectives, and the result is
+# what one all-reduce at the end of backward gives; a pass with no late gradient costs
+# nothing more than holding the last bucket (backward's last gradients) to its end.
 #
 # DDP's default bucket size (bucket_cap_mb=25): large enough that a collective's fixed cost is
 # spread over many bytes, small enough that the first buckets fill, and go, early in backward.
@@ -538,6 +549,10 @@ def averaging_buckets(params: list, bucket_bytes: int) -> list:
     return buckets
 
 
+def numel_of(params: list) -> int:
+    return sum(p.numel() for p in params)
+
+
 class BucketAverage:
     """The gradients of a fixed list of parameters, which every rank keeps whole, averaged
     over the ranks in buckets ([Note: averaging buckets]): landed() as each gradient is final
@@ -561,33 +576,33 @@ class BucketAverage:
     def _new_pass(self) -> None:
         self._missing = [len(b) for b in self.buckets]  # of each bucket, the gradients not landed this pass
         self._landed: set = set()  # ids of the params landed this pass
+        self._late: set = set()  # buckets that went before a second gradient of one of theirs landed
         self._next = 0  # the next bucket to launch (strictly in order)
-        self._inflight: list = []  # (bucket, buffer, work) launched this pass
+        self._inflight: list = []  # [bucket index, buffer, work] launched this pass
 
     def landed(self, param) -> None:
-        """`param`'s gradient is final for this pass (its post-accumulate-grad hook): launch
-        every bucket now complete whose predecessors have all gone. A second gradient in one
-        pass (a parameter used by several reentrant checkpoint segments) is summed into
-        p.grad by autograd, which its bucket reads if it has not gone yet."""
+        """`param`'s gradient is final for this pass, as far as anyone can tell: launch every
+        bucket now complete whose predecessors have all gone, except the last, which finish()
+        launches ([Note: late gradients]). A second gradient of `param` in the same pass (a
+        parameter used by several reentrant checkpoint segments) is summed into p.grad by
+        autograd; its bucket reads the sum if it has not gone yet, else is sent again."""
         b = self._bucket_of[id(param)]
         if id(param) in self._landed:
             if b < self._next:
-                raise RuntimeError(
-                    "trainstream: a parameter got a second gradient in one backward pass after its bucket had "
-                    "gone to be averaged over the ranks (a parameter used by several reentrant checkpoint "
-                    "segments); use checkpoint(..., use_reentrant=False), or keep the parameter inside one segment"
-                )
+                self._late.add(b)
             return
         self._landed.add(id(param))
         self._missing[b] -= 1
-        while self._next < len(self.buckets) and self._missing[self._next] == 0:
-            self._launch()
+        while self._next < len(self.buckets) - 1 and self._missing[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
 
-    def _launch(self) -> None:
-        bucket = self.buckets[self._next]
-        self._next += 1
-        numel = sum(p.numel() for p in bucket)
-        buffer = torch.empty(numel + len(bucket), dtype=torch.float32, device=self.device)
+    def _launch(self, b: int, late: list | None = None) -> None:
+        """All-reduce bucket `b` from the gradients as they are now (asynchronously); `late`:
+        one flag per bucket, carried at its end (the last bucket's)."""
+        bucket, late = self.buckets[b], late or []
+        numel = numel_of(bucket)
+        buffer = torch.empty(numel + len(bucket) + len(late), dtype=torch.float32, device=self.device)
         at = 0
         for p in bucket:
             part = buffer[at : at + p.numel()]
@@ -597,20 +612,35 @@ class BucketAverage:
             else:
                 part.copy_(p.grad.detach().reshape(-1))
         buffer[:numel].div_(self.world)  # the mean over ranks, as DDP divides before its all-reduce
-        flags = [0.0 if p.grad is None else 1.0 for p in bucket]
+        flags = [0.0 if p.grad is None else 1.0 for p in bucket] + late
         buffer[numel:].copy_(torch.tensor(flags))
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self.bytes_sent += buffer.numel() * buffer.element_size()
-        self._inflight.append((bucket, buffer, work))
+        self._inflight.append([b, buffer, work])
 
     def finish(self) -> None:
-        """The pass's end: launch the buckets left, wait for all, and write each average where
-        some rank had a gradient."""
-        while self._next < len(self.buckets):
-            self._launch()
-        for bucket, buffer, work in self._inflight:
+        """The pass's end: launch the buckets left, the last with every rank's late flags;
+        send again, in order, each bucket some rank flagged; wait for all, and write each
+        average where some rank had a gradient."""
+        if not self.buckets:
+            return
+        while self._next < len(self.buckets) - 1:
+            self._launch(self._next)
+            self._next += 1
+        self._launch(self._next, [1.0 if b in self._late else 0.0 for b in range(len(self.buckets))])
+        self._next += 1
+        last = self._inflight[-1]
+        last[2].wait()
+        late = last[1][last[1].numel() - len(self.buckets) :].tolist()  # how many ranks saw each late
+        for entry in self._inflight[:-1]:
+            if late[entry[0]]:  # what went early lacks a gradient summed in after it
+                entry[2].wait()  # the stale all-reduce is still matched on every rank
+                self._launch(entry[0])
+                entry[1:] = self._inflight.pop()[1:]
+        for b, buffer, work in self._inflight:
             work.wait()
-            flags = buffer[buffer.numel() - len(bucket) :].tolist()  # how many ranks had each gradient
+            bucket = self.buckets[b]
+            flags = buffer[numel_of(bucket) : numel_of(bucket) + len(bucket)].tolist()  # ranks that had each
             at = 0
             for p, some in zip(bucket, flags):
                 part = buffer[at : at + p.numel()].view(p.shape)
@@ -645,28 +675,45 @@ def take_rank_zeros(group, params: list) -> None:
         at += n
 
 
-def _stock_landed(ref, param) -> None:
-    me = ref()
-    if me is not None:
-        me.landed(param)
+class _StockHook:
+    """A hook of StockGradients: holds it weakly (a hook lives in C++ autograd state, out of
+    the cyclic GC's sight; see the engine's install())."""
+
+    __slots__ = ("ref", "call")
+
+    def __init__(self, ref, call):
+        self.ref, self.call = ref, call
+
+    def __call__(self, *args):
+        me = self.ref()
+        if me is not None:
+            return self.call(me, *args)
 
 
 class StockGradients:
     """After offload='auto' switched to stock training (torch's fused AdamW on the device):
     DDP's part. Every trainable parameter's gradient is averaged over the ranks in every
-    backward pass (BucketAverage), fed by post-accumulate-grad hooks of its own and finished
-    by autograd's final callback. With accumulation in the loop every pass is averaged, which
-    gives the mean of the sums, as DDP without no_sync does."""
+    backward pass (BucketAverage). As DDP: each parameter lands through a post hook of its
+    AccumulateGrad node (after the user's own hooks on the tensor), the pass begins where
+    backward reaches the model's outputs (so its end is all of backward's, not a reentrant
+    checkpoint's inner one), and a pass left open by a backward that raised is dropped at the
+    next forward. With accumulation in the loop every pass is averaged, which gives the mean
+    of the sums, as DDP without no_sync does."""
 
-    def __init__(self, host_group, device_group, params: list):
+    def __init__(self, host_group, device_group, params: list, model: torch.nn.Module):
         """`params`: every rank's same list, in the order backward makes them (about)."""
         device = params[0].device if params else torch.device("cpu")
         self.average = BucketAverage(host_group, device_group, params, device)
-        self._queued = False
-        # Weakly held by the hooks: a hook dict lives in C++ autograd metadata, out of the
-        # cyclic GC's sight (see the engine's install()).
+        self._queued = False  # a pass has begun: its end is queued with autograd
+        self.dropped_passes = 0  # backward passes that raised: nothing of them was averaged
         me = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(_stock_landed, me)) for p in params]
+        self._accumulators = [grad_accumulator(p) for p in params]
+        self._handles = [
+            acc.register_hook(_StockHook(me, functools.partial(StockGradients._landed, param=p)))
+            for acc, p in zip(self._accumulators, params)
+        ]
+        self._handles.append(model.register_forward_pre_hook(_StockHook(me, StockGradients._forward_begins)))
+        self._handles.append(model.register_forward_hook(_StockHook(me, StockGradients._forward_returns)))
 
     @property
     def buckets(self) -> list:
@@ -676,10 +723,26 @@ class StockGradients:
     def on_device(self) -> bool:
         return self.average.on_device
 
-    def landed(self, param) -> None:
+    def _forward_begins(self, module, args) -> None:
+        if self._queued and not in_autograd():  # the last backward raised before its end
+            self._queued = False
+            self.average.discard()
+            self.dropped_passes += 1
+
+    def _forward_returns(self, module, args, out) -> None:
+        if not torch.is_grad_enabled() or in_autograd():
+            return
+        for t in tensors_in(out):
+            if t.requires_grad and not t.is_leaf:  # a leaf's hook would outlive the pass
+                t.register_hook(_StockHook(weakref.ref(self), StockGradients._begin))
+
+    def _begin(self, grad=None) -> None:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _landed(self, grad_inputs, grad_outputs, param) -> None:
+        self._begin()  # a backward that never reached the model's outputs begins here
         self.average.landed(param)
 
     def finish(self) -> None:
@@ -691,6 +754,7 @@ class StockGradients:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._accumulators = []
 
 
 def agree(group, yes: bool) -> bool:

@@ -39,6 +39,7 @@ from .device_state import DeviceState
 from .distributed import BucketAverage, DataParallel, StockGradients, agree, stock_averaging_bytes, take_rank_zeros
 from .frozen_linear import FrozenLinears
 from .grads import GradSettings, GradStreamer
+from .hookpoints import grad_accumulator, in_autograd, tensors_in
 from .layout import Fetch, PlanEpoch, set_device_state, set_recompute
 from .measure import ActivationMeter
 from .moments import MomentStager, lay_out
@@ -72,17 +73,6 @@ def _checkpoints_itself(forward) -> bool:
         and getattr(block, "gradient_checkpointing", False) is True
         and block.training
     )
-
-
-def _tensors_in(out):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            yield from _tensors_in(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors_in(o)
 
 
 # The engine holds hooks, threads, streams and pinned buffers that belong to one process and
@@ -133,6 +123,17 @@ class _DeviceStateGrad(_Installed):
         engine, slot = self.engine_ref(), self.slot_ref()
         if engine is not None and slot is not None:
             engine.on_device_state_grad(slot)
+
+
+class _DeviceStateAveraged(_DeviceStateGrad):
+    """The post hook of a device-state param's AccumulateGrad node under data parallel (install)."""
+
+    __slots__ = ()
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        engine, slot = self.engine_ref(), self.slot_ref()
+        if engine is not None and slot is not None:
+            engine.on_device_state_averaged(slot)
 
 
 class Engine:
@@ -211,6 +212,7 @@ class Engine:
         self._unit_hooks: dict = {}
         self._backward_hooks: dict = {}
         self._handles: list = []
+        self._accumulators: list = []  # AccumulateGrad nodes hooked (autograd holds them only weakly)
         self._forwards: dict = {}  # block module -> its own forward attribute, if it had one
         self._applies: dict = {}  # module -> its own _apply attribute, if it had one (install)
         self._warned_groups: set = set()  # param groups warned about hyper-parameters changed after queuing
@@ -449,6 +451,14 @@ class Engine:
                     self._handles.append(
                         slot.param.register_post_accumulate_grad_hook(_DeviceStateGrad(me, weakref.ref(slot)))
                     )
+            # Data parallel averages what p.grad holds after every hook on the tensor, a user's
+            # registered after wrap() included, as DDP does: from a post hook of the param's
+            # AccumulateGrad node, which runs after them all (hookpoints.grad_accumulator).
+            if self.ds_average is not None:
+                for slot in unit.device_state_slots:
+                    accumulator = grad_accumulator(slot.param)
+                    self._accumulators.append(accumulator)
+                    self._handles.append(accumulator.register_hook(_DeviceStateAveraged(me, weakref.ref(slot))))
         self.state_hooks.install()
         # model.to(), .double(), .half(), .cuda(), ... on the model or any submodule: each
         # module's _apply runs first, so each refuses there, before anything has changed.
@@ -471,6 +481,7 @@ class Engine:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._accumulators = []
         for block, own in self._forwards.items():
             if own is None:
                 block.__dict__.pop("forward", None)  # absent if install() failed before patching it
@@ -501,7 +512,7 @@ class Engine:
     # -- forward -------------------------------------------------------------------------------
 
     def _in_backward(self) -> bool:
-        return self.grads.in_backward or self._in_autograd()
+        return self.grads.in_backward or in_autograd()
 
     def before_forward(self) -> None:
         self.recover()
@@ -528,7 +539,7 @@ class Engine:
         if not torch.is_grad_enabled() or self._in_backward():
             return
         # Not on a leaf (a parameter or an input handed through): its hooks outlive the pass.
-        outputs = [t for t in _tensors_in(out) if t.requires_grad and not t.is_leaf]
+        outputs = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf]
         if not outputs:
             return
         self.adapter.forward_returns()
@@ -564,7 +575,7 @@ class Engine:
             # runs before it (enter_block, the fault tests' entry point, tests again).
             in_backward = engine._in_backward()
             if not in_backward and engine.meter.measuring:  # before the guard, which reads them
-                engine.meter.count_inputs(unit, _tensors_in((args, kwargs)), engine.backend.device)
+                engine.meter.count_inputs(unit, tensors_in((args, kwargs)), engine.backend.device)
             engine.enter_block(unit)
             # A checkpoint around the block has its own saved-tensor hooks: ours would
             # override them (nothing recomputed, every activation kept), so a block whose
@@ -599,12 +610,6 @@ class Engine:
             return out
 
         return _Installed(paged_forward, wraps=forward)
-
-    @staticmethod
-    def _in_autograd() -> bool:
-        """A forward running inside backward (a checkpointed block recomputing), even before
-        any gradient of this pass has landed."""
-        return torch._C._current_graph_task_id() != -1
 
     def enter_block(self, unit) -> None:
         if self._in_backward():
@@ -737,7 +742,7 @@ class Engine:
         hook = self._backward_hooks.get(unit)
         if hook is None:
             hook = self._backward_hooks[unit] = functools.partial(self._block_output_grad, unit)
-        for t in _tensors_in(out):
+        for t in tensors_in(out):
             if t.requires_grad:
                 t.register_hook(hook)
 
@@ -811,7 +816,11 @@ class Engine:
             self._begin_pass()
         if self._ds_order:
             self.device_state.on_grad(slot)
-        if self.ds_average is not None and self._last_pass():
+
+    def on_device_state_averaged(self, slot) -> None:
+        """Data parallel: `slot`'s gradient is in p.grad, every hook on it run; in the window's
+        last pass it goes to be averaged."""
+        if self._last_pass():
             self.ds_average.landed(slot.param)
 
     def _last_pass(self) -> bool:
@@ -1293,7 +1302,7 @@ class Engine:
                 # (replicated, so whole on every rank already) in its own.
                 params = [s.param for u in self.dp.order for s in reversed(u.trainable)]
                 params += [s.param for s in self._device_state_reduction_order()]
-                self._stock_grads = grads = StockGradients(self.dp.reduce_group, self.ranks.user, params)
+                self._stock_grads = grads = StockGradients(self.dp.reduce_group, self.ranks.user, params, self.model)
                 where = "on the device over nccl" if grads.on_device else "over gloo from host copies"
                 self.events.add(
                     "data parallel in stock mode: each backward's gradients are averaged over the "
