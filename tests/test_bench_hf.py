@@ -41,7 +41,7 @@ LORA_KEYS = {
     "last_loss",
     "oom",
 }
-ENGINE_KEYS = {"mode", "paged_blocks", "activation_paged_blocks"}
+ENGINE_KEYS = {"mode", "paged_blocks", "activation_paged_blocks", "recompute_blocks", "planner"}
 
 
 def toy_case(kind: str, runner: str, **extra) -> dict:
@@ -54,6 +54,9 @@ def _check_row(row: dict, keys: set, wrapped: bool) -> None:
     assert row["peak_GiB"] is None  # no device memory on the CPU
     assert row["s_per_step"] > 0
     assert math.isfinite(row["first_loss"]) and math.isfinite(row["last_loss"])
+    if wrapped:  # the planner's decisions, each with its step and message (JSON-ready)
+        assert all({"step", "kind", "message"} <= d.keys() for d in row["planner"])
+        json.dumps(row["planner"])
 
 
 def test_the_full_fine_tune_rows_of_both_trainers():

@@ -127,7 +127,10 @@ def _peak_rss_gib() -> float:
 
 
 def _engine_facts(model) -> dict:
-    """What the engine chose, for the row (nothing when the model was not wrapped)."""
+    """What the engine chose, for the row (nothing when the model was not wrapped): how many
+    blocks it pages, pages the activations of and recomputes, and every planner decision of the
+    run with its numbers (memory_report's plan history: the predicted step beside the measured
+    one, in the JSON only), so that one run says why a row is as slow as it is."""
     import trainstream
 
     try:
@@ -138,7 +141,14 @@ def _engine_facts(model) -> dict:
         "mode": report["mode"],
         "paged_blocks": len(report["params"]["paged_blocks"]),
         "activation_paged_blocks": len(report["params"]["activation_paged_blocks"]),
+        "recompute_blocks": len(report["params"]["recompute_blocks"]),
+        "planner": json.loads(json.dumps(report["plan"]["history"], default=_plain)),
     }
+
+
+def _plain(value):
+    """What json cannot write, as it can: a set of blocks as a sorted list, anything else as text."""
+    return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
 
 
 # -- full fine-tune through the Trainer ------------------------------------------------------------
@@ -559,6 +569,7 @@ def markdown(rows: list[dict]) -> str:
             ("first_loss_diff", "first loss diff vs QLoRA"),
             ("paged_blocks", "blocks paged"),
             ("activation_paged_blocks", "activations paged"),
+            ("recompute_blocks", "blocks recomputed"),
             ("oom", "out of memory"),
             ("error", "error"),
         ],
