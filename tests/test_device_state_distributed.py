@@ -273,6 +273,47 @@ def _a_backward_raises(rank, world):
     return {**out, "state": _host_state(model), "ddp": ddp_state, "report": trainstream.memory_report(model)}
 
 
+class _LoraSkipping(LoraLM):
+    """LoraLM whose last block (backward's first) `skip` leaves out: with it on one rank, the
+    other sends that block's buckets during backward while this one holds them to the end."""
+
+    skip = False
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for i, block in enumerate(self.layers):
+            if not (self.skip and i == len(self.layers) - 1):
+                x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def _raised_after_uneven_launches(rank, world, failing: tuple):
+    """Rank 1 skips the last block; one pass whose backward raises on the ranks in `failing`
+    (the others' backward raises too: the pass is dropped everywhere), zero_grad(), training
+    on; and the same run without that pass."""
+    engine_dist.AVERAGING_BUCKET_BYTES = LORA_BUCKET_BYTES
+    out = {}
+    for name, fails in (("failed", True), ("control", False)):
+        torch.manual_seed(0)
+        model = _LoraSkipping()
+        model.skip = rank == 1
+        model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
+        _train(model, opt, rank, world, 1)
+        if fails:
+            handle = model.layers[1].register_forward_hook(_fails_in_backward) if rank in failing else None
+            try:
+                model(*_batch(1, rank, world)).backward()
+            except RuntimeError as e:
+                out["failed pass"] = str(e)
+            if handle is not None:
+                handle.remove()
+            opt.zero_grad()
+        _train(model, opt, rank, world, STEPS)
+        out[name] = _host_state(model)
+    out["report"] = trainstream.memory_report(model)
+    return out
+
+
 def _two_lora_runs(rank, world, checkpoint):
     return {
         "eager": _wrapped_and_ddp(rank, world, STEPS, {"offload": True}, 1, None, checkpoint, make=_lora),
@@ -372,8 +413,9 @@ def test_the_memory_report_says_the_device_state_is_replicated(lora_two_ranks):
         assert report["distributed"]["trainable_elements"] == 0  # nothing sharded
         # On the CPU path the device is host memory: the whole moments, as one process holds them.
         assert report["host_moment_bytes"] == alone["host_moment_bytes"] == 2 * 4 * n
-        # The gradients, a flag each, and its one bucket's late flag ([Note: late gradients]).
-        assert report["distributed"]["bytes_communicated_per_step"] == 4 * (n + 16 + 1)
+        # The gradients, a flag each, its one bucket's late flag ([Note: late gradients]) and the
+        # flag saying a rank dropped the pass ([Note: a pass some rank drops]).
+        assert report["distributed"]["bytes_communicated_per_step"] == 4 * (n + 16 + 1 + 1)
     assert alone["plan"]["device_state"]["replicas"] == 1
 
 
@@ -439,6 +481,23 @@ def test_a_backward_that_raised_on_every_rank_leaves_nothing_and_training_goes_o
     _took_device_state(a["report"], 2)
     _same_bits(a["state"], b["state"])
     _as_close_as_ddp(a, STEPS, make=_lora)
+
+
+@pytest.mark.parametrize("failing", [(0, 1), (0,)], ids=["every rank", "rank 0 alone"])
+def test_a_pass_that_raised_after_uneven_launches_is_dropped_on_every_rank(tmp_path, failing):
+    """Rank 1 skips the last block, so rank 0 sends that block's buckets during backward while
+    rank 1 holds them. A backward that raises then (on every rank, or on rank 0 alone) is
+    dropped on every rank, and afterwards every rank holds, bit for bit, what the same run
+    without that pass holds (e571c05: the ranks' all-reduces paired with other buckets from
+    then on, and gloo aborted)."""
+    ranks = _ok(_spawn(2, tmp_path, _raised_after_uneven_launches, failing))
+    _took_device_state(ranks[0]["report"], 2)
+    assert ranks[0]["failed pass"] == "a backward that fails on purpose"
+    if failing == (0,):
+        assert "raised on another rank" in ranks[1]["failed pass"], ranks[1]["failed pass"]
+    for r in ranks:
+        _same_bits(r["failed"], r["control"])
+    _same_bits(ranks[0]["failed"], ranks[1]["failed"])
 
 
 def test_offload_auto_switches_device_state_to_stock_averaged_as_ddp(lora_two_ranks):

@@ -393,6 +393,71 @@ def test_after_a_backward_that_raised_on_every_rank_the_next_passes_are_averaged
     _close_as_ddp(a["state"], _host_state(model), a["ddp"], _host_state(plain))
 
 
+class _NetExtra(_Net):
+    """_Net with a Linear after the head that only rank 0 uses (`use_extra`): with a bucket per
+    parameter, rank 0 sends buckets during backward that rank 1 holds to the pass's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(OUT, OUT)
+        self.use_extra = True
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for i, seg in enumerate(self.segments):
+            if i == 1:
+                h = _FailsOnce.apply(h, self.fail)
+                self.fail = False
+            h = seg(h)
+        out = self.head(h)
+        return F.mse_loss(self.extra(out) if self.use_extra else out, y)
+
+
+def _raised_on(rank, world, failing: tuple):
+    """After the switch, buckets of a parameter each, one pass whose backward raises on the
+    ranks in `failing` (every rank's backward raises: on the others, as the pass is dropped
+    everywhere), zero_grad(), then training on; the same run without that pass beside it."""
+    engine_dist.AVERAGING_BUCKET_BYTES = 4
+    out = {}
+    for name, fails in (("failed", True), ("control", False)):
+        torch.manual_seed(0)
+        model, opt = _wrapped(_NetExtra())
+        model.use_extra = rank == 0
+        _switched(model, opt, rank, world)
+        if fails:
+            model.fail = rank in failing
+            try:
+                model(*_batch(SWITCH_STEPS, rank, world)).backward()
+            except RuntimeError as e:
+                out["failed pass"] = str(e)
+            opt.zero_grad()
+        for step in range(SWITCH_STEPS, STEPS):
+            _step(model, opt, step, rank, world)
+        out[name] = _host_state(model)
+    return out
+
+
+@pytest.mark.parametrize("failing", [(0, 1), (0,)], ids=["every rank", "rank 0 alone"])
+def test_a_pass_that_raised_after_uneven_launches_is_dropped_on_every_rank_and_training_goes_on(tmp_path, failing):
+    """A parameter only rank 0 uses: rank 0 sends buckets during backward that rank 1 holds to
+    the end. A backward that raises then (on every rank, or on rank 0 alone) is dropped on every
+    rank: the rank that raised completes the pass's all-reduces writing nothing, and one whose
+    backward ended raises instead of applying it. Afterwards every rank holds, bit for bit, what
+    the same run without that pass holds. e571c05 forgot what had been sent: every later
+    all-reduce paired with another bucket, and gloo aborted once the sizes differed."""
+    ranks = _ok(_spawn(2, tmp_path, _raised_on, failing))
+    assert ranks[0]["failed pass"] == "a backward that fails on purpose"
+    if failing == (0,):
+        assert "raised on another rank" in ranks[1]["failed pass"], ranks[1]["failed pass"]
+    else:
+        assert ranks[1]["failed pass"] == "a backward that fails on purpose"
+    for r in ranks:
+        for k, t in r["control"].items():
+            assert torch.equal(bits(r["failed"][k]), bits(t)), k
+    shared = {k: v for k, v in ranks[0]["failed"].items() if not k.startswith("extra")}
+    _same_on_every_rank([{"state": shared}, {"state": {k: ranks[1]["failed"][k] for k in shared}}])
+
+
 # -- 4. every trainable parameter inside reentrant checkpoint segments ------------------------
 
 

@@ -510,6 +510,18 @@ class DataParallel:
 # what one all-reduce at the end of backward gives; a pass with no late gradient costs
 # nothing more than holding the last bucket (backward's last gradients) to its end.
 #
+# [Note: a pass some rank drops] A backward that raises leaves its pass half sent: buckets
+# launched during backward differ between ranks (a rank launches a bucket once its own
+# gradients are in), so forgetting what went would leave every later all-reduce of one rank
+# paired with another bucket of the other (gloo aborts once sizes differ; until then the data
+# is mixed silently). So the rank that drops a pass begun on it completes its collectives as
+# finish() would, writing nothing, and says so in the last bucket's tail; a rank whose backward
+# ended reads that sum and raises instead of writing averages that hold a dropped pass's
+# gradients, so the pass is dropped on every rank alike. A pass is begun where backward reaches
+# the model's outputs (or at its first gradient), which every rank running the same model does
+# alike; a rank that raised before that issues nothing, and a rank that never calls forward or
+# zero_grad() again leaves the others to the group's timeout.
+#
 # DDP's default bucket size (bucket_cap_mb=25): large enough that a collective's fixed cost is
 # spread over many bytes, small enough that the first buckets fill, and go, early in backward.
 # Counted in fp32, the dtype the buckets average in.
@@ -579,6 +591,12 @@ class BucketAverage:
         self._late: set = set()  # buckets that went before a second gradient of one of theirs landed
         self._next = 0  # the next bucket to launch (strictly in order)
         self._inflight: list = []  # [bucket index, buffer, work] launched this pass
+        self._open = False  # a pass averaged here has begun (begin()) and not been completed
+
+    def begin(self) -> None:
+        """A pass whose gradients are averaged here has begun (on every rank alike: the owner
+        calls it where backward reaches the model's outputs, or at the first gradient)."""
+        self._open = True
 
     def landed(self, param) -> None:
         """`param`'s gradient is final for this pass, as far as anyone can tell: launch every
@@ -597,12 +615,12 @@ class BucketAverage:
             self._launch(self._next)
             self._next += 1
 
-    def _launch(self, b: int, late: list | None = None) -> None:
-        """All-reduce bucket `b` from the gradients as they are now (asynchronously); `late`:
-        one flag per bucket, carried at its end (the last bucket's)."""
-        bucket, late = self.buckets[b], late or []
+    def _launch(self, b: int, tail: list | None = None) -> None:
+        """All-reduce bucket `b` from the gradients as they are now (asynchronously); `tail`:
+        flags carried at its end (the last bucket's: _complete)."""
+        bucket, tail = self.buckets[b], tail or []
         numel = numel_of(bucket)
-        buffer = torch.empty(numel + len(bucket) + len(late), dtype=torch.float32, device=self.device)
+        buffer = torch.empty(numel + len(bucket) + len(tail), dtype=torch.float32, device=self.device)
         at = 0
         for p in bucket:
             part = buffer[at : at + p.numel()]
@@ -612,33 +630,50 @@ class BucketAverage:
             else:
                 part.copy_(p.grad.detach().reshape(-1))
         buffer[:numel].div_(self.world)  # the mean over ranks, as DDP divides before its all-reduce
-        flags = [0.0 if p.grad is None else 1.0 for p in bucket] + late
+        flags = [0.0 if p.grad is None else 1.0 for p in bucket] + tail
         buffer[numel:].copy_(torch.tensor(flags))
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self.bytes_sent += buffer.numel() * buffer.element_size()
         self._inflight.append([b, buffer, work])
 
-    def finish(self) -> None:
-        """The pass's end: launch the buckets left, the last with every rank's late flags;
-        send again, in order, each bucket some rank flagged; wait for all, and write each
-        average where some rank had a gradient."""
-        if not self.buckets:
-            return
+    def _complete(self, dropped: bool) -> bool:
+        """Issue what is left of the pass's collectives and wait for them all: the buckets not
+        launched yet, the last with every rank's late flags and a flag saying this rank drops
+        the pass, then (unless some rank drops it) each bucket some rank flagged late, again.
+        Every rank issues the same ones, in the same order, whether it finishes or drops the
+        pass ([Note: late gradients], [Note: a pass some rank drops]). Returns whether some
+        rank dropped it."""
         while self._next < len(self.buckets) - 1:
             self._launch(self._next)
             self._next += 1
-        self._launch(self._next, [1.0 if b in self._late else 0.0 for b in range(len(self.buckets))])
+        late = [1.0 if b in self._late else 0.0 for b in range(len(self.buckets))]
+        self._launch(self._next, late + [1.0 if dropped else 0.0])
         self._next += 1
         last = self._inflight[-1]
         last[2].wait()
-        late = last[1][last[1].numel() - len(self.buckets) :].tolist()  # how many ranks saw each late
-        for entry in self._inflight[:-1]:
-            if late[entry[0]]:  # what went early lacks a gradient summed in after it
-                entry[2].wait()  # the stale all-reduce is still matched on every rank
-                self._launch(entry[0])
-                entry[1:] = self._inflight.pop()[1:]
-        for b, buffer, work in self._inflight:
+        *late, dropped_anywhere = last[1][last[1].numel() - len(self.buckets) - 1 :].tolist()
+        if not dropped_anywhere:
+            for entry in self._inflight[:-1]:
+                if late[entry[0]]:  # what went early lacks a gradient summed in after it
+                    entry[2].wait()  # the stale all-reduce is still matched on every rank
+                    self._launch(entry[0])
+                    entry[1:] = self._inflight.pop()[1:]
+        for _, _, work in self._inflight:
             work.wait()
+        return bool(dropped_anywhere)
+
+    def finish(self) -> None:
+        """The pass's end: complete its collectives and write each average where some rank had
+        a gradient; RuntimeError where another rank dropped the pass (nothing is written)."""
+        if not self.buckets:
+            return
+        if self._complete(dropped=False):
+            self._new_pass()
+            raise RuntimeError(
+                "trainstream: the backward pass raised on another rank, so its gradients are averaged on no rank: "
+                "this pass is dropped on every rank (nothing of it is applied); zero_grad() and go on as that rank does"
+            )
+        for b, buffer, _ in self._inflight:
             bucket = self.buckets[b]
             flags = buffer[numel_of(bucket) : numel_of(bucket) + len(bucket)].tolist()  # ranks that had each
             at = 0
@@ -653,9 +688,11 @@ class BucketAverage:
         self._new_pass()
 
     def discard(self) -> None:
-        """A pass that raised: forget it. What was launched is not waited for (a rank that
-        raised has left the collective order, and the run ends with the group's timeout on
-        the others); its buffers go with it."""
+        """A pass that raised on this rank: nothing of it is written, but where it had begun
+        (begin()) its collectives are completed, so that every rank's next ones pair ([Note: a
+        pass some rank drops])."""
+        if self.buckets and self._open:
+            self._complete(dropped=True)
         self._new_pass()
 
 
@@ -739,6 +776,7 @@ class StockGradients:
     def _begin(self, grad=None) -> None:
         if not self._queued:
             self._queued = True
+            self.average.begin()
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def _landed(self, grad_inputs, grad_outputs, param) -> None:

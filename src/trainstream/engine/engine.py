@@ -797,6 +797,8 @@ class Engine:
 
     def _begin_pass(self) -> None:
         self.grads.begin_pass()
+        if self.ds_average is not None and self._last_pass():  # its gradients are averaged
+            self.ds_average.begin()
         if self._ds_order:
             self.device_state.new_pass()  # the order recorded is this pass's
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
