@@ -458,6 +458,53 @@ def test_a_pass_that_raised_after_uneven_launches_is_dropped_on_every_rank_and_t
     _same_on_every_rank([{"state": shared}, {"state": {k: ranks[1]["failed"][k] for k in shared}}])
 
 
+def _retried(rank, world):
+    """After the switch, a pass whose backward raises on every rank (a hook that raises once),
+    zero_grad(), then the same graph (kept with retain_graph=True) backward again, before any
+    forward, and step(); then training on. And the same run with that pass succeeding at once."""
+    out = {}
+    for name, flaky in (("retried", True), ("control", False)):
+        model, opt = _wrapped(_make())
+        _switched(model, opt, rank, world)
+        fails = [flaky]
+
+        def once(grad, fails=fails):
+            if fails[0]:
+                fails[0] = False
+                raise RuntimeError("a hook that fails once")
+            return grad
+
+        handle = model.head.weight.register_hook(once)
+        loss = model(*_batch(SWITCH_STEPS, rank, world))
+        try:
+            loss.backward(retain_graph=True)
+        except RuntimeError as e:
+            out["failed pass"] = str(e)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        handle.remove()
+        for step in range(SWITCH_STEPS + 1, STEPS):
+            _step(model, opt, step, rank, world)
+        out[name] = _host_state(model)
+    return out
+
+
+def test_a_retried_backward_of_a_kept_graph_after_one_that_raised_is_averaged(tmp_path):
+    """zero_grad() drops the pass a raised backward left open (as the model's next forward
+    does), so the retried backward of the kept graph begins a pass of its own and is averaged:
+    every rank ends, bit for bit, where the run whose pass succeeded at once ends. e571c05
+    dropped the open pass only at the next forward: the retry averaged nothing and each rank
+    stepped on its own gradient."""
+    ranks = _ok(_spawn(2, tmp_path, _retried))
+    for r in ranks:
+        assert r["failed pass"] == "a hook that fails once"
+        for k, t in r["control"].items():
+            assert torch.equal(bits(r["retried"][k]), bits(t)), k
+    _same_on_every_rank([{"state": r["retried"]} for r in ranks])
+
+
 # -- 4. every trainable parameter inside reentrant checkpoint segments ------------------------
 
 

@@ -734,7 +734,7 @@ class StockGradients:
     AccumulateGrad node (after the user's own hooks on the tensor), the pass begins where
     backward reaches the model's outputs (so its end is all of backward's, not a reentrant
     checkpoint's inner one), and a pass left open by a backward that raised is dropped at the
-    next forward. With accumulation in the loop every pass is averaged, which gives the mean
+    next forward, zero_grad() or step() (drop_open_pass). With accumulation in the loop every pass is averaged, which gives the mean
     of the sums, as DDP without no_sync does."""
 
     def __init__(self, host_group, device_group, params: list, model: torch.nn.Module):
@@ -742,7 +742,6 @@ class StockGradients:
         device = params[0].device if params else torch.device("cpu")
         self.average = BucketAverage(host_group, device_group, params, device)
         self._queued = False  # a pass has begun: its end is queued with autograd
-        self.dropped_passes = 0  # backward passes that raised: nothing of them was averaged
         me = weakref.ref(self)
         self._accumulators = [grad_accumulator(p) for p in params]
         self._handles = [
@@ -761,10 +760,15 @@ class StockGradients:
         return self.average.on_device
 
     def _forward_begins(self, module, args) -> None:
-        if self._queued and not in_autograd():  # the last backward raised before its end
+        self.drop_open_pass()
+
+    def drop_open_pass(self) -> None:
+        """A pass begun and never finished (its backward raised) is dropped: at the model's
+        next forward, and at the optimizer's next zero_grad() or step() (before a backward of
+        a graph kept with retain_graph=True, which begins no pass at the outputs)."""
+        if self._queued and not in_autograd():
             self._queued = False
             self.average.discard()
-            self.dropped_passes += 1
 
     def _forward_returns(self, module, args, out) -> None:
         if not torch.is_grad_enabled() or in_autograd():

@@ -1305,6 +1305,7 @@ class Engine:
                 params = [s.param for u in self.dp.order for s in reversed(u.trainable)]
                 params += [s.param for s in self._device_state_reduction_order()]
                 self._stock_grads = grads = StockGradients(self.dp.reduce_group, self.ranks.user, params, self.model)
+                self.optimizer.before_stock_calls(grads.drop_open_pass)
                 where = "on the device over nccl" if grads.on_device else "over gloo from host copies"
                 self.events.add(
                     "data parallel in stock mode: each backward's gradients are averaged over the "

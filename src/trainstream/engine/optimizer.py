@@ -66,6 +66,9 @@ class StreamedAdamW(OffloadAdamW):
     _stock = None  # offload="auto" switched: the torch.optim.AdamW(fused=True) every call goes to
     _stock_clip = None  # the max_grad_norm stock steps clip at, as torch does it
     stock_steps = 0  # steps taken by the stock optimizer
+    # Stock mode under data parallel: called before each stock zero_grad() and step() (weak
+    # methods: StockGradients.drop_open_pass while the engine keeps it).
+    _before_stock_calls: tuple = ()
     _stock_grad_norm = None  # with no engine: the last stock step's clipped norm, else the engine's last
     _skipped_steps = 0  # counted by the engine (skipped_steps)
     # optimizer_mode="gpu": param -> its moments in the host arena (pinned on a GPU), which
@@ -474,7 +477,18 @@ class StreamedAdamW(OffloadAdamW):
             source._opt_called = True
         return loss
 
+    def before_stock_calls(self, method) -> None:
+        """Call `method` (held weakly) before each stock zero_grad() and step()."""
+        self._before_stock_calls += (weakref.WeakMethod(method),)
+
+    def _stock_call_begins(self) -> None:
+        for ref in self._before_stock_calls:
+            method = ref()
+            if method is not None:
+                method()
+
     def _stock_step(self) -> None:
+        self._stock_call_begins()
         if self._stock_clip is not None:  # the clipping wrap() was asked for, as torch does it
             params = [p for g in self.param_groups for p in g["params"]]
             self._stock_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._stock_clip))
@@ -483,6 +497,7 @@ class StreamedAdamW(OffloadAdamW):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._stock is not None:
+            self._stock_call_begins()
             self._stock.zero_grad(set_to_none)
             return
         if self._engine is not None:
