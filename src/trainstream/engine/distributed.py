@@ -734,8 +734,8 @@ class StockGradients:
     AccumulateGrad node (after the user's own hooks on the tensor), the pass begins where
     backward reaches the model's outputs (so its end is all of backward's, not a reentrant
     checkpoint's inner one), and a pass left open by a backward that raised is dropped at the
-    next forward, zero_grad() or step() (drop_open_pass). With accumulation in the loop every pass is averaged, which gives the mean
-    of the sums, as DDP without no_sync does."""
+    next forward, zero_grad() or step() (drop_open_pass). With accumulation in the loop every
+    pass is averaged, which gives the mean of the sums, as DDP without no_sync does."""
 
     def __init__(self, host_group, device_group, params: list, model: torch.nn.Module):
         """`params`: every rank's same list, in the order backward makes them (about)."""
