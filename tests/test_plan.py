@@ -3,6 +3,7 @@
 import pytest
 
 from trainstream.planner import BlockBytes, PlanInputs, device_bytes, make_plan
+from trainstream.planner.plan import copy_waits, placement_terms
 
 # Four blocks of 100 bytes of weights that cross as 50 (bf16 under autocast) and push 100
 # after each update, saving 200 bytes of activations; links of 1000 bytes/s.
@@ -39,8 +40,10 @@ def inputs(usable, *, compute=0.5, pageable=(True,) * 4, slowdown=0.15, **kw):
         # 700: every block's weights paged is not enough (800 of activations + 100 in flight); one
         # block's activations too: 600 held at the forward's end, 400 when backward fetches it
         # back with one ahead; its 200 bytes go out beside the forward's 200 of weights coming
-        # in, and come back while the 400 bytes of gradients go out: no slower
-        (700, [0, 1, 2, 3], [0], True, True),
+        # in, but come back only as block 1's backward starts (prefetch_depth 1), behind block
+        # 0's weights: backward waits 0.15 s for them, 25% over the same weights without it,
+        # past the limit, and still the only placement that fits
+        (700, [0, 1, 2, 3], [0], True, False),
         # nothing fits: the plan that needs the least memory, flagged (two blocks' activations
         # paged need no more than four: backward fetches two at a time either way)
         (100, [0, 1, 2, 3], [0, 1], False, False),
@@ -226,3 +229,104 @@ def test_before_any_forward_is_timed_blocks_are_paged_where_recomputing_them_doe
     # Every block paged: 400 + 500 at the forward's end, 400 + 2 x 200 in backward.
     plan = make_plan(inp(900))
     assert (plan.act_paged, plan.recompute, plan.fits, plan.device_bytes) == ([0, 1, 2, 3], [], True, 900)
+
+
+# -- copies in the pipeline ([Note: copies in the pipeline]) ---------------------------------------
+
+
+def three_blocks(**kw):
+    # Three blocks with a 1 s forward and a 1 s backward each; block 0's activations take 2 s
+    # each way; weights resident and crossing in 0.5 s when paged.
+    blocks = [
+        BlockBytes(weight_bytes=100, crossing_bytes=500, push_bytes=0, act_bytes=2000, forward_s=1.0) for _ in range(3)
+    ]
+    base = dict(
+        blocks=blocks,
+        fixed_bytes=0,
+        usable_bytes=10**9,
+        h2d_bytes_per_s=1000.0,
+        d2h_bytes_per_s=1000.0,
+        adamw_s=0.0,
+        grad_bytes=0,
+        outside_push_bytes=0,
+        compute_s=6.0,
+        backward_per_forward=1.0,
+    )
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+def test_a_forward_waits_for_copies_past_the_inflight_limit():
+    # Block 0's copy out (2 s) runs under blocks 1 and 2's forwards: no wait. With 500 bytes
+    # in flight at most, block 0 cannot end before its copy is within 0.5 s of done (1.5 s):
+    # 0.5 s waited. Backward fetches block 0's activations as block 1's starts (1 s into it),
+    # 2 s: block 0 waits 1 s for them either way.
+    assert copy_waits(three_blocks(), {0}, set()) == pytest.approx((0.0, 1.0))
+    assert copy_waits(three_blocks(inflight_bytes=500), {0}, set()) == pytest.approx((0.5, 1.0))
+    # Fetched two blocks ahead (as block 2's backward starts), it is in as block 0 starts.
+    assert copy_waits(three_blocks(prefetch_depth=2), {0}, set()) == pytest.approx((0.0, 0.0))
+    # Block 1 recomputed above it: its backward is 2 s, the fetch hides under it.
+    assert copy_waits(three_blocks(), {0}, {1}) == pytest.approx((0.0, 0.0))
+    # The terms add the waits to each phase's compute (3 s, then 3 s).
+    terms = placement_terms(three_blocks(inflight_bytes=500), [], [0], [])
+    assert (terms["forward"], terms["backward"]) == pytest.approx((3.5, 4.0))
+
+
+def test_paged_weights_share_the_link_with_the_activations_fetched_in_backward():
+    # Every block's weights paged (0.5 s each): in forward, block 0 waits for its own (0.5 s);
+    # the next ones come while the block before computes; in backward, block 2 waits for its
+    # own likewise. Block 0's activations are fetched behind its weights as block 1's backward
+    # starts (at 1.5 s): in at 4 s, where block 0 would start at 2.5 s: 1.5 s more; without the
+    # weights on the link, 1 s (test above).
+    inp = three_blocks()
+    assert copy_waits(inp, set(), set(), {0, 1, 2}) == pytest.approx((0.5, 0.5))
+    assert copy_waits(inp, {0}, set(), {0, 1, 2}) == pytest.approx((0.5, 2.0))
+
+
+def test_paged_blocks_are_spread_among_recomputed_ones():
+    # A 14B LoRA's proportions under a 24 GiB cap (hf row 6 on the H100): 48 blocks, 640 MiB of
+    # activations each, 20 MiB of inputs, a 5.5 ms forward and 1.03 forwards of backward, links
+    # of 54.5 GB/s, 1 GiB in flight; room for 8 blocks' activations. The plan of 4b9b533 paged 22
+    # blocks in runs of up to ten between 18 recomputed, predicted 635 ms and stepped 905 ms:
+    # walked block by block it waits for its copies in both phases.
+    MiB, GiB = 2**20, 2**30
+    blocks = [
+        BlockBytes(
+            weight_bytes=147 * MiB,
+            crossing_bytes=147 * MiB,
+            push_bytes=0,
+            act_bytes=640 * MiB,
+            input_bytes=20 * MiB,
+            forward_s=0.0055,
+            backward_bytes=300 * MiB,
+        )
+        for _ in range(48)
+    ]
+    inp = PlanInputs(
+        blocks=blocks,
+        fixed_bytes=int(6.5 * GiB),
+        usable_bytes=int(21.6 * GiB),
+        h2d_bytes_per_s=54.5e9,
+        d2h_bytes_per_s=54.8e9,
+        adamw_s=0.0,
+        grad_bytes=0,
+        outside_push_bytes=0,
+        compute_s=48 * 0.0055 * 2.03 + 0.03,
+        backward_per_forward=1.03,
+        recompute=True,
+        inflight_bytes=GiB,
+        after_stack_bytes=int(1.5 * GiB),
+        held_after_stack_bytes=int(0.5 * GiB),
+        weights="fixed",
+    )
+    then_paged = [0, 1, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 29, 31, 32, 33, 35, 36, 37, 38, 39]
+    then_recomputed = [2, 3, 4, 6, 7, 8, 9, 10, 21, 22, 23, 24, 25, 26, 27, 28, 30, 34]
+    forward_wait, backward_wait = copy_waits(inp, set(then_paged), set(then_recomputed))
+    assert forward_wait > 0.05 and backward_wait > 0.1
+    then = placement_terms(inp, [], then_paged, then_recomputed)["step"]
+    everything_recomputed = placement_terms(inp, [], [], list(range(40)))["step"]
+    plan = make_plan(inp)
+    assert plan.fits and plan.act_paged and plan.recompute
+    # No two paged blocks side by side: each comes back while the recomputed block above it runs.
+    assert not {i + 1 for i in plan.act_paged} & set(plan.act_paged)
+    assert plan.step_s < 0.85 * then and plan.step_s < 0.95 * everything_recomputed

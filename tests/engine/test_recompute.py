@@ -80,14 +80,17 @@ def test_a_block_that_fits_is_kept():
 
 
 def test_the_plan_picks_per_block_among_the_policies_that_fit():
-    # 900 usable: two blocks must leave. Of the 0.9 s compute, the forward's 0.3 s hides one
-    # block's 200 bytes going out, backward's 0.6 s the 400 pushed and one block's 200 coming
-    # back, not two (0.4 s out, then 0.8 s in: 1.2 s); recomputing both adds 100 ms (1.0 s).
-    # One of each: 0.3 s, then backward's 0.6 s and the recompute's 50 ms.
-    inp = inputs(900, compute=0.9)
+    # 900 usable: two blocks must leave. Of the 0.9 s compute, the forward's 0.3 s (75 ms a
+    # block) hides one block's 200 bytes going out, not two (0.4 s out, then 0.8 s in: 1.2 s);
+    # recomputing both adds 150 ms (1.05 s). One of each: block 0 paged below block 1
+    # recomputed comes back (0.2 s) while block 1 recomputes and runs its backward (225 ms):
+    # 0.3 s, then backward's 0.6 s and the recompute's 75 ms. The other way round, block 1's
+    # fetch starts only as block 2's backward does (150 ms: prefetch_depth 1): 50 ms waited.
+    inp = inputs(900, compute=0.9, forward_s=0.075)
     plan = make_plan(inp)
-    assert chosen(plan) == ([1], [0]) and plan.step_s == pytest.approx(0.95)
-    assert plan.device_bytes == device_bytes(inp, set(), {1}, {0}) <= 900
+    assert chosen(plan) == ([0], [1]) and plan.step_s == pytest.approx(0.975)
+    assert placement_terms(inp, [], [1], [0])["step"] == pytest.approx(1.025)
+    assert plan.device_bytes == device_bytes(inp, set(), {0}, {1}) <= 900
 
 
 def test_a_block_not_timed_yet_is_recomputed_rather_than_paged():
@@ -548,14 +551,15 @@ def test_the_settled_choice_stays_from_step_to_step(forward_share, settled):
 
 
 def test_a_mode_settled_on_timed_forwards_is_kept_when_the_block_leaves_again():
-    # [Note: settled modes]: two blocks must leave (as in the per-block test: one paged, one
-    # recomputed, 0.95 s). Settled as paged, both stay paged (1.2 s); one settled as
-    # recomputed leaves the other's mode to the search.
-    assert chosen(make_plan(inputs(900, compute=0.9))) == ([1], [0])
-    held = make_plan(inputs(900, compute=0.9, settled={0: "page", 1: "page"}))
+    # [Note: settled modes]: two blocks must leave (as in the per-block test: block 0 paged,
+    # block 1 recomputed, 0.975 s). Settled as paged, both stay paged (1.2 s); block 0 settled
+    # as recomputed leaves block 1's mode to the search (paged, 1.025 s, against 1.05 s).
+    timed = dict(compute=0.9, forward_s=0.075)
+    assert chosen(make_plan(inputs(900, **timed))) == ([0], [1])
+    held = make_plan(inputs(900, **timed, settled={0: "page", 1: "page"}))
     assert chosen(held) == ([0, 1], []) and held.fits and held.step_s == pytest.approx(1.2)
-    held = make_plan(inputs(900, compute=0.9, settled={1: "recompute"}))
-    assert chosen(held) == ([0], [1]) and held.step_s == pytest.approx(0.95)
+    held = make_plan(inputs(900, **timed, settled={0: "recompute"}))
+    assert chosen(held) == ([1], [0]) and held.step_s == pytest.approx(1.025)
 
 
 def test_a_settled_mode_gives_way_to_a_much_faster_plan_or_to_the_fit(monkeypatch):
@@ -563,14 +567,15 @@ def test_a_settled_mode_gives_way_to_a_much_faster_plan_or_to_the_fit(monkeypatc
     # SETTLED_MARGIN faster, or the settled plan does not fit.
     adapter = Adapter.__new__(Adapter)
     adapter.correction, adapter.settled_modes = 0, {0: "page", 1: "page"}
-    table = {True: inputs(900, compute=1.1, settled={0: "page", 1: "page"}), False: inputs(900, compute=1.1)}
+    timed = dict(compute=1.1, forward_s=0.075)
+    table = {True: inputs(900, **timed, settled={0: "page", 1: "page"}), False: inputs(900, **timed)}
     monkeypatch.setattr(adapter, "_inputs", lambda correction, settled=True: table[settled], raising=False)
-    assert chosen(adapter._plan()) == ([0, 1], [])  # 1.15 s free: not 10% faster than 1.2 s
+    assert chosen(adapter._plan()) == ([0, 1], [])  # 1.175 s free: not 10% faster than 1.233 s
     table[False] = inputs(900, compute=0.3, forward_s=0.01)
-    assert chosen(adapter._plan()) == ([], [0, 1])  # 0.5 s free, 1.2 s held
+    assert chosen(adapter._plan()) == ([], [0, 1])  # 0.5 s free, 1.233 s held
     table[True] = inputs(100, compute=0.9, settled={0: "page", 1: "page"})
-    table[False] = inputs(900, compute=0.9)
-    assert chosen(adapter._plan()) == ([1], [0])  # the settled plan does not fit
+    table[False] = inputs(900, compute=0.9, forward_s=0.075)
+    assert chosen(adapter._plan()) == ([0], [1])  # the settled plan does not fit
 
 
 # -- on the GPU ------------------------------------------------------------------------------------

@@ -67,10 +67,13 @@ def test_the_7b_lora_recomputes_where_paging_every_activation_was_chosen(forward
     assert paged_all["forward"] >= 28 * 670e6 / (55 * GB) and paged_all["backward"] >= 28 * 670e6 / (55 * GB)
     assert paged_all["step"] == pytest.approx(0.75, abs=0.01)
     # The plan recomputes the blocks whose paging its phases' compute cannot hide (most of
-    # them when a forward is cheap) and pages the others: well under paging them all.
+    # them when a forward is cheap) and pages the others: well under paging them all, and
+    # under recomputing them all. (Launch-bound: 0.71 of paging them all, where the phases
+    # alone, each paged block's fetch not waited for, predicted under 0.7.)
     plan = make_plan(inp)
     assert plan.fits and len(plan.recompute) >= (15 if forward_ms == 3.6 else 5)
-    assert plan.step_s < (0.4 if forward_ms == 3.6 else 0.7) * paged_all["step"]
+    assert plan.step_s < (0.4 if forward_ms == 3.6 else 0.75) * paged_all["step"]
+    assert plan.step_s < placement_terms(inp, plan.paged, [], every)["step"]
 
 
 def test_the_7b_lora_pages_where_its_link_is_fast_against_its_compute():
@@ -256,13 +259,15 @@ def settle_qwen2(forward_share: float, steps: int = 5):
 
 
 def test_a_transformers_decoder_stack_recomputes_where_paging_is_slow_and_pages_where_it_is_fast():
-    # Paging one block's activations takes three of its forwards each way, or a third of one.
-    slow_chosen, slow_losses, slow_forwards, slow = settle_qwen2(forward_share=0.3)
+    # Paging one block's activations takes two and a half of its forwards each way, or a third
+    # of one. Slow: a paged block's fetch hides only under the backward of a recomputed block
+    # above it (its recompute and its backward, 2.1 forwards), so every other block is paged.
+    slow_chosen, slow_losses, slow_forwards, slow = settle_qwen2(forward_share=0.4)
     fast_chosen, fast_losses, fast_forwards, fast = settle_qwen2(forward_share=3.0)
     # The first step, nothing timed: six blocks recomputed ([Note: recompute before timing]).
     assert slow_chosen[0] == fast_chosen[0] == ([0, 1, 2, 3, 4, 5], [])
     recomputed, paged = slow_chosen[-1]
-    assert len(recomputed) >= 4 and sorted(recomputed + paged) == [0, 1, 2, 3, 4, 5], slow_chosen
+    assert (recomputed, paged) == ([1, 3, 5], [0, 2, 4]), slow_chosen
     assert all(c == slow_chosen[1] for c in slow_chosen[1:]), slow_chosen
     assert fast_chosen[-1][0] == [] and fast_chosen[-1][1], fast_chosen
     # The decoder layers' calls (keywords, position embeddings, use_cache=False) really ran
@@ -271,13 +276,13 @@ def test_a_transformers_decoder_stack_recomputes_where_paging_is_slow_and_pages_
     assert "instead of recomputed" not in slow["events"]
     # Each replan on timed forwards says per block what it chose, against what.
     (why,) = [h for h in slow["plan"]["history"] if h["kind"] == "recompute"]
-    assert f"recompute: blocks {recomputed[0]}-{recomputed[-1]} recomputed in backward" in why["message"]
+    assert "recompute: blocks 1, 3, 5 recomputed in backward, blocks 0, 2, 4 paged" in why["message"]
     assert "Per block:" in why["message"] and "all 6 paged:" in why["message"]
     assert sorted(why["per_block"]) == [0, 1, 2, 3, 4, 5]
     assert {b: v["mode"] for b, v in why["per_block"].items()} == {
         b: "recomputed" if b in recomputed else "paged" for b in range(6)
     }
-    assert why["predicted_step_s"] < why["all_paged_step_s"]
+    assert why["predicted_step_s"] < why["all_paged_step_s"] and why["predicted_step_s"] < why["all_recomputed_step_s"]
     (why,) = [h for h in fast["plan"]["history"] if h["kind"] == "recompute"]
     assert why["message"].startswith("recompute: no block is recomputed from the next step on; blocks ")
     assert why["predicted_step_s"] < why["all_recomputed_step_s"]

@@ -67,6 +67,11 @@ def default_inflight_bytes(profile) -> int:
     return int(min(GiB, profile.vram_total_bytes // 10))
 
 
+def inflight_bytes(opts, profile) -> int:
+    """max_inflight_bytes as given, else its default."""
+    return opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
+
+
 def dequantized_in_flight(units) -> int:
     """Device bytes of quantized weights dequantized for use: the two largest blocks' worth
     (the one computing and the one fetched ahead), resident or paged."""
@@ -162,6 +167,7 @@ def plan_inputs(
         compute_s=compute_s,
         max_activation_slowdown=opts.max_activation_slowdown,
         prefetch_depth=opts.prefetch_depth,
+        inflight_bytes=inflight_bytes(opts, profile),
         weights="auto" if opts.param_offload == "auto" else "fixed",
         activations="auto" if opts.activation_offload == "auto" else "fixed",
         fixed_paged=tuple(i for i in fixed_list(opts.param_offload) if i not in unpageable),
@@ -677,7 +683,7 @@ def _moment_arena_sizes(opts, units, moment_dtype, profile, sums: bool) -> list:
     from .device import HostArena
     from .moments import lay_out
 
-    inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
+    inflight = inflight_bytes(opts, profile)
     sizes = []
 
     def record(shape, dtype):
@@ -813,7 +819,7 @@ def plan_run(opts, model, profile, backend, refuse_device_state: str | None = No
     `refuse_device_state`: why the trainable set keeps the host path, decided by the caller
     (None: the plan decides)."""
     fit, fmt, quant_notes, warning = _fit_quantized(opts, _trial(model), profile, backend, refuse_device_state)
-    inflight = opts.max_inflight_bytes if opts.max_inflight_bytes is not None else default_inflight_bytes(profile)
+    inflight = inflight_bytes(opts, profile)
     return Plan(
         paged=tuple(fit.placement.paged),
         act_paged=tuple(fit.placement.act_paged),

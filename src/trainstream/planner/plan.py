@@ -45,6 +45,17 @@ a 7B LoRA's backward at 1.29 forwards; a full fine-tune: 2). A paged block cross
 dtype it computes in; a resident block's trainable weights cross once, in backward (the
 update's push). Saved activations of a paged block cross out in forward and in in backward.
 Gradients cross out in backward.
+[Note: copies in the pipeline] Within a phase, paged activations' copies overlap compute only
+as far as the engine lets them run apart, so each phase's compute also counts its waits,
+walked block by block (copy_waits): in forward, a block's copy starts with the block, after the
+copies queued before it, and the block cannot end while the copies still queued hold more than
+the in-flight limit (max_inflight_bytes: the pack hook waits); in backward, a block fetches its
+own activations and those of the `prefetch_depth` blocks below it as it starts, and computes
+once its own are in. Adding the link totals alone assumed the copies spread evenly over the
+phase: the 14B LoRA on the H100 under a 24 GiB cap, 22 blocks paged in runs of up to ten
+between 18 recomputed, was predicted at 635 ms and stepped at 905 ms. The search therefore
+also tries the paged blocks spread among the recomputed ones (_spread), where a paged block's
+copies hide under its neighbours' compute.
 A recomputed block (torch.utils.checkpoint around its forward) keeps only its inputs
 (`input_bytes`) from its forward to its backward, moves nothing over PCIe, and runs its
 forward once more in backward: its `forward_s` is added to the compute time. When it is
@@ -82,9 +93,16 @@ does not fit, the fewest of them are paged instead (a paged block keeps none).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from ..sizes import GiB
+
+# At most this many placements are walked with the weights' fetches in the pipeline, in the
+# order of their keys without them (make_plan): past it, the best walked is taken.
+MAX_WALKS = 4096
+# Recompute counts tried per number of blocks whose activations leave the device (_splits).
+SPLITS = 16
 
 # Backward's compute per forward's where the adapter has not said (PlanInputs.backward_per_forward):
 # a matmul's input gradient and its weight gradient, each as much as the forward.
@@ -119,6 +137,9 @@ class PlanInputs:
     backward_per_forward: float = BACKWARD_PER_FORWARD  # how compute_s splits ([Note: step phases])
     max_activation_slowdown: float = 0.15
     prefetch_depth: int = 1
+    # Device bytes a forward's activation copies may hold before it waits for them
+    # (max_inflight_bytes; None: no limit). [Note: copies in the pipeline]
+    inflight_bytes: int | None = None
     weights: str = "auto"  # "auto", or "fixed": keep `fixed_paged` as given
     activations: str = "auto"  # "auto", or "fixed": keep `fixed_act_paged`
     fixed_paged: tuple = ()
@@ -230,16 +251,103 @@ def _recompute_first(inp: PlanInputs, chosen: list) -> list:
     return sorted(chosen, key=lambda i: -paging_s(inp, b[i]) / max(b[i].forward_s or 0.0, 1e-12))
 
 
-def phase_terms(inp: PlanInputs, weights_once: int, weights_in: int, acts_moved: int, recompute_s: float) -> dict:
+def copy_waits(inp: PlanInputs, act_paged, recompute, paged=()) -> tuple[float, float]:
+    """Seconds the forward and the backward wait for copies beyond their compute, block by
+    block: paged activations', and paged weights' (`paged`) ([Note: copies in the pipeline])."""
+    return _Pipeline(inp).waits(set(act_paged), set(recompute), frozenset(paged))
+
+
+class _Pipeline:
+    """copy_waits' per-block times, taken once for every activation policy the search weighs."""
+
+    def __init__(self, inp: PlanInputs):
+        b = inp.blocks
+        untimed = inp.compute_s / (1.0 + inp.backward_per_forward) / max(len(b), 1)
+        self.forward = [untimed if x.forward_s is None else x.forward_s for x in b]
+        self.backward = [f * inp.backward_per_forward for f in self.forward]
+        self.out = [x.act_bytes / inp.d2h_bytes_per_s for x in b]
+        self.back_in = [x.act_bytes / inp.h2d_bytes_per_s for x in b]
+        self.cross = [x.crossing_bytes / inp.h2d_bytes_per_s for x in b]
+        # Seconds of copies a forward may have queued before it waits for them.
+        self.lead = inp.inflight_bytes / inp.d2h_bytes_per_s if inp.inflight_bytes is not None else float("inf")
+        self.depth = inp.prefetch_depth
+        self.total_forward = sum(self.forward)
+        # The forward's compute after the stack (the head, the loss): the copies still queued
+        # run on under it.
+        self.after = max(inp.compute_s / (1.0 + inp.backward_per_forward) - self.total_forward, 0.0)
+
+    def waits(self, act_paged: set, recompute: set, paged: frozenset = frozenset()) -> tuple[float, float]:
+        """(forward, backward) waits of this placement; `paged`: the blocks whose weights
+        stream, whose fetches share the host-to-device link in backward with the activations'."""
+        if not act_paged and not paged:
+            return 0.0, 0.0
+        forward, out, lead, cross = self.forward, self.out, self.lead, self.cross
+        n = len(forward)
+        # Forward: copies queue on one link, each starting no earlier than its block; a block
+        # ends only once the copies still queued hold no more than the in-flight limit. A
+        # paged block's weights come in on the other link, fetched as the block before it starts.
+        t = link = 0.0
+        weights_in = cross[0] if 0 in paged else 0.0
+        for i in range(n):
+            if i in paged and weights_in > t:
+                t = weights_in
+            start = t
+            if i + 1 in paged:
+                weights_in = (weights_in if weights_in > start else start) + cross[i + 1]
+            t += forward[i]
+            if i in act_paged:
+                link = (link if link > start else start) + out[i]
+                if link - lead > t:
+                    t = link - lead
+        t += self.after
+        # Backward fetches none before it is out.
+        forward_wait = (t if t > link else link) - self.total_forward - self.after
+        # Backward: a block's backward fetches its own activations, then the weights of the
+        # block below it, then the activations of the `prefetch_depth` blocks below it, on one
+        # link; it starts once its weights and its own activations are in.
+        back_in, depth = self.back_in, self.depth
+        link = cross[n - 1] if n - 1 in paged else 0.0
+        t = work = 0.0
+        ready, weights_ready = {}, {n - 1: link}
+        for i in range(n - 1, -1, -1):
+            if i in act_paged and i not in ready:
+                link = (link if link > t else t) + back_in[i]
+                ready[i] = link
+            if i - 1 in paged:
+                link = (link if link > t else t) + cross[i - 1]
+                weights_ready[i - 1] = link
+            for j in range(i - 1, i - depth - 1 if i > depth else -1, -1):
+                if j in act_paged and j not in ready:
+                    link = (link if link > t else t) + back_in[j]
+                    ready[j] = link
+            own = self.backward[i] + (forward[i] if i in recompute else 0.0)
+            work += own
+            if i in paged and weights_ready[i] > t:
+                t = weights_ready[i]
+            if i in act_paged and ready[i] > t:
+                t = ready[i]
+            t += own
+        return forward_wait, t - work
+
+
+def phase_terms(
+    inp: PlanInputs,
+    weights_once: int,
+    weights_in: int,
+    acts_moved: int,
+    recompute_s: float,
+    waits: tuple = (0.0, 0.0),
+) -> dict:
     """The times of a placement ([Note: step phases]): `weights_once`, one fetch of every paged
     block's weights (the forward's); `weights_in`, every weight byte in per step (fetches and
     pushes); `acts_moved`, the paged activations' bytes each way; `recompute_s`, the recomputed
-    forwards. "step" is what make_plan weighs; the totals per link are for the reader."""
+    forwards; `waits`, copy_waits' of the activations' placement. "step" is what make_plan
+    weighs; the totals per link are for the reader."""
     h2d, d2h = inp.h2d_bytes_per_s, inp.d2h_bytes_per_s
     forward_compute = inp.compute_s / (1.0 + inp.backward_per_forward)
-    forward = max(forward_compute, weights_once / h2d, acts_moved / d2h)
+    forward = max(forward_compute + waits[0], weights_once / h2d, acts_moved / d2h)
     backward = max(
-        inp.compute_s - forward_compute + recompute_s,
+        inp.compute_s - forward_compute + recompute_s + waits[1],
         (weights_in - weights_once + acts_moved) / h2d,
         inp.grad_bytes / d2h,
     )
@@ -255,14 +363,16 @@ def phase_terms(inp: PlanInputs, weights_once: int, weights_in: int, acts_moved:
     }
 
 
-def placement_terms(inp: PlanInputs, paged, act_paged, recompute) -> dict:
+def placement_terms(inp: PlanInputs, paged, act_paged, recompute, pipeline=None) -> dict:
     """phase_terms of one placement: these blocks' weights paged, these blocks' activations
     paged, these blocks recomputed (what the events compare a plan with)."""
     b = inp.blocks
     once = sum(b[i].crossing_bytes for i in paged)
     pushes = inp.outside_push_bytes + sum(x.push_bytes for i, x in enumerate(b) if i not in paged)
     acts = sum(b[i].act_bytes for i in act_paged)
-    return phase_terms(inp, once, pushes + 2 * once, acts, sum(b[i].forward_s or 0.0 for i in recompute))
+    recompute_s = sum(b[i].forward_s or 0.0 for i in recompute)
+    waits = (pipeline or _Pipeline(inp)).waits(set(act_paged), set(recompute), frozenset(paged))
+    return phase_terms(inp, once, pushes + 2 * once, acts, recompute_s, waits)
 
 
 class _ActOption:
@@ -277,6 +387,12 @@ class _ActOption:
         self.moved = sum(b[i].act_bytes for i in paged)  # PCIe bytes each way per step
         self.compute = sum(b[i].forward_s or 0.0 for i in recompute)  # forward time added in backward
         self.peak = activation_peak(inp, set(paged), set(recompute))
+        self._waits = None
+
+    def waits(self, pipeline: _Pipeline) -> tuple[float, float]:
+        if self._waits is None:
+            self._waits = pipeline.waits(set(self.chosen), set(self.recompute))
+        return self._waits
 
 
 def _act_options(inp: PlanInputs) -> list:
@@ -294,7 +410,7 @@ def _act_options(inp: PlanInputs) -> list:
             frees = _recompute_first(inp, [i for i in leaving if recompute_frees(inp.blocks[i])])
             others = [i for i in leaving if i not in frees]
             options.extend(
-                _ActOption(inp, others + frees[r:], frees[:r], len(frees) - r) for r in range(len(frees), -1, -1)
+                _ActOption(inp, others + frees[r:], frees[:r], len(frees) - r) for r in reversed(_splits(len(frees)))
             )
             continue
         # A block that must not be recomputed is paged, as the engine would page it anyway.
@@ -302,8 +418,31 @@ def _act_options(inp: PlanInputs) -> list:
         paged = [i for i in leaving if held.get(i) == "page"]
         recomputed = [i for i in leaving if held.get(i) == "recompute"]
         free = [i for i in _recompute_first(inp, leaving) if i not in held]
-        options.extend(_ActOption(inp, paged + free[r:], recomputed + free[:r]) for r in range(len(free) + 1))
+        for r in _splits(len(free)):
+            options.append(_ActOption(inp, paged + free[r:], recomputed + free[:r]))
+            spread = _spread(sorted(free), len(free) - r)
+            if 0 < r < len(free) and set(spread) != set(free[r:]):
+                options.append(_ActOption(inp, paged + spread, recomputed + [i for i in free if i not in spread]))
     return options
+
+
+def _splits(m: int) -> list:
+    """How many of `m` blocks free to choose are recomputed, in the policies tried: every
+    count up to SPLITS, past that SPLITS + 1 counts evenly apart (a step of a few blocks'
+    recompute: the search over every count of every prefix grows as the square of the stack
+    and is walked block by block, seconds on an 80-block stack)."""
+    if m <= SPLITS:
+        return list(range(m + 1))
+    return sorted({round(j * m / SPLITS) for j in range(SPLITS + 1)})
+
+
+def _spread(blocks: list, m: int) -> list:
+    """`m` of `blocks` (in stack order), as evenly apart as they go from the first: a paged
+    block below a recomputed one has its activations fetched while that one recomputes and
+    runs its backward."""
+    if m <= 0:
+        return []
+    return sorted({blocks[j * len(blocks) // m] for j in range(m)})
 
 
 class _Option:
@@ -347,43 +486,85 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
     # [Note: step phases]: the forward's compute and the backward's, recompute not included.
     forward_compute = inp.compute_s / (1.0 + inp.backward_per_forward)
     backward_compute = inp.compute_s - forward_compute
-    # Per option, what the pair loop adds up (the loop runs over every pair: kept to plain floats):
-    # the activations' time out (forward's link) and in (backward's), backward's compute.
-    acts = [
-        (a, a.peak, backward_compute + a.compute, a.moved / d2h_rate, a.moved / h2d_rate, len(a.chosen))
-        for a in act_opts
-    ]
-    best, best_key, smallest = None, None, None
-    for w in weight_opts:
+    pipeline = _Pipeline(inp)
+
+    def times(a):
+        """What the pair loop adds up for an activation policy (kept to plain floats: the loop
+        runs over every pair): backward's compute, the forward with its copies out, the
+        copies in."""
+        wait_forward, wait_backward = a.waits(pipeline)
+        return (
+            backward_compute + a.compute + wait_backward,
+            max(a.moved / d2h_rate, forward_compute + wait_forward),
+            a.moved / h2d_rate,
+        )
+
+    # A policy that fits under no weight placement is only ever the smallest (when nothing
+    # fits): its waits are not walked.
+    helds = [inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight for w in weight_opts]
+    room = inp.usable_bytes - min(helds)
+    acts = [(a, a.peak, *times(a), len(a.chosen)) for a in act_opts if a.peak <= room]
+    # Every pair that fits, keyed by its times without the weights' fetches in the pipeline:
+    # a lower bound of its key with them (they only add waits), so the search walks pairs in
+    # that order and stops where the bound passes the best walked ([Note: copies in the pipeline]).
+    candidates = []
+    for wi, (w, held) in enumerate(zip(weight_opts, helds)):
         held = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight
         # The paged weights come in once for the forward; the rest (again, and the pushes) in backward.
         weights_in_forward = w.crossing_once / h2d_rate
         weights_in_backward = (h2d_resident + w.moved - w.crossing_once) / h2d_rate
-        # Without recompute or activation paging: the same weight placement keeping every activation.
+        # Without recompute or activation paging: the same weight placement keeping every
+        # activation (its weights' fetches walked: the base of both keys below).
         base_forward = max(forward_compute, weights_in_forward)
-        base = max(base_forward + max(backward_compute, weights_in_backward, grads_out), inp.adamw_s)
+        base = placement_terms(inp, w.chosen, [], [], pipeline)["step"]
         n_paged = len(w.chosen)
-        for a, peak, compute, out_s, in_s, n_acts in acts:
+        for ai, (a, peak, compute, out_s, in_s, n_acts) in enumerate(acts):
             need = held + peak
+            if need > inp.usable_bytes:
+                continue
             forward = base_forward if out_s <= base_forward else out_s
             backward = max(compute, weights_in_backward + in_s, grads_out)
             step = max(forward + backward, inp.adamw_s)
             slowdown = step / base - 1.0 if base > 0 else 0.0
             within = slowdown <= limit
-            if smallest is None or need < smallest[0]:
-                smallest = (need, w, a, step, slowdown, within)
-            if need > inp.usable_bytes:
-                continue
             # Within the slowdown limit first; then, before any forward is timed, fewer blocks
             # paged that recomputing would free; then faster (to 0.1 ms); then fewer blocks'
             # activations moved off the device (kept first), and of those fewer paged (their
             # copies cost host work and pinned memory the model does not count, where weights
             # paged in bf16 under autocast cost none); then fewer blocks' weights paged.
             key = (not within, a.untimed_paged, round(step * 1e3, 1), n_acts + len(a.recompute), n_acts, n_paged)
-            if best_key is None or key < best_key:
-                best_key, best = key, (need, w, a, step, slowdown, within)
-    need, w, a, step, slowdown, within = best if best is not None else smallest
-    terms = phase_terms(inp, w.crossing_once, h2d_resident + w.moved, a.moved, a.compute)
+            candidates.append((key, len(candidates), need, wi, ai, base))
+    heapq.heapify(candidates)
+    best, best_key = None, None
+    for _ in range(min(len(candidates), MAX_WALKS)):
+        key, _, need, wi, ai, base = heapq.heappop(candidates)
+        if best_key is not None and key >= best_key:
+            break
+        w, a = weight_opts[wi], acts[ai][0]
+        waits = pipeline.waits(set(a.chosen), set(a.recompute), frozenset(w.chosen))
+        terms = phase_terms(inp, w.crossing_once, h2d_resident + w.moved, a.moved, a.compute, waits)
+        step = terms["step"]
+        slowdown = step / base - 1.0 if base > 0 else 0.0
+        key = (slowdown > limit, key[1], round(step * 1e3, 1), *key[3:])
+        if best_key is None or key < best_key:
+            best_key = key
+            best = BlockPlan(w.chosen, a.chosen, True, need, step, slowdown, slowdown <= limit, terms, a.recompute)
+    if best is not None:
+        return best
+    # Nothing fits: the placement that needs the least (the first such, in the search's order).
+    held, w = min(zip(helds, weight_opts), key=lambda pair: pair[0])
+    a = min(act_opts, key=lambda option: option.peak)
+    terms = phase_terms(inp, w.crossing_once, h2d_resident + w.moved, a.moved, a.compute, a.waits(pipeline))
+    base = placement_terms(inp, w.chosen, [], [], pipeline)["step"]
+    slowdown = terms["step"] / base - 1.0 if base > 0 else 0.0
     return BlockPlan(
-        list(w.chosen), list(a.chosen), best is not None, need, step, slowdown, within, terms, list(a.recompute)
+        list(w.chosen),
+        list(a.chosen),
+        False,
+        held + a.peak,
+        terms["step"],
+        slowdown,
+        slowdown <= limit,
+        terms,
+        list(a.recompute),
     )
