@@ -13,7 +13,10 @@
   with gradient checkpointing, under the same cap. The bitsandbytes base is the same one: built
   by load_model, then each block Linear's codes dequantized and quantized again by bitsandbytes
   on the GPU (NF4 values quantize to themselves: the same codes), one tensor at a time, so the
-  first losses agree. A plain loop, the same batch every step, 5 timed steps after 2 warm-up.
+  first losses agree. A plain loop, the same batch every step, 5 timed steps after 5 warm-up
+  for every row: wrap()'s planner replans after each of its first steps (Adapter.SETTLE_STEPS),
+  and the first pass of the placement it settles on pins its activations' host memory
+  (seconds on a 14B): timed from the third step, row 6's mean carried that pass.
 
 Every case runs in its own process (``python -m trainstream.bench.hf CASE``): a VRAM cap and an
 out-of-memory failure stay in it, and its peak host RSS is its own (``--quick``: the tiny cases
@@ -52,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.adapt import Adapter
 from ..sizes import GiB
 from .common import (
     call_stamp,
@@ -80,7 +84,8 @@ QUICK = dict(
     max_position_embeddings=1024,
 )
 FULL_STEPS = dict(warmup=2, steps=10)
-LORA_STEPS = dict(warmup=2, steps=5)
+# Warm-up past the planner's settling steps and the first pass of the settled placement.
+LORA_STEPS = dict(warmup=Adapter.SETTLE_STEPS + 2, steps=5)
 BATCH, SEQ = 4, 512
 # A case's process is stopped after this long: within one device call (at most 600 s, its start
 # included), so that a case that cannot finish in a call leaves a row saying so, with the tail of
