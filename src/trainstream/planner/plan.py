@@ -165,6 +165,7 @@ class BlockPlan:
     within_limit: bool  # act_slowdown <= max_activation_slowdown
     terms: dict = field(default_factory=dict)  # the four times of the chosen placement
     recompute: list = field(default_factory=list)  # blocks recomputed in backward (never also in act_paged)
+    search_cut: bool = False  # MAX_WALKS reached with pairs not walked that might be faster
 
     def describe(self, usable: int) -> str:
         t = self.terms
@@ -182,6 +183,8 @@ class BlockPlan:
             text += " (recompute not timed yet: no cost counted for it)"
         if self.act_paged or self.recompute:
             text += f", activation {'paging' if not self.recompute else 'paging and recompute'} adds {self.act_slowdown:.0%}"
+        if self.search_cut:
+            text += f" (the best of the first {MAX_WALKS} placements walked: the search was cut there)"
         return text
 
 
@@ -306,9 +309,10 @@ class _Pipeline:
         # block below it, then the activations of the `prefetch_depth` blocks below it, on one
         # link; it starts once its weights and its own activations are in.
         back_in, depth = self.back_in, self.depth
-        link = cross[n - 1] if n - 1 in paged else 0.0
-        t = work = 0.0
-        ready, weights_ready = {}, {n - 1: link}
+        # The last block keeps its weights from its forward to its backward (the engine's
+        # _exit_forward): nothing to fetch for it.
+        t = work = link = 0.0
+        ready, weights_ready = {}, {n - 1: 0.0}
         for i in range(n - 1, -1, -1):
             if i in act_paged and i not in ready:
                 link = (link if link > t else t) + back_in[i]
@@ -550,11 +554,14 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
             best_key = key
             best = BlockPlan(w.chosen, a.chosen, True, need, step, slowdown, slowdown <= limit, terms, a.recompute)
     if best is not None:
+        # Walks left over with a bound below the best walked: the best of those walked is taken.
+        best.search_cut = bool(candidates) and candidates[0][0] < best_key
         return best
     # Nothing fits: the placement that needs the least (the first such, in the search's order).
     held, w = min(zip(helds, weight_opts), key=lambda pair: pair[0])
     a = min(act_opts, key=lambda option: option.peak)
-    terms = phase_terms(inp, w.crossing_once, h2d_resident + w.moved, a.moved, a.compute, a.waits(pipeline))
+    waits = pipeline.waits(set(a.chosen), set(a.recompute), frozenset(w.chosen))
+    terms = phase_terms(inp, w.crossing_once, h2d_resident + w.moved, a.moved, a.compute, waits)
     base = placement_terms(inp, w.chosen, [], [], pipeline)["step"]
     slowdown = terms["step"] / base - 1.0 if base > 0 else 0.0
     return BlockPlan(
