@@ -50,8 +50,9 @@ as far as the engine lets them run apart, so each phase's compute also counts it
 walked block by block (copy_waits): in forward, a block's copy starts with the block, after the
 copies queued before it, and the block cannot end while the copies still queued hold more than
 the in-flight limit (max_inflight_bytes: the pack hook waits); in backward, a block fetches its
-own activations and those of the `prefetch_depth` blocks below it as it starts, and computes
-once its own are in. Adding the link totals alone assumed the copies spread evenly over the
+own activations, the weights of the block below and the activations of the `prefetch_depth`
+blocks below it as it starts, on the link paged weights share, and computes once its own are
+in (the last block keeps its weights from its forward). Adding the link totals alone assumed the copies spread evenly over the
 phase: the 14B LoRA on the H100 under a 24 GiB cap, 22 blocks paged in runs of up to ten
 between 18 recomputed, was predicted at 635 ms and stepped at 905 ms. The search therefore
 also tries the paged blocks spread among the recomputed ones (_spread), where a paged block's
@@ -345,8 +346,8 @@ def phase_terms(
     """The times of a placement ([Note: step phases]): `weights_once`, one fetch of every paged
     block's weights (the forward's); `weights_in`, every weight byte in per step (fetches and
     pushes); `acts_moved`, the paged activations' bytes each way; `recompute_s`, the recomputed
-    forwards; `waits`, copy_waits' of the activations' placement. "step" is what make_plan
-    weighs; the totals per link are for the reader."""
+    forwards; `waits`, the placement's copy_waits. "step" is what make_plan weighs; the totals
+    per link are for the reader."""
     h2d, d2h = inp.h2d_bytes_per_s, inp.d2h_bytes_per_s
     forward_compute = inp.compute_s / (1.0 + inp.backward_per_forward)
     forward = max(forward_compute + waits[0], weights_once / h2d, acts_moved / d2h)
@@ -513,7 +514,6 @@ def make_plan(inp: PlanInputs) -> BlockPlan:
     # that order and stops where the bound passes the best walked ([Note: copies in the pipeline]).
     candidates = []
     for wi, (w, held) in enumerate(zip(weight_opts, helds)):
-        held = inp.fixed_bytes + all_weights - w.freed + 2 * w.in_flight
         # The paged weights come in once for the forward; the rest (again, and the pushes) in backward.
         weights_in_forward = w.crossing_once / h2d_rate
         weights_in_backward = (h2d_resident + w.moved - w.crossing_once) / h2d_rate
