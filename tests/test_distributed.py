@@ -1131,6 +1131,78 @@ def test_paging_bf16_moments_and_a_nan_on_one_rank(three_ranks):
     assert all(torch.isfinite(v).all() for v in results[0]["state"].values())
 
 
+def _raise_in_backward(grad):
+    raise RuntimeError("a backward that fails on purpose")
+
+
+def _fails_in_backward(module, args, out) -> None:
+    out.register_hook(_raise_in_backward)
+
+
+def _changed(before: dict, after: dict) -> list:
+    return sorted(k for k in after if not torch.equal(after[k], before[k]))
+
+
+def _raised_pass(rank, world, failing: tuple, clip=None):
+    """One step; then a pass whose backward raises where it reaches block 1's output on the
+    ranks in `failing` (the head and blocks 3 and 2 have their gradients by then: with eager
+    updates their reductions have gone and come back on a rank whose backward goes on); every
+    other rank's backward ends (with clipping it calls step(), as a training loop does); every
+    rank zero_grad(); then STEPS more steps. World 1: one process on the whole batch."""
+    model = _model()
+    model, opt = trainstream.wrap(
+        model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True, max_grad_norm=clip
+    )
+    _train(model, opt, rank, world, 1, clip=clip)
+    out = {"before": _host_state(model), "failed pass": None}
+    handle = model.layers[1].register_forward_hook(_fails_in_backward) if rank in failing else None
+    try:
+        model(*_batch(1, rank, world)).backward()
+        if clip is not None:
+            opt.step()
+    except RuntimeError as e:
+        out["failed pass"] = str(e)
+    if handle is not None:
+        handle.remove()
+    opt.zero_grad()
+    out["after"] = _host_state(model)
+    _train(model, opt, rank, world, STEPS, clip=clip)
+    out["end"] = _host_state(model)
+    out["events"] = trainstream.memory_report(model)["events"]
+    return out
+
+
+@pytest.mark.parametrize("clip", [None, CLIP], ids=["eager", "clipped"])
+@pytest.mark.parametrize("failing", [(0, 1), (0,)], ids=["every rank", "rank 0 alone"])
+def test_a_pass_that_raised_on_the_host_path_keeps_on_every_rank_what_one_process_keeps(tmp_path, failing, clip):
+    """[Note: a pass some rank drops, host path]: a backward that raises on some ranks after
+    units' reductions went. The rank that raised completes the pass's reductions at its
+    zero_grad(); every rank keeps the updates of the units every rank sent before the
+    exception (eager: the final norm, the head and blocks 3 and 2, what one process keeps of the same pass;
+    clipped: nothing) and the ranks stay alike, bit for bit, through the training after it
+    (before: the rank that raised left its reductions unsent, the others' next collectives
+    paired with other buckets, and gloo aborted or mixed them)."""
+    ranks = _ok(_spawn(2, tmp_path, _raised_pass, failing, clip))
+    alone = _raised_pass(0, 1, (0,), clip)
+    kept = _changed(alone["before"], alone["after"])
+    if clip is None:
+        assert kept and all(k.startswith(("head.", "norm.", "layers.3.", "layers.2.")) for k in kept), kept
+        assert any(k.startswith("layers.2.") for k in kept), kept
+    else:
+        assert kept == []
+    for r, res in enumerate(ranks):
+        assert _changed(res["before"], res["after"]) == kept
+        if r in failing:
+            assert res["failed pass"] == "a backward that fails on purpose"
+        else:
+            assert "the backward pass raised on another rank" in res["failed pass"], res["failed pass"]
+        assert _changed(res["after"], res["end"])  # training goes on
+        assert all(torch.isfinite(v).all() for v in res["end"].values())
+    assert "its reductions were completed on every rank" in ranks[0]["events"]
+    _same_bits(ranks[0]["after"], ranks[1]["after"])
+    _same_bits(ranks[0]["end"], ranks[1]["end"])
+
+
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory):
     return _ok(_spawn(2, tmp_path_factory.mktemp("dpfail"), _failures, timeout_s=5))

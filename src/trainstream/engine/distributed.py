@@ -186,11 +186,13 @@ class UnitShards:
 @dataclass
 class Reduced:
     """A unit's reduction, waited for: which slots some rank had a gradient for, whether
-    any rank's was not finite, and this rank's summed shard (shards.reduced)."""
+    any rank's was not finite, whether some rank sent it for a pass it dropped ([Note: a
+    pass some rank drops, host path]), and this rank's summed shard (shards.reduced)."""
 
     shards: UnitShards
     present: list  # per slot of shards.slots: some rank had a gradient this window
     finite: bool
+    dropped: bool = False
 
 
 class _Reduction:
@@ -310,6 +312,8 @@ class DataParallel:
         self._free = [torch.zeros(largest, dtype=torch.float32) for _ in range(INFLIGHT_BUCKETS)]
         self._offered: set = set()  # units with gradients on this rank this window
         self._next = 0  # position in self.order of the next unit to reduce
+        self._open = False  # a pass whose gradients are reduced here has begun and not been drained
+        self._dropped_seen = False  # some reduction of this window came back marked dropped
         self._inflight: deque = deque()
         self._done: list = []  # finished reductions not yet returned (by ready() or drain())
         self.bytes_reduced = 0  # bytes this rank sent into the reductions, in total
@@ -331,6 +335,11 @@ class DataParallel:
         return {sh.slot.param: (sh.lo, sh.hi) for us in self.shards.values() for sh in us.slots}
 
     # -- reductions (the training thread) ---------------------------------------------------
+
+    def begin(self) -> None:
+        """A pass whose gradients are reduced here (its window's last) has begun: on every rank
+        alike, where backward reaches the model's outputs or at its first gradient."""
+        self._open = True
 
     def offer(self, unit) -> None:
         """`unit`'s gradients for this window are in host memory on this rank: reduce it as
@@ -354,17 +363,26 @@ class DataParallel:
         """The window ends: reduce every unit not reduced yet (zeros from this rank where it
         has no gradient) and wait for all. Returns every unit's Reduced that ready() has not
         returned, in order."""
+        return self._complete(dropped=False)
+
+    def _complete(self, dropped: bool) -> list:
+        """Issue every unit not reduced yet in this window, from this rank's gradients or, for
+        a pass this rank `dropped`, as zeros marked dropped; wait for all. The first window's
+        order is adopted at its end unless some rank dropped it: every rank reads that from
+        the same reduced flags, so they agree on the broadcast too."""
+        self._open = False  # a collective that fails here is not issued again by discard()
         while self._next < len(self.order):
-            self._issue(self.order[self._next])
+            self._issue(self.order[self._next], dropped=dropped)
         while self._inflight:
             self._done.append(self._finish(self._inflight.popleft()))
         out, self._done = self._done, []
-        if self._learn:
+        if self._learn and not self._dropped_seen:
             self._adopt_rank_zero_order()
             self._learn = False
         self._offered.clear()
         self._handed = []
         self._next = 0
+        self._dropped_seen = False
         self.windows += 1
         return out
 
@@ -378,18 +396,24 @@ class DataParallel:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.reduce_group, 0), group=self.reduce_group)
         self.order = [self.order[i] for i in box[0]]
 
-    def discard(self) -> None:
-        """A pass that raised: forget the window; nothing of it is applied. What was in
-        flight is not waited for (a rank that raised has left the collective order, and the
-        run ends with the group's timeout on the others)."""
-        while self._inflight:  # a collective may still write its buffer: a new one instead
+    def discard(self) -> list:
+        """A pass that raised on this rank. Where it had begun (begin()), its reductions are
+        completed as drain() would, the units not sent yet as zeros marked dropped ([Note: a
+        pass some rank drops, host path]); returns the Reduced that ready() has not returned,
+        in order, for the caller to apply the units every rank sent before the exception.
+        Where it had not begun nothing was sent in it: nothing to complete, returns []."""
+        if self._open:
+            return self._complete(dropped=True)
+        while self._inflight:  # none in a pass not begun; a collective may still write its buffer
             self._free.append(torch.zeros_like(self._inflight.popleft().buffer))
         self._done = []
         self._offered.clear()
         self._handed = []
         self._next = 0
+        self._dropped_seen = False
+        return []
 
-    def _issue(self, unit) -> None:
+    def _issue(self, unit, dropped: bool = False) -> None:
         self._next += 1
         shards = self.shards[unit]
         if not self._free:  # every bucket in flight: the oldest reduction frees one
@@ -397,10 +421,11 @@ class DataParallel:
         buffer = self._free.pop()
         bucket = buffer[: self.world * shards.segment]
         grads = {}
-        for sh in shards.slots:
-            g = self._grad_of(sh.slot)
-            if g is not None:
-                grads[sh.slot] = g
+        if not dropped:  # a dropped pass's gradients are never read: zeros
+            for sh in shards.slots:
+                g = self._grad_of(sh.slot)
+                if g is not None:
+                    grads[sh.slot] = g
         shards.pack(bucket, grads)
         finite = not (self.check_finite and grads) or bool(torch.isfinite(bucket).all())
         bucket.div_(self.world)  # the mean over ranks, as DDP divides before its all-reduce
@@ -408,7 +433,11 @@ class DataParallel:
             h.wait()
         shards.readers = []
         work = _reduce_scatter(shards.reduced, bucket, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
-        flags = torch.tensor([1.0 if sh.slot in grads else 0.0 for sh in shards.slots] + [0.0 if finite else 1.0])
+        # Per slot: this rank has its gradient; then: not finite here; this rank drops the pass.
+        flags = torch.tensor(
+            [1.0 if sh.slot in grads else 0.0 for sh in shards.slots]
+            + [0.0 if finite else 1.0, 1.0 if dropped else 0.0]
+        )
         flags_work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
         self.bytes_reduced += bucket.numel() * bucket.element_size()
         self._inflight.append(_Reduction(shards, buffer, work, flags, flags_work))
@@ -417,8 +446,10 @@ class DataParallel:
         r.work.wait()
         r.flags_work.wait()
         self._free.append(r.buffer)
-        flags = r.flags.tolist()
-        return Reduced(r.shards, [f > 0 for f in flags[:-1]], flags[-1] == 0)
+        *present, not_finite, dropped = r.flags.tolist()
+        if dropped:
+            self._dropped_seen = True
+        return Reduced(r.shards, [f > 0 for f in present], not_finite == 0, dropped > 0)
 
     def global_sq_norm(self, reduced: list) -> float:
         """The squared L2 norm of the window's reduced gradients across every rank."""
@@ -521,6 +552,19 @@ class DataParallel:
 # the model's outputs (or at its first gradient), which every rank running the same model does
 # alike; a rank that raised before that issues nothing, and a rank that never calls forward or
 # zero_grad() again leaves the others to the group's timeout.
+#
+# [Note: a pass some rank drops, host path] The host path's reductions (DataParallel) go unit
+# by unit in one order as each rank's backward hands units on, and with eager updates each
+# rank applies a unit's shard once its reduction is back, during backward. A reduction comes
+# back only when every rank has sent it, so what any rank applied of a pass that raised on
+# another is a prefix, in the reduction order, of what the raising rank sent before the
+# exception. The rank that raised completes the pass (discard(): the units it had not sent go
+# as zeros, flagged dropped in their small all-reduce of flags), applies the units of that
+# prefix still coming back, as the others do, and stops at the first flagged one; the others
+# stop there too and raise at the window's end. So every rank keeps the updates of the units
+# every rank sent before the exception, and drops the rest, as one process keeps a raised
+# pass's eager updates queued before the exception (semantics.md). A held window (clipping,
+# accumulation) is dropped whole on every rank, as one process drops it.
 #
 # DDP's default bucket size (bucket_cap_mb=25): large enough that a collective's fixed cost is
 # spread over many bytes, small enough that the first buckets fill, and go, early in backward.

@@ -40,7 +40,7 @@ from .distributed import BucketAverage, DataParallel, StockGradients, agree, sto
 from .frozen_linear import FrozenLinears
 from .grads import GradSettings, GradStreamer
 from .hookpoints import grad_accumulator, in_autograd, tensors_in
-from .layout import Fetch, PlanEpoch, set_device_state, set_recompute
+from .layout import Fetch, GradWindow, PlanEpoch, set_device_state, set_recompute
 from .measure import ActivationMeter
 from .moments import MomentStager, lay_out
 from .nonfinite import found_before_an_exception
@@ -221,6 +221,7 @@ class Engine:
         self._stock_grads = None  # data parallel after the switch to stock: the gradients' averaging
         self._dp_bad = None  # data parallel: the first unit of this window found not finite
         self._dp_skipped: list = []  # data parallel: the units of this window skipped for it
+        self._dp_dropped = False  # data parallel: another rank's backward raised in this window's last pass
         if ranks is not None:
             self.dp = DataParallel(
                 ranks,
@@ -799,6 +800,8 @@ class Engine:
         self.grads.begin_pass()
         if self.ds_average is not None and self._last_pass():  # its gradients are averaged
             self.ds_average.begin()
+        if self.dp is not None and self._last_pass():  # its gradients are reduced
+            self.dp.begin()
         if self._ds_order:
             self.device_state.new_pass()  # the order recorded is this pass's
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
@@ -855,18 +858,33 @@ class Engine:
             self._report_skipped()
 
     def recover(self) -> None:
-        """A backward pass that raised left its pass open: close it (its gradients dropped)."""
-        if self.grads.raised_pass():
+        """A backward pass that raised left its pass open: close it (its gradients dropped).
+        Data parallel: its reductions are completed first, while the window's bookkeeping
+        still stands (the units they apply are queued in it, and the events list them)."""
+        if self.grads.abandoned():
             self._discard_reductions()
+            self.grads.raised_pass()
             self._device_state_pass_raised()
             self.device_state.drop()  # the window's gradients go with the host path's
             self.after_backward()
         self._report_skipped()
 
     def _discard_reductions(self) -> None:
-        """Data parallel: a pass that raised leaves its reductions (nothing of it is applied)."""
+        """Data parallel: a pass that raised on this rank completes its collectives. The host
+        path keeps the updates of the units every rank sent before the exception (with eager
+        updates; a held window keeps nothing) and drops the rest, as every other rank does
+        ([Note: a pass some rank drops, host path]); device state keeps nothing of it."""
         if self.dp is not None:
-            self.dp.discard()
+            reduced = self.dp.discard()
+            if not self.grads.hold:
+                self._apply_reduced(reduced)
+            kept = [r.shards.unit.name for r in reduced if r.shards.unit.window is GradWindow.QUEUED]
+            if reduced:  # the pass had begun here: what every rank keeps of it
+                self.events.add(
+                    "data parallel: this rank's backward pass raised; its reductions were completed on every rank, "
+                    + (f"the updates of {kept} stand there too" if kept else "and no unit is updated from them")
+                )
+            self._dp_bad, self._dp_skipped, self._dp_dropped = None, [], False
         if self.ds_average is not None:
             self.ds_average.discard()
 
@@ -929,8 +947,10 @@ class Engine:
         window, is not updated (every rank decides it from the same reduced flags); in a held
         window (clipping, accumulation), which comes here whole, none of it is, as one
         process skips a held window whole."""
+        if any(r.dropped for r in reduced):
+            self._dp_dropped = True
         if self.grads.hold and self._dp_bad is None:
-            bad = next((r.shards.unit for r in reduced if not r.finite), None)
+            bad = next((r.shards.unit for r in reduced if r.dropped or not r.finite), None)
             if bad is not None:
                 self._dp_bad = bad
                 self._dp_skipped = [r.shards.unit for r in reduced]
@@ -938,7 +958,7 @@ class Engine:
         queued = False
         for r in reduced:
             unit = r.shards.unit
-            if not r.finite and self._dp_bad is None:
+            if (r.dropped or not r.finite) and self._dp_bad is None:
                 self._dp_bad = unit
             if self._dp_bad is not None:
                 self._dp_skipped.append(unit)
@@ -958,10 +978,23 @@ class Engine:
         """The window's reductions are all applied: a non-finite one skipped the rest of it
         (into the events and optimizer.skipped_steps) or, with nonfinite="raise", raises here,
         on every rank, once every rank has finished the window's collectives."""
-        bad, skipped = self._dp_bad, self._dp_skipped
-        self._dp_bad, self._dp_skipped = None, []
+        bad, skipped, dropped = self._dp_bad, self._dp_skipped, self._dp_dropped
+        self._dp_bad, self._dp_skipped, self._dp_dropped = None, [], False
         if bad is None:
             return
+        if dropped:  # [Note: a pass some rank drops, host path]
+            self.grads.drop_pass()  # the next window starts clean
+            self.updates.end_window()
+            what = (
+                "nothing of this window is updated on any rank"
+                if self.grads.hold
+                else f"the units from {bad.name} on are updated on no rank (the updates of the units every rank "
+                "had sent before it stand)"
+            )
+            raise RuntimeError(
+                f"trainstream: the backward pass raised on another rank, so {what}: {[u.name for u in skipped]} "
+                "dropped on every rank; zero_grad() and go on as that rank does"
+            )
         if self.opts.nonfinite == "raise":
             self.grads.drop_pass()  # the next window starts clean
             self.updates.end_window()
@@ -997,6 +1030,10 @@ class Engine:
         for unit in pending:
             self.dp.offer(unit)
         reduced = self.dp.ready() + self.dp.drain()
+        if any(r.dropped for r in reduced):  # every rank reads it alike: no norm is reduced
+            self._apply_reduced(reduced)
+            self.device_state.drop()
+            self._dp_end_window()
         square = self.dp.global_sq_norm(reduced) + self._device_state_sq_norm(on_device)
         total = torch.tensor(math.sqrt(square), dtype=torch.float32)
         self._last_grad_norm = float(total)

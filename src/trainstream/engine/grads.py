@@ -378,11 +378,15 @@ class GradStreamer:
         else:
             self._partial[unit] = None
 
+    def abandoned(self) -> bool:
+        """A backward pass that raised never reached its end: one is open while no backward runs."""
+        return self.in_backward and torch._C._current_graph_task_id() == -1
+
     def raised_pass(self) -> bool:
         """A backward pass that raised never reached its end: True (and the window's
         gradients dropped) when one is found open while no backward runs. Updates already
         queued stand."""
-        if self.in_backward and torch._C._current_graph_task_id() == -1:
+        if self.abandoned():
             self.events.add("a backward pass raised: its gradients were dropped" + self.describe_queued())
             if self.nonfinite is not None and (self.hold or self.settings.nonfinite == "raise"):
                 # Not reported by a skip (eager "skip" reports the units it skipped): said here,
