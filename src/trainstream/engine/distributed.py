@@ -337,8 +337,9 @@ class DataParallel:
     # -- reductions (the training thread) ---------------------------------------------------
 
     def begin(self) -> None:
-        """A pass whose gradients are reduced here (its window's last) has begun: on every rank
-        alike, where backward reaches the model's outputs or at its first gradient."""
+        """A pass of a window whose gradients are reduced here has begun: on every rank alike,
+        where backward reaches the model's outputs or at its first gradient. From then on a
+        pass that raises on this rank completes the window's reductions (discard())."""
         self._open = True
 
     def offer(self, unit) -> None:
@@ -563,8 +564,11 @@ class DataParallel:
 # prefix still coming back, as the others do, and stops at the first flagged one; the others
 # stop there too and raise at the window's end. So every rank keeps the updates of the units
 # every rank sent before the exception, and drops the rest, as one process keeps a raised
-# pass's eager updates queued before the exception (semantics.md). A held window (clipping,
-# accumulation) is dropped whole on every rank, as one process drops it.
+# pass's eager updates queued before the exception (semantics.md), except in the first window,
+# whose order (the reverse of forward order, not yet backward's) can hold back a unit handed on
+# before the exception. A held window (clipping, accumulation) is dropped whole on every rank,
+# as one process drops it: its reductions are every rank's from its first pass on (begin()),
+# so an exception in any of its passes completes them, and the others' drain pairs with that.
 #
 # DDP's default bucket size (bucket_cap_mb=25): large enough that a collective's fixed cost is
 # spread over many bytes, small enough that the first buckets fill, and go, early in backward.

@@ -221,7 +221,8 @@ class Engine:
         self._stock_grads = None  # data parallel after the switch to stock: the gradients' averaging
         self._dp_bad = None  # data parallel: the first unit of this window found not finite
         self._dp_skipped: list = []  # data parallel: the units of this window skipped for it
-        self._dp_dropped = False  # data parallel: another rank's backward raised in this window's last pass
+        self._dp_dropped = False  # data parallel: some rank's backward raised in this window
+        self._dp_nonfinite = None  # data parallel: the first unit of this window some rank found not finite
         if ranks is not None:
             self.dp = DataParallel(
                 ranks,
@@ -800,7 +801,7 @@ class Engine:
         self.grads.begin_pass()
         if self.ds_average is not None and self._last_pass():  # its gradients are averaged
             self.ds_average.begin()
-        if self.dp is not None and self._last_pass():  # its gradients are reduced
+        if self.dp is not None:  # the window's reductions are every rank's from its first pass on
             self.dp.begin()
         if self._ds_order:
             self.device_state.new_pass()  # the order recorded is this pass's
@@ -884,7 +885,9 @@ class Engine:
                     "data parallel: this rank's backward pass raised; its reductions were completed on every rank, "
                     + (f"the updates of {kept} stand there too" if kept else "and no unit is updated from them")
                 )
-            self._dp_bad, self._dp_skipped, self._dp_dropped = None, [], False
+            nonfinite = self._dp_nonfinite or next((r.shards.unit for r in reduced if not r.finite), None)
+            self._dp_count_nonfinite(nonfinite, self._dp_skipped or [r.shards.unit for r in reduced])
+            self._dp_bad, self._dp_skipped, self._dp_dropped, self._dp_nonfinite = None, [], False, None
         if self.ds_average is not None:
             self.ds_average.discard()
 
@@ -949,6 +952,8 @@ class Engine:
         process skips a held window whole."""
         if any(r.dropped for r in reduced):
             self._dp_dropped = True
+        if self._dp_nonfinite is None:
+            self._dp_nonfinite = next((r.shards.unit for r in reduced if not r.finite), None)
         if self.grads.hold and self._dp_bad is None:
             bad = next((r.shards.unit for r in reduced if r.dropped or not r.finite), None)
             if bad is not None:
@@ -978,11 +983,12 @@ class Engine:
         """The window's reductions are all applied: a non-finite one skipped the rest of it
         (into the events and optimizer.skipped_steps) or, with nonfinite="raise", raises here,
         on every rank, once every rank has finished the window's collectives."""
-        bad, skipped, dropped = self._dp_bad, self._dp_skipped, self._dp_dropped
-        self._dp_bad, self._dp_skipped, self._dp_dropped = None, [], False
+        bad, skipped, dropped, nonfinite = self._dp_bad, self._dp_skipped, self._dp_dropped, self._dp_nonfinite
+        self._dp_bad, self._dp_skipped, self._dp_dropped, self._dp_nonfinite = None, [], False, None
         if bad is None:
             return
         if dropped:  # [Note: a pass some rank drops, host path]
+            self._dp_count_nonfinite(nonfinite, skipped)
             self.grads.drop_pass()  # the next window starts clean
             self.updates.end_window()
             what = (
@@ -1009,6 +1015,26 @@ class Engine:
             "counts are unchanged)"
         )
 
+    def _dp_count_nonfinite(self, bad, skipped: list) -> None:
+        """A window dropped for a pass that raised on some rank, in which some rank also found
+        a gradient of `bad` not finite (None: none): the events say so and, with eager
+        updates, it counts as a skipped step, as one process counts a unit it skipped before
+        the exception (a held window is dropped whole uncounted, as one process drops it;
+        nothing with nonfinite="ignore")."""
+        if bad is None or self.opts.nonfinite == "ignore":
+            return
+        if self.grads.hold:
+            self.events.add(
+                f"a gradient of {bad.name} is not finite on some rank, in a held window a backward that raised "
+                "dropped on every rank (not counted as a skipped step: nothing of the window was to be updated)"
+            )
+            return
+        self.optimizer.count_skipped_step()
+        self.events.add(
+            f"step {self.steps + 1}: a gradient of {bad.name} is not finite on some rank, in a window a backward "
+            f"that raised dropped: skipped the updates of {[u.name for u in skipped]} on every rank"
+        )
+
     def _dp_step(self, pending: list, on_device: list) -> tuple[float, list]:
         """step() with data parallel. With clipping the window's units are reduced now, and
         the global norm is taken over every rank's reduced shards and the device-state
@@ -1027,6 +1053,8 @@ class Engine:
             self._apply_reduced(self.dp.ready() + self.dp.drain())
             self._dp_end_window()
             return 1.0, on_device
+        if self.grads.passes == 0:
+            return 1.0, on_device  # no window (a pass that raised dropped it on this rank and completed it)
         for unit in pending:
             self.dp.offer(unit)
         reduced = self.dp.ready() + self.dp.drain()
