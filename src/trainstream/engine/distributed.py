@@ -312,7 +312,7 @@ class DataParallel:
         self._free = [torch.zeros(largest, dtype=torch.float32) for _ in range(INFLIGHT_BUCKETS)]
         self._offered: set = set()  # units with gradients on this rank this window
         self._next = 0  # position in self.order of the next unit to reduce
-        self._open = False  # a pass whose gradients are reduced here has begun and not been drained
+        self._open = False  # a window whose gradients are reduced here has begun and not been completed
         self._dropped_seen = False  # some reduction of this window came back marked dropped
         self._inflight: deque = deque()
         self._done: list = []  # finished reductions not yet returned (by ready() or drain())
