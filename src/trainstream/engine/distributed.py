@@ -402,17 +402,9 @@ class DataParallel:
         completed as drain() would, the units not sent yet as zeros marked dropped ([Note: a
         pass some rank drops, host path]); returns the Reduced that ready() has not returned,
         in order, for the caller to apply the units every rank sent before the exception.
-        Where it had not begun nothing was sent in it: nothing to complete, returns []."""
-        if self._open:
-            return self._complete(dropped=True)
-        while self._inflight:  # none in a pass not begun; a collective may still write its buffer
-            self._free.append(torch.zeros_like(self._inflight.popleft().buffer))
-        self._done = []
-        self._offered.clear()
-        self._handed = []
-        self._next = 0
-        self._dropped_seen = False
-        return []
+        Where it had not begun (or was completed already) nothing of it is in flight and
+        every count is reset: nothing to complete, returns []."""
+        return self._complete(dropped=True) if self._open else []
 
     def _issue(self, unit, dropped: bool = False) -> None:
         self._next += 1
