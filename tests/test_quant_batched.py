@@ -218,3 +218,57 @@ def test_cuda_current_stream_handle_is_the_current_streams():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         assert current_stream_handle(index) == s.cuda_stream != torch.cuda.default_stream(index).cuda_stream
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+@pytest.mark.parametrize("block_size", [6, 64, 4096])
+def test_cuda_prepared_dequantize_is_the_batch_into_one_buffer(fmt, block_size):
+    """PreparedDequantize (a resident unit's fetch): every weight at its byte offset of one
+    buffer, mixed dtypes in one call, bit for bit the per-tensor op, on the current stream;
+    run again into another buffer gives the same bits (its arguments are made once)."""
+    codes, absmax, shapes, dtypes = _inputs(fmt, block_size, device="cuda", seed=block_size)
+    numels = [torch.Size(s).numel() for s in shapes]
+    offsets, total = [], 0
+    for n, d in zip(numels, dtypes):
+        offsets.append(total)
+        total += -(-n * d.itemsize // 256) * 256
+    prepared = qops.PreparedDequantize(fmt, codes, absmax, numels, dtypes, offsets, block_size)
+    expected = _one_at_a_time(fmt, codes, absmax, shapes, dtypes, block_size)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    for _ in range(2):
+        with torch.cuda.stream(s):
+            buffer = torch.full((total,), 0xFF, dtype=torch.uint8, device="cuda")  # NaN where not written
+            assert prepared.run(buffer)
+            outs = [
+                buffer[o : o + n * d.itemsize].view(d).view(sh) for o, n, d, sh in zip(offsets, numels, dtypes, shapes)
+            ]
+            copies = [out.clone() for out in outs]  # the same stream: the finished values
+        torch.cuda.synchronize()
+        for out, one in zip(copies, expected):
+            assert_same_bits(out.cpu(), one.cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_prepared_dequantize_leaves_traced_calls_to_the_registered_ops():
+    """Under a dispatch mode (the registered ops' fake and traced paths), run() does nothing
+    and says so: the caller takes dequantize_many_trusted, which the mode sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    codes, absmax, shapes, dtypes = _inputs("nf4", 64, device="cuda")
+    numels = [torch.Size(s).numel() for s in shapes]
+    offsets = [0]
+    for n, d in zip(numels[:-1], dtypes[:-1]):
+        offsets.append(offsets[-1] + -(-n * d.itemsize // 256) * 256)
+    prepared = qops.PreparedDequantize("nf4", codes, absmax, numels, dtypes, offsets, 64)
+    buffer = torch.zeros(offsets[-1] + numels[-1] * dtypes[-1].itemsize + 256, dtype=torch.uint8, device="cuda")
+    with Seen():
+        assert not prepared.run(buffer)
+    assert not buffer.any()
+    assert prepared.run(buffer)
+    assert buffer.any()

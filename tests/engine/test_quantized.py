@@ -302,6 +302,28 @@ def test_checkpointing_recomputes_quantized_blocks_and_releases_them(reentrant, 
     assert_same_bits(checkpointed, reference)
 
 
+@pytest.mark.parametrize("base, most", [(RESIDENT, 1), (PAGED, 2)], ids=["resident", "paged"])
+def test_resident_quantized_blocks_are_dequantized_when_they_run_one_at_a_time(base, most, monkeypatch):
+    """[Note: dequantized where used]: a resident unit's weights are dequantized when its
+    block runs (forward, or backward), never fetched ahead, so one unit's are held at a time;
+    a paged unit's next one comes ahead of use, as before."""
+    from trainstream.engine.params import WeightPager
+
+    held, ahead = [], []
+    fetch = WeightPager.fetch
+
+    def counting_fetch(self, unit, **kw):
+        fetch(self, unit, **kw)
+        held.append(sum(u.fetched is not None for u in self.units if u.block is not None))
+        ahead.append(kw.get("ahead", False) and unit.fetched is not None)
+
+    monkeypatch.setattr(WeightPager, "fetch", counting_fetch)
+    run = train("gpt", dict(base, quantize="nf4"), steps=3, freeze=FROZEN)
+    assert max(held) == most
+    assert any(ahead) == (most > 1)
+    assert_same_bits(run, train("gpt", dict(PAGED if most == 1 else RESIDENT, quantize="nf4"), steps=3, freeze=FROZEN))
+
+
 def test_blocks_moved_between_paged_and_resident_keep_their_bits():
     def run(move: bool):
         torch.manual_seed(0)
@@ -461,11 +483,15 @@ def test_gpu_checkpointing_with_quantized_blocks_gives_the_same_bits(reentrant, 
 
 
 @pytest.mark.gpu
-def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize():
-    """A model already on the GPU is quantized there, on the compute stream, while the first
-    dequantize runs on the copy-in stream: with compute held up by a long kernel, a missing
-    wait would dequantize codes not written yet. The first loss must be the stock model's
-    on the same (round-tripped) weights, bit for bit."""
+@pytest.mark.parametrize(
+    "placement", [RESIDENT, dict(param_offload=True, activation_offload=False)], ids=["resident", "paged"]
+)
+def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize(placement):
+    """A model already on the GPU is quantized there, on the compute stream; a paged unit's
+    codes go to host memory and its first dequantize runs on the copy-in stream (a resident
+    unit's, on compute: in order). With compute held up by a long kernel, a missing wait
+    would read codes not written yet. The first loss must be the stock model's on the same
+    (round-tripped) weights, bit for bit."""
 
     def model_on_gpu():
         torch.manual_seed(0)
@@ -483,7 +509,7 @@ def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize():
     model, _, _ = model_on_gpu()
     torch.cuda.synchronize()
     torch.cuda._sleep(1 << 30)  # about a second of compute-stream work ahead of the quantization
-    model, _ = trainstream.wrap(model, None, lr=1e-2, device="cuda", offload=True, quantize="int8", **RESIDENT)
+    model, _ = trainstream.wrap(model, None, lr=1e-2, device="cuda", offload=True, quantize="int8", **placement)
     assert loss_fn(model, batch(0, "cuda")).item() == expect
 
 
@@ -516,4 +542,4 @@ def test_gpu_quantized_weights_lower_the_peak():
 
     full, nf4 = peak("none"), peak("nf4")
     weights = 23 * 2048 * 2048 * 2  # the frozen bf16 weights; as NF4 codes and scales about 0.28 of that,
-    assert nf4 < full - weights // 2, (full, nf4)  # plus two blocks dequantized at a time
+    assert nf4 < full - weights // 2, (full, nf4)  # plus one block dequantized at a time

@@ -34,8 +34,19 @@ autocast would have rounded the fp32 weight to exactly those values (round to ne
 even both ways), so the block computes the same bits with half the PCIe bytes.
 
 Quantized frozen weights (wrap(quantize=...)) are streamed the same way, resident unit or
-paged: the fetch dequantizes their codes (a paged unit's cross PCIe first) on the copy-in
-stream, in the dtype the block computes in, and the release drops the dequantized tensor.
+paged: the fetch dequantizes their codes, in the dtype the block computes in, and the
+release drops the dequantized tensor. A paged unit's codes cross PCIe first, and its fetch
+runs on the copy-in stream, ahead of use.
+
+[Note: dequantized where used] A resident unit's codes are on the device already: its fetch
+is one dequantize of the unit's weights into one buffer (a native call prepared once,
+ops.quant.PreparedDequantize), queued on compute's stream when the block's forward or
+backward needs it, never ahead. The kernels take about a hundredth of the block's compute,
+so running them behind compute costs less than ordering them across streams: no event,
+no record_stream, no in-flight bytes to count, and the buffer goes back to the allocator at
+release, where compute's next allocations may take it. A block holds one unit's
+dequantized weights, not two (its own and the next one's fetched ahead): less peak
+memory, as bitsandbytes holds one weight at a time.
 """
 
 from __future__ import annotations
@@ -120,8 +131,8 @@ class WeightPager:
                         self._place_quantized(s, unit.paged, layout[s])
                     else:
                         self._place_plain(s, unit.paged, layout[s])
-        # Quantized codes made on the device were written on the compute stream; the copy-in
-        # stream dequantizes them.
+        # Quantized codes made on the device were written on the compute stream, and a paged
+        # unit's copies (copy-in stream) read what was copied into its host buffers.
         backend.follow_compute(backend.copy_in)
         unreadable = (
             f"; {len(self.unreadable)} paged weights read outside forward give NaN (their pinned host memory is "
@@ -378,8 +389,8 @@ class WeightPager:
         self.take_edits(unit)  # an edit of the device weights, before the host ones become the param
         for s in unit.pageable_slots:  # device-state slots stay where they are
             if s.quant is not None:  # the codes move to host transfer memory; the param keeps its placeholder
-                for t in (s.quant.codes, s.quant.absmax):  # a dequantize queued on copy-in may still read them
-                    backend.keep_until(t, backend.copy_in)
+                for t in (s.quant.codes, s.quant.absmax):  # a dequantize queued on compute may still read them
+                    backend.keep_until(t, backend.compute_stream())
                 s.quant = s.quant._with(backend.to_host(s.quant.codes), backend.to_host(s.quant.absmax))
                 continue
             if s.trainable and self.update_on_device:
@@ -453,9 +464,12 @@ class WeightPager:
         return src
 
     def fetch(self, unit, *, ahead: bool = False, dtypes: dict | None = None) -> None:
-        """Start copying `unit`'s weights to the device on the copy-in stream. In forward
-        the dtypes follow the autocast state; in backward they repeat the forward's."""
-        if unit.fetch is not Fetch.RELEASED:
+        """Start bringing `unit`'s weights to the device: a paged unit's cross PCIe on the
+        copy-in stream (its quantized ones dequantized there); a resident unit's quantized
+        weights are dequantized on the current stream, never ahead ([Note: dequantized
+        where used]). In forward the dtypes follow the autocast state; in backward they
+        repeat the forward's."""
+        if unit.fetch is not Fetch.RELEASED or (ahead and not unit.paged):
             return
         layout = self._layout(unit, dtypes)
         refuse_quantized_edits(layout.views.quantized_slots)
@@ -464,33 +478,42 @@ class WeightPager:
             if not self.ledger.may_fetch_ahead(nbytes):
                 return  # over the in-flight cap: fetched on demand when its turn comes
             self.ledger.make_room_for_weights(nbytes)
-        if unit.paged:  # the optimizer may still be writing these weights (quantized ones are frozen)
-            self._after_updates(unit, self.backend.copy_in)
-            self.take_edits(unit)
-        dtypes = layout.dtypes
         backend = self.backend
-        with backend.on(backend.copy_in):
-            storages = []  # (tensor, storage pointer, byte spans of the weights in it)
-            dequantized = {}
-            if layout.quantized:
-                flat, dequantized = self._dequantize(layout)
-                storages.append((flat, flat.untyped_storage().data_ptr(), layout.spans))
-            fetched = {}
-            for s in layout.slots:
-                dev = dequantized.get(s)
-                if dev is None:
-                    src = self._host_source(s, dtypes[s])
-                    dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)
-                    dev.copy_(src, non_blocking=True)
-                    storages.append((dev, dev.untyped_storage().data_ptr(), [(0, dev.numel() * dev.element_size(), s)]))
-                fetched[s] = dev
-        unit.fetched, unit.fetch_dtypes = fetched, dtypes
-        self._fetches[unit] = _Fetched(layout, storages)
+        if unit.paged:  # the optimizer may still be writing these weights (quantized ones are frozen)
+            self._after_updates(unit, backend.copy_in)
+            self.take_edits(unit)
+            with backend.on(backend.copy_in):
+                fetched, storages = self._bring(layout)
+            unit.fetch_event = backend.record(backend.copy_in)
+        else:
+            fetched, storages = self._bring(layout)
+            unit.fetch_event = None  # queued on compute's own stream: nothing to wait for
+        unit.fetched, unit.fetch_dtypes = fetched, layout.dtypes
+        self._fetches[unit] = _Fetched(layout, storages, on_compute=not unit.paged)
         self.fetched_bytes += layout.held_nbytes
-        unit.fetch_event = backend.record(backend.copy_in)
         unit.fetch = Fetch.AHEAD if ahead else Fetch.FETCHED
         if ahead:
             self.ledger.fetched_ahead(nbytes)
+
+    def _bring(self, layout) -> tuple:
+        """`layout`'s weights on the device, queued on the current stream: (slot -> device
+        tensor, [(tensor, storage pointer, byte spans of the weights in it)])."""
+        backend = self.backend
+        storages = []
+        dequantized = {}
+        if layout.quantized:
+            flat, dequantized = self._dequantize(layout)
+            storages.append((flat, flat.untyped_storage().data_ptr(), layout.spans))
+        fetched = {}
+        for s in layout.slots:
+            dev = dequantized.get(s)
+            if dev is None:
+                src = self._host_source(s, layout.dtypes[s])
+                dev = torch.empty(src.shape, dtype=src.dtype, device=backend.device)
+                dev.copy_(src, non_blocking=True)
+                storages.append((dev, dev.untyped_storage().data_ptr(), [(0, dev.numel() * dev.element_size(), s)]))
+            fetched[s] = dev
+        return fetched, storages
 
     def _layout(self, unit, dtypes: dict | None):
         """How `unit`'s fetch in `dtypes` (None: the autocast state's) is laid out: made once per
@@ -520,9 +543,10 @@ class WeightPager:
 
     def _dequantize(self, layout) -> tuple:
         """Views of one new device buffer, slot -> its weight in its layout's dtype, dequantized
-        on the current stream (the copy-in stream) from each slot's codes: one allocation
-        and one native call per (format, block size) for the unit, rather than one of each
-        per weight. A paged unit's codes and scales cross PCIe first. The buffer is a fresh
+        on the current stream (copy-in for a paged unit, compute for a resident one) from
+        each slot's codes: one allocation and one native call per (format, block size) for
+        the unit, rather than one of each per weight (a resident unit's call prepared once).
+        A paged unit's codes and scales cross PCIe first. The buffer is a fresh
         allocation each call; where each weight lies in it is the layout's. Returns the buffer
         and the views."""
         device = self.backend.device
@@ -533,7 +557,9 @@ class WeightPager:
             if base is None:
                 base = typed[dtype] = flat.view(dtype)  # whole: the buffer's size is a multiple of DEQUANT_ALIGN
             views[s] = base.as_strided(shape, stride, offset)
-        for (fmt, block_size), slots, codes, absmax in layout.groups:
+        for (fmt, block_size), slots, codes, absmax, prepared in layout.groups:
+            if prepared is not None and prepared.run(flat):
+                continue
             if codes is None:  # the codes are not on the device (a paged unit's): across PCIe first
                 moved = [s.quant if s.quant.device == device else s.quant.to(device, non_blocking=True) for s in slots]
                 codes, absmax = [q.codes for q in moved], [q.absmax for q in moved]
@@ -558,11 +584,12 @@ class WeightPager:
         compute = backend.compute_stream()
         for s, dev in unit.fetched.items():
             s.param.data = dev
-        # Each storage is kept for compute once and named with the byte spans of the weights
-        # in it (a unit's dequantized weights share one).
+        # Each storage is kept for compute once (made on another stream) and named with the
+        # byte spans of the weights in it (a unit's dequantized weights share one).
         record = self._fetches[unit]
         for t, ptr, spans in record.storages:
-            backend.keep_until(t, compute)
+            if not record.on_compute:
+                backend.keep_until(t, compute)
             self.fetched_storages[ptr] = spans
         if unit.fetch is Fetch.AHEAD:
             self.ledger.used(record.layout.views.fetch_nbytes)
@@ -578,8 +605,10 @@ class WeightPager:
         record = self._fetches.pop(unit)
         for _, ptr, _ in record.storages:
             self.fetched_storages.pop(ptr, None)
-        # The memory returns to the allocator once compute passes this point.
-        self.ledger.add(self.backend.record(), record.layout.held_nbytes)
+        # The memory returns to the allocator once compute passes this point (at once where
+        # compute's stream made it: its next allocations are queued after these reads).
+        if not record.on_compute:
+            self.ledger.add(self.backend.record(), record.layout.held_nbytes)
         if unit.fetch is Fetch.AHEAD:
             self.ledger.used(record.layout.views.fetch_nbytes)
         unit.fetched, unit.fetch, unit.fetch_event = None, Fetch.RELEASED, None
@@ -763,22 +792,36 @@ class _FetchLayout:
         groups: dict = {}
         for s in self.quantized:
             groups.setdefault((s.quant.format, s.quant.block_size), []).append(s)
-        # ((format, block size), slots, codes, absmax): the codes and scales listed once when
-        # they live on the device (a resident unit's: fixed until the unit moves, which makes
-        # a new layout); None when they cross PCIe for each fetch (a paged unit's).
+        # ((format, block size), slots, codes, absmax, prepared): the codes and scales listed
+        # once when they live on the device (a resident unit's: fixed until the unit moves,
+        # which makes a new layout), and on a GPU its native call prepared; None when they
+        # cross PCIe for each fetch (a paged unit's).
+        byte_offset = {s: offset * dtype.itemsize for s, dtype, _, _, offset in places}
         self.groups = []
-        for key, slots in groups.items():
+        for (fmt, block_size), slots in groups.items():
             here = all(s.quant.device == device for s in slots)
             codes = [s.quant.codes for s in slots] if here else None
             absmax = [s.quant.absmax for s in slots] if here else None
-            self.groups.append((key, slots, codes, absmax))
+            prepared = None
+            if here and device.type == "cuda":
+                prepared = qops.PreparedDequantize(
+                    fmt,
+                    codes,
+                    absmax,
+                    [s.param.numel() for s in slots],
+                    [dtypes[s] for s in slots],
+                    [byte_offset[s] for s in slots],
+                    block_size,
+                )
+            self.groups.append(((fmt, block_size), slots, codes, absmax, prepared))
 
 
 class _Fetched:
-    """A fetch of a unit's weights while it lasts: its layout, and each device storage it holds
-    as (tensor, storage pointer, [(first byte, end byte, slot)] of the weights in it)."""
+    """A fetch of a unit's weights while it lasts: its layout, each device storage it holds
+    as (tensor, storage pointer, [(first byte, end byte, slot)] of the weights in it), and
+    whether compute's own stream made them (a resident unit's dequantized weights)."""
 
-    __slots__ = ("layout", "storages")
+    __slots__ = ("layout", "storages", "on_compute")
 
-    def __init__(self, layout: _FetchLayout, storages: list):
-        self.layout, self.storages = layout, storages
+    def __init__(self, layout: _FetchLayout, storages: list, on_compute: bool):
+        self.layout, self.storages, self.on_compute = layout, storages, on_compute

@@ -428,6 +428,52 @@ def dequantize_many_trusted(
         _dequantize(fmt, c, a, out.shape, out.dtype, block_size, out)
 
 
+class PreparedDequantize:
+    """:func:`dequantize_many_trusted` of a fixed set of codes into one buffer laid out once:
+    codes and scales that stay where they are on a GPU (a resident unit's), each weight's
+    values at a fixed byte offset of the buffer, in a fixed dtype. The native call's
+    arguments are made here; run(buffer) adds the buffer's address, so a LoRA step, which
+    dequantizes every frozen weight twice, spends no per-tensor Python on it. The caller
+    keeps the layout consistent, as for dequantize_many_trusted."""
+
+    __slots__ = ("codes", "absmax", "_calls", "_device")
+
+    def __init__(self, format: str, codes, absmax, numels, dtypes, offsets, block_size: int):
+        """`numels[i]`, `dtypes[i]`, `offsets[i]`: the values of codes[i] (their count,
+        dtype and first byte in the buffer). Every codes tensor on one CUDA device."""
+        fmt = NF4 if format == "nf4" else INT8
+        self.codes, self.absmax = list(codes), list(absmax)  # kept alive: the calls hold their addresses
+        self._device = self.codes[0].device.index
+        by_dtype: dict = {}
+        for c, a, n, dtype, offset in zip(self.codes, self.absmax, numels, dtypes, offsets):
+            call = by_dtype.setdefault(dtype, ([], [], [], []))
+            call[0].append(c.data_ptr())
+            call[1].append(a.data_ptr())
+            call[2].append(offset)
+            call[3].append(n)
+        # (format, dtype code, codes' and scales' addresses, byte offsets, numels, block sizes)
+        self._calls = [
+            (fmt, _dtypes.code(dtype), cs, ams, offs, ns, [block_size] * len(ns))
+            for dtype, (cs, ams, offs, ns) in by_dtype.items()
+        ]
+
+    def run(self, buffer: torch.Tensor) -> bool:
+        """Dequantize into `buffer` (a plain CUDA tensor of the layout's bytes, on the codes'
+        device) on the current stream. False, with nothing done, where the call must take the
+        registered ops instead (traced code, a dispatch mode, a subclass: see _direct)."""
+        if not _direct(buffer):
+            return False
+        _require_cuda()
+        native, base = lib(), buffer.data_ptr()
+        stream = current_stream_handle(self._device)
+        for fmt, dtype, cs, ams, offs, ns, blocks in self._calls:
+            native.dequantize_batch_cuda(
+                fmt, dtype, cs, ams, [base + o for o in offs], ns, blocks, self._device, stream
+            )
+        torch.autograd.graph.increment_version(buffer)  # as the registered op's declared writes do
+        return True
+
+
 def quantize_nf4(x: torch.Tensor, block_size: int = 64, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (float32 / bfloat16 / float16, any shape) -> (packed uint8[ceil(n/2)], absmax float32[ceil(n/block_size)]).
     `out`: a (packed, absmax) pair of that layout on x's device to write them into (returned)."""
