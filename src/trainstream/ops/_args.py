@@ -33,12 +33,19 @@ def tensors(op: str, name: str, value) -> Sequence[torch.Tensor]:
     return value
 
 
+_INT = {int}
+
+
 def integers(op: str, name: str, value, n: int, low: int | None = None) -> list[int]:
     """A list or tuple of `n` integers (each >= `low` when given), as Python ints."""
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{op}: {name} must be a list or tuple of integers, got {type(value).__name__}")
     if len(value) != n:
         raise ValueError(f"{op}: {name} has {len(value)} entries, params has {n}")
+    # Plain ints (a bool's type is bool), the common case, checked in C: a LoRA's update
+    # passes a step count per adapter tensor, hundreds, at every step.
+    if set(map(type, value)) <= _INT and (low is None or not value or min(value) >= low):
+        return list(value)
     out = []
     for i, v in enumerate(value):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
