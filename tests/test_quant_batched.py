@@ -239,6 +239,7 @@ def test_cuda_prepared_dequantize_is_the_batch_into_one_buffer(fmt, block_size):
     s.wait_stream(torch.cuda.current_stream())
     for _ in range(2):
         with torch.cuda.stream(s):
+            torch.cuda._sleep(1 << 28)  # the fill below lands late: a launch on another stream would be overwritten
             buffer = torch.full((total,), 0xFF, dtype=torch.uint8, device="cuda")  # NaN where not written
             assert prepared.run(buffer)
             outs = [

@@ -514,6 +514,44 @@ def test_gpu_codes_made_on_the_device_are_ready_before_the_first_dequantize(plac
 
 
 @pytest.mark.gpu
+def test_gpu_codes_the_engine_writes_are_waited_for_on_another_stream():
+    """[Note: dequantized where used]: a resident unit's dequantize runs on whatever stream
+    computes. Codes the engine writes on the device (a load's re-quantize: here the same
+    in-place write, behind about a second of other work on the default stream) and a first
+    forward on another stream, which nothing else orders after that write: the dequantize
+    waits for the codes, so the loss is the stock model's on the new round-tripped weights."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt(dim=512, layers=4, heads=8)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not FROZEN(n))
+    reference = tiny_gpt(dim=512, layers=4, heads=8)[0]
+    reference.load_state_dict(model.state_dict())
+    model, _ = trainstream.wrap(model.cuda(), None, lr=1e-2, device="cuda", offload=True, quantize="int8", **RESIDENT)
+    slots = {s.name: s for u in model._trainstream_engine.weights.units for s in u.slots}
+    new_codes = {}
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            if FROZEN(n):
+                q = QuantizedWeight.quantize(p * 1.5, "int8")
+                p.copy_(q.dequantize())
+                new_codes[n] = (q.codes.cuda(), q.absmax.cuda())
+    x = batch(0, "cuda")
+    expect = loss_fn(reference.cuda(), x).item()
+    with torch.no_grad():  # (a grad-enabled forward would keep its last block's weights for a backward)
+        assert loss_fn(model, x).item() != expect  # the old codes give another loss
+    torch.cuda.synchronize()
+    other = torch.cuda.Stream()
+    torch.cuda._sleep(1 << 30)  # on the default stream, ahead of the write
+    for n, (codes, absmax) in new_codes.items():
+        slots[n].quant.codes.copy_(codes)
+        slots[n].quant.absmax.copy_(absmax)
+    model._trainstream_engine.weights.codes_written()
+    with torch.cuda.stream(other), torch.no_grad():
+        got = loss_fn(model, x).item()
+    assert got == expect
+
+
+@pytest.mark.gpu
 def test_gpu_quantized_weights_lower_the_peak():
     """A bf16 model whose block Linear weights are frozen but the last: NF4 codes on the
     device take about a quarter of the bf16 weights, and the step's peak drops accordingly."""

@@ -46,7 +46,10 @@ so running them behind compute costs less than ordering them across streams: no 
 no record_stream, no in-flight bytes to count, and the buffer goes back to the allocator at
 release, where compute's next allocations may take it. A block holds one unit's
 dequantized weights, not two (its own and the next one's fetched ahead): less peak
-memory, as bitsandbytes holds one weight at a time.
+memory, as bitsandbytes holds one weight at a time. (Under reentrant checkpointing the
+block after the one recomputing stays attached: two.) Codes written on the device by work
+the engine queued (quantized at wrap(), re-quantized by a load) are waited for once, on
+whatever stream dequantizes next (codes_written).
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ class WeightPager:
         self._before = None  # set by place(), until placed(): see unplace()
         self.unreadable: list = []  # paged params whose placeholder is NaN, not their values
         self.nans = _NaNs(backend.device)  # behind those placeholders and the quantized weights'
+        # The stream position after which quantized codes written on the device are there (an
+        # event; None once it has passed): codes_written().
+        self._codes_event = None
         # Resident units' state (stale, updates, h2d_event) is shared with the lander thread.
         self.lock = threading.RLock()
         self.lander = Lander(self)
@@ -131,9 +137,7 @@ class WeightPager:
                         self._place_quantized(s, unit.paged, layout[s])
                     else:
                         self._place_plain(s, unit.paged, layout[s])
-        # Quantized codes made on the device were written on the compute stream, and a paged
-        # unit's copies (copy-in stream) read what was copied into its host buffers.
-        backend.follow_compute(backend.copy_in)
+        self.codes_written()
         unreadable = (
             f"; {len(self.unreadable)} paged weights read outside forward give NaN (their pinned host memory is "
             f"mapped on another GPU): read them through state_dict() ({', '.join(self.unreadable[:3])})"
@@ -219,6 +223,26 @@ class WeightPager:
         s.placeholder = self.nans.placeholder(s)
         s.param.data = s.placeholder
         s.version = s.param._version  # from here a write to the placeholder is the user's
+
+    def codes_written(self) -> None:
+        """Quantized codes (or what a paged unit's copies read) were just written by work
+        queued on the current stream: quantized at place(), moved by a repage, quantized
+        again by a load. The copy-in stream follows it (a paged unit's dequantize), and a
+        resident unit's next dequantize waits for it on whatever stream computes then (a
+        user's torch.cuda.stream), which nothing else would order after it."""
+        backend = self.backend
+        backend.follow_compute(backend.copy_in)
+        self._codes_event = backend.record()
+
+    def _after_codes(self) -> None:
+        """Before a resident unit's dequantize: the current stream waits for the codes last
+        written (codes_written), until the host sees them done."""
+        event = self._codes_event
+        if event is not None:
+            if event.query():
+                self._codes_event = None
+            else:
+                self.backend.wait(event)
 
     def restore(self) -> None:
         """unwrap(): every weight back on the device in the model's dtype (a quantized one
@@ -386,11 +410,14 @@ class WeightPager:
     def _to_paged(self, unit) -> None:
         backend = self.backend
         self.release(unit)
+        if backend.is_cuda and unit.views.quantized_slots:
+            # Its dequantizes ran on whichever stream computed then (a user's stream, say): the
+            # device codes are dropped below, so every stream must be past them. A repage is
+            # rare (a replan, between steps).
+            torch.cuda.synchronize(backend.device)
         self.take_edits(unit)  # an edit of the device weights, before the host ones become the param
         for s in unit.pageable_slots:  # device-state slots stay where they are
             if s.quant is not None:  # the codes move to host transfer memory; the param keeps its placeholder
-                for t in (s.quant.codes, s.quant.absmax):  # a dequantize queued on compute may still read them
-                    backend.keep_until(t, backend.compute_stream())
                 s.quant = s.quant._with(backend.to_host(s.quant.codes), backend.to_host(s.quant.absmax))
                 continue
             if s.trainable and self.update_on_device:
@@ -419,6 +446,8 @@ class WeightPager:
                 s.spare = None
         unit.paged, unit.fetch_dtypes = False, {}
         self._layouts.pop(unit, None)  # its codes moved: laid out again at the next fetch
+        if unit.views.quantized_slots:
+            self.codes_written()
 
     # -- paged units ---------------------------------------------------------------------------
 
@@ -486,6 +515,7 @@ class WeightPager:
                 fetched, storages = self._bring(layout)
             unit.fetch_event = backend.record(backend.copy_in)
         else:
+            self._after_codes()
             fetched, storages = self._bring(layout)
             unit.fetch_event = None  # queued on compute's own stream: nothing to wait for
         unit.fetched, unit.fetch_dtypes = fetched, layout.dtypes

@@ -74,7 +74,10 @@ def inflight_bytes(opts, profile) -> int:
 
 def dequantized_in_flight(units) -> int:
     """Device bytes of quantized weights dequantized for use: the two largest blocks' worth
-    (the one computing and the one fetched ahead), resident or paged."""
+    (the one computing and a paged one fetched ahead). Counted before the plan says which
+    blocks are paged: where every block stays resident, one block's is held at a time
+    ([Note: dequantized where used]; two under reentrant checkpointing), and this errs on
+    the safe side."""
     return 2 * max([sum(s.full_nbytes for s in u.slots if s.quant_format is not None) for u in units] or [0])
 
 

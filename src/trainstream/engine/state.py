@@ -155,6 +155,5 @@ class StateHooks:
         for s in loaded:
             if s.quant is not None:  # a write refused before may have spoiled its NaN ([Note: quantized edits])
                 s.param.data.fill_(float("nan"))
-        backend = self.backend
-        backend.follow_compute(backend.copy_in)  # re-quantized codes were written on the compute stream
+        self.weights.codes_written()  # re-quantized codes, and host weights the copies read
         self.weights.loaded({s.unit for s in slots})
