@@ -220,6 +220,17 @@ def test_cuda_current_stream_handle_is_the_current_streams():
         assert current_stream_handle(index) == s.cuda_stream != torch.cuda.default_stream(index).cuda_stream
 
 
+def _one_buffer(shapes, dtypes):
+    """Each tensor's values in one buffer, each at a 256-byte boundary (as an engine fetch
+    lays a unit out): (numels, byte offsets, the buffer's bytes)."""
+    numels, offsets, total = [], [], 0
+    for shape, dtype in zip(shapes, dtypes):
+        numels.append(torch.Size(shape).numel())
+        offsets.append(total)
+        total += -(-numels[-1] * dtype.itemsize // 256) * 256
+    return numels, offsets, total
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
 @pytest.mark.parametrize("block_size", [6, 64, 4096])
@@ -228,11 +239,7 @@ def test_cuda_prepared_dequantize_is_the_batch_into_one_buffer(fmt, block_size):
     buffer, mixed dtypes in one call, bit for bit the per-tensor op, on the current stream;
     run again into another buffer gives the same bits (its arguments are made once)."""
     codes, absmax, shapes, dtypes = _inputs(fmt, block_size, device="cuda", seed=block_size)
-    numels = [torch.Size(s).numel() for s in shapes]
-    offsets, total = [], 0
-    for n, d in zip(numels, dtypes):
-        offsets.append(total)
-        total += -(-n * d.itemsize // 256) * 256
+    numels, offsets, total = _one_buffer(shapes, dtypes)
     prepared = qops.PreparedDequantize(fmt, codes, absmax, numels, dtypes, offsets, block_size)
     expected = _one_at_a_time(fmt, codes, absmax, shapes, dtypes, block_size)
     s = torch.cuda.Stream()
@@ -262,12 +269,9 @@ def test_cuda_prepared_dequantize_leaves_traced_calls_to_the_registered_ops():
             return func(*args, **(kwargs or {}))
 
     codes, absmax, shapes, dtypes = _inputs("nf4", 64, device="cuda")
-    numels = [torch.Size(s).numel() for s in shapes]
-    offsets = [0]
-    for n, d in zip(numels[:-1], dtypes[:-1]):
-        offsets.append(offsets[-1] + -(-n * d.itemsize // 256) * 256)
+    numels, offsets, total = _one_buffer(shapes, dtypes)
     prepared = qops.PreparedDequantize("nf4", codes, absmax, numels, dtypes, offsets, 64)
-    buffer = torch.zeros(offsets[-1] + numels[-1] * dtypes[-1].itemsize + 256, dtype=torch.uint8, device="cuda")
+    buffer = torch.zeros(total, dtype=torch.uint8, device="cuda")
     with Seen():
         assert not prepared.run(buffer)
     assert not buffer.any()

@@ -611,14 +611,14 @@ class WeightPager:
         self.fetch(unit, dtypes=dtypes)
         backend = self.backend
         backend.wait(unit.fetch_event)
-        compute = backend.compute_stream()
         for s, dev in unit.fetched.items():
             s.param.data = dev
         # Each storage is kept for compute once (made on another stream) and named with the
         # byte spans of the weights in it (a unit's dequantized weights share one).
         record = self._fetches[unit]
+        compute = None if record.on_compute else backend.compute_stream()
         for t, ptr, spans in record.storages:
-            if not record.on_compute:
+            if compute is not None:
                 backend.keep_until(t, compute)
             self.fetched_storages[ptr] = spans
         if unit.fetch is Fetch.AHEAD:
