@@ -461,8 +461,8 @@ def _groups_given_back(rank, world):
 
 
 def _failures(rank, world):
-    """Models and options that differ (refused on every rank), nonfinite="raise", options
-    not built with data parallel, then a rank that raises after wrap()."""
+    """Models and options that differ (refused on every rank), nonfinite="raise", a model
+    already in DDP, then a rank that raises after wrap()."""
     out = {}
     torch.manual_seed(0)
     model, _, _ = tiny_gpt(dim=64 if rank == 0 else 32)
@@ -510,11 +510,6 @@ def _failures(rank, world):
     except ValueError as e:
         out["ddp"] = str(e)
     model = _model()
-    try:
-        trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, optimizer_mode="gpu")
-        out["gpu mode"] = None
-    except ValueError as e:
-        out["gpu mode"] = str(e)
     model, opt = trainstream.wrap(model, _optimizer(model), device="cpu", threads=1, profile=False, offload=True)
     _train(model, opt, rank, world, 1)
     trainstream.unwrap(model)  # a collective: the optimizer gathers its moments back
@@ -622,6 +617,123 @@ def _frozen_quantized_base(rank, world):
     model, opt = trainstream.wrap(model, opt, device="cpu", threads=1, profile=False, offload=True, quantize="int8")
     _train(model, opt, rank, world, 2)
     return {"state": _host_state(model), "report": trainstream.memory_report(model)}
+
+
+# optimizer_mode="gpu" beside the host AdamW (on the CPU path the host AdamW stands in for the
+# kernel, with the device update's layout: the shards' moment regions, the reduced shards in
+# its arena): name -> (wrap() options, accumulation_steps, max_grad_norm).
+GPU_MODE_CASES = {
+    "eager, paged, bf16 moments": ({"param_offload": True, "moment_dtype": "bfloat16"}, 1, None),
+    "held, resident": ({"param_offload": False}, ACCUMULATION, CLIP),
+}
+
+
+def _wrapped_in_mode(mode: str, options: dict, accumulation=1, clip=None):
+    model = _model()
+    return trainstream.wrap(
+        model,
+        _optimizer(model),
+        device="cpu",
+        threads=1,
+        profile=False,
+        offload=True,
+        optimizer_mode=mode,
+        accumulation_steps=accumulation,
+        max_grad_norm=clip,
+        **options,
+    )
+
+
+def _gpu_mode(rank, world, checkpoint):
+    """Each of GPU_MODE_CASES trained with optimizer_mode "cpu" and "gpu" on the same batches.
+    Then the eager case in "gpu" mode: rank 0 saves a checkpoint, the run takes one step
+    more, and a new run loads the checkpoint (with as many ranks) and takes the same step."""
+    from trainstream import options as ts_options
+
+    ts_options.CPU_STANDS_IN_FOR_GPU_OPTIMIZER = True  # as tests/conftest.py sets it in this process
+    out = {}
+    for case, (options, accumulation, clip) in GPU_MODE_CASES.items():
+        out[case] = {}
+        for mode in ("cpu", "gpu"):
+            model, opt = _wrapped_in_mode(mode, options, accumulation, clip)
+            norms = _train(model, opt, rank, world, STEPS, accumulation, clip)
+            out[case][mode] = {
+                "state": _host_state(model),
+                "optim": copy.deepcopy(opt.state_dict()),  # a collective: every rank asks
+                "norms": norms,
+                "report": trainstream.memory_report(model),
+            }
+    options, *_ = GPU_MODE_CASES["eager, paged, bf16 moments"]
+    model, opt = _wrapped_in_mode("gpu", options)
+    _train(model, opt, rank, world, STEPS)
+    osd = opt.state_dict()
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": osd}, checkpoint)
+    _train(model, opt, rank, world, 1)
+    out["continued"] = _host_state(model)
+    dist.barrier()  # the checkpoint is written
+    model, opt = _wrapped_in_mode("gpu", options)
+    saved = torch.load(checkpoint, weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    _train(model, opt, rank, world, 1)
+    out["resumed"] = _host_state(model)
+    trainstream.unwrap(model)  # a collective: the optimizer gathers its moments back
+    out["moments after unwrap"] = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpu_mode(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp-gpu-mode")
+    checkpoint = str(root / "ckpt.pt")
+    return _ok(_spawn(2, root, _gpu_mode, checkpoint)), checkpoint
+
+
+@pytest.mark.parametrize("case", list(GPU_MODE_CASES))
+def test_gpu_mode_trains_each_shard_as_the_host_adamw_does(gpu_mode, case):
+    """optimizer_mode="gpu" under data parallel: the same bits as the host AdamW on every rank
+    (weights, the gathered optimizer state, the clipping norms), each rank holding half the
+    moments, every update through the moment regions."""
+    results, _ = gpu_mode
+    for res in results:
+        cpu, gpu = res[case]["cpu"], res[case]["gpu"]
+        _same_bits(gpu["state"], cpu["state"])
+        _same_values(gpu["optim"], cpu["optim"])
+        assert gpu["norms"] == cpu["norms"]
+        assert gpu["report"]["plan"]["optimizer_mode"] == "gpu" and cpu["report"]["plan"]["optimizer_mode"] == "cpu"
+        # Every update went through the moment regions (on the CPU path each is "copied").
+        copies = gpu["report"]["plan"]["moment_copies"]
+        assert copies["copied"] >= STEPS * copies["regions"] > 0
+        assert gpu["report"]["host_moment_bytes"] == cpu["report"]["host_moment_bytes"]
+        assert gpu["report"]["distributed"]["world_size"] == 2
+    _same_bits(results[0][case]["gpu"]["state"], results[1][case]["gpu"]["state"])
+    assert _max_diff(results[0][case]["gpu"]["state"], _host_state(_model())) > 0  # it trained
+    moments = [r[case]["gpu"]["report"]["host_moment_bytes"] for r in results]
+    whole = sum(moments)
+    n_params = len(list(_model().parameters()))
+    assert all(abs(m - whole / 2) <= 8 * n_params for m in moments)
+
+
+def test_gpu_mode_resumes_exactly_with_two_ranks_and_alone(gpu_mode):
+    """A checkpoint of optimizer_mode="gpu" under data parallel: loaded with the same two
+    ranks, the next step gives the bits the run that went on gave; loaded in one process, its
+    state is the saved state, and unwrap() gave each rank the whole moments."""
+    from trainstream import options as ts_options
+
+    results, checkpoint = gpu_mode
+    for res in results:
+        _same_bits(res["resumed"], res["continued"])
+        shapes = {n: p.shape for n, p in _model().named_parameters()}
+        assert {n: m.shape for n, m in res["moments after unwrap"].items()} == shapes
+    assert ts_options.CPU_STANDS_IN_FOR_GPU_OPTIMIZER  # tests/conftest.py, in this process too
+    options, *_ = GPU_MODE_CASES["eager, paged, bf16 moments"]
+    model, opt = _wrapped_in_mode("gpu", options)
+    saved = torch.load(checkpoint, weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    _same_bits(_host_state(model), saved["model"])
+    _same_values(opt.state_dict(), saved["optim"])
 
 
 def test_every_rank_holds_the_same_weights(two_ranks):
@@ -1314,9 +1426,8 @@ def test_a_nan_in_a_block_skips_what_one_process_skips(failures):
         assert res["nan in the last block"] == alone
 
 
-def test_options_not_built_with_distributed_say_so(failures):
+def test_a_model_already_in_ddp_is_refused(failures):
     for res in failures:
-        assert "optimizer_mode='gpu' is not supported with distributed yet" in res["gpu mode"]
         assert "pass the module itself" in res["ddp"]  # a model already in DDP would be reduced twice
 
 
@@ -1425,6 +1536,61 @@ def _on_the_gpu_paging_differently(rank, world):
         "master bytes": report["host_master_bytes"],
         "paged": report["params"]["paged_blocks"],
     }
+
+
+@pytest.mark.gpu
+def test_two_processes_on_one_gpu_update_their_shards_with_the_kernel_as_the_host_adamw_does(tmp_path):
+    """optimizer_mode="gpu" under data parallel on a GPU: the kernel updates each rank's
+    shard from the reduced shard, its moments and master in pinned host memory, and gives the
+    host AdamW's bits, eager with bf16 moments and held (accumulation, clipping); rank 0
+    pages every block, rank 1 none."""
+    results = _ok(_spawn(2, tmp_path, _on_the_gpu_in_both_modes))
+    for case in GPU_MODE_CASES:
+        for res in results:
+            _same_bits(res[case]["gpu"]["state"], res[case]["cpu"]["state"])
+            _same_values(res[case]["gpu"]["optim"], res[case]["cpu"]["optim"])
+            assert res[case]["gpu"]["norms"] == res[case]["cpu"]["norms"]
+            copies = res[case]["gpu"]["copies"]
+            assert copies["copied"] + copies["mapped_for_want_of_room"] >= STEPS * copies["regions"] > 0
+        _same_bits(results[0][case]["gpu"]["state"], results[1][case]["gpu"]["state"])
+        assert _max_diff(results[0][case]["gpu"]["state"], _host_state(_model())) > 0  # it trained
+    assert results[0]["paged"] == [0, 1, 2, 3] and results[1]["paged"] == []
+
+
+def _on_the_gpu_in_both_modes(rank, world):
+    out = {}
+    for case, (options, accumulation, clip) in GPU_MODE_CASES.items():
+        options = {**options, "param_offload": rank == 0}
+        out[case] = {}
+        for mode in ("cpu", "gpu"):
+            model = _model()
+            model, opt = trainstream.wrap(
+                model,
+                _optimizer(model),
+                device="cuda",
+                offload=True,
+                optimizer_mode=mode,
+                accumulation_steps=accumulation,
+                max_grad_norm=clip,
+                **options,
+            )
+            norms = []
+            for step in range(STEPS):
+                for micro in range(accumulation):
+                    idx, tgt = _batch(step * accumulation + micro, rank, world)
+                    (model(idx.cuda(), tgt.cuda()) / accumulation).backward()
+                opt.step()
+                opt.zero_grad()
+                norms.append(opt.last_grad_norm)
+            report = trainstream.memory_report(model)
+            out[case][mode] = {
+                "state": _host_state(model),
+                "optim": copy.deepcopy(opt.state_dict()),
+                "norms": norms,
+                "copies": report["plan"]["moment_copies"],
+            }
+            out["paged"] = report["params"]["paged_blocks"]
+    return out
 
 
 def test_the_buckets_go_on_the_device_where_the_group_reduces_cuda_tensors_with_nccl(monkeypatch):

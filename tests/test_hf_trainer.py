@@ -481,12 +481,11 @@ def test_fp16_is_refused(tmp_path):
     "given, match",
     [
         ({"trainstream": {"distributed": False}}, r"distributed=False with 2 processes.*different weights"),
-        ({"trainstream": {"optimizer_mode": "gpu"}}, r"optimizer_mode='gpu' with 2 processes is not supported yet"),
         ({"ddp_bucket_cap_mb": 25}, r"ddp_bucket_cap_mb=25 is not supported.*not wrapped in DistributedDataParallel"),
         ({"ddp_static_graph": True}, r"ddp_static_graph=True is not supported.*accepted: None, False"),
         ({"ddp_broadcast_buffers": True}, r"ddp_broadcast_buffers=True is not supported.*never broadcasts buffers"),
     ],
-    ids=["distributed-false", "gpu-optimizer", "bucket-cap", "static-graph", "broadcast-buffers"],
+    ids=["distributed-false", "bucket-cap", "static-graph", "broadcast-buffers"],
 )
 def test_what_data_parallel_does_not_support_is_refused_before_anything_is_wrapped(tmp_path, monkeypatch, given, match):
     """With more than one process (the spawned runs are tests/test_hf_trainer_distributed.py)

@@ -74,13 +74,9 @@ def _adopt_optimizer_settings(opts, optimizer) -> None:
 
 
 def _data_parallel_settings(opts) -> list:
-    """Data parallel runs the host AdamW (distributed.py): optimizer_mode='gpu' is refused,
-    'auto' settled for the user. Returns the events that say so."""
-    if opts.optimizer_mode == "gpu":
-        raise ValueError(
-            "wrap(): optimizer_mode='gpu' is not supported with distributed yet (data parallel shards the host "
-            "AdamW); pass optimizer_mode='cpu', or distributed=False to train each rank on its own"
-        )
+    """Data parallel: optimizer_mode='auto' is settled as the host AdamW (each rank updates
+    1/N of the elements, so the host's share shrinks with the ranks; 'gpu' runs the kernel
+    over the shard). Returns the events that say so."""
     notes = []
     if opts.optimizer_mode == "auto":
         opts.values["optimizer_mode"] = "cpu"

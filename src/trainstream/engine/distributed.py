@@ -114,6 +114,12 @@ def assign_shards(units, rank: int, world: int) -> None:
                 s.shard = shard_range(s.param.numel(), rank, world)
 
 
+def segment_numel(unit, world: int) -> int:
+    """Elements of one rank's segment of `unit`'s bucket ([Note: shards]): each trainable
+    slot's chunk, side by side."""
+    return sum(max(1, math.ceil(s.param.numel() / world)) for s in unit.trainable)
+
+
 @dataclass
 class SlotShard:
     slot: object
@@ -127,7 +133,10 @@ class SlotShard:
 class UnitShards:
     """One unit's shard layout ([Note: shards]) and the buffers its reduction lands in."""
 
-    def __init__(self, unit, rank: int, world: int):
+    def __init__(self, unit, rank: int, world: int, take=None):
+        """`take(shape, dtype)`: where `reduced` comes from (optimizer_mode="gpu": the device
+        update's arena, pinned on a GPU, as the kernel reads it there); by default plain host
+        memory."""
         self.unit = unit
         self.world = world
         self.slots = []
@@ -149,7 +158,8 @@ class UnitShards:
                     members.append((sh, at))
                     at += sh.chunk
             self.gathers.append((dtype, members, at))
-        self.reduced = torch.zeros(self.segment, dtype=torch.float32)  # this rank's summed shard
+        make = take or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        self.reduced = make((self.segment,), torch.float32).zero_()  # this rank's summed shard, which the update reads
         self.readers: list = []  # the update jobs reading `reduced`: the next reduction waits for them
 
     def pack(self, bucket: torch.Tensor, grads: dict) -> None:
@@ -293,15 +303,18 @@ class DataParallel:
     """The communication of one wrapped model across its ranks: every unit's shard layout,
     the reductions in flight and their buckets, and the gather thread."""
 
-    def __init__(self, ranks: RankGroups, units: list, order: list, grad_of, check_finite: bool, learn: bool):
+    def __init__(
+        self, ranks: RankGroups, units: list, order: list, grad_of, check_finite: bool, learn: bool, take=None
+    ):
         """`order`: the units in forward order; `grad_of(slot)`: this rank's window gradient
         of a slot on the host, or None if it has none; `check_finite`: flag non-finite
         gradients (wrap(nonfinite=) is not "ignore"); `learn`: units are offered as backward
         hands them on (no held window), so the first window's order is adopted
-        ([Note: collective order])."""
+        ([Note: collective order]); `take`: where each unit's reduced shard comes from
+        (UnitShards), in the order of `units`."""
         self.rank, self.world = ranks.rank, ranks.world
         self.reduce_group, self.gather_group = ranks.reduce, ranks.gather
-        self.shards = {u: UnitShards(u, self.rank, self.world) for u in units if u.trainable}
+        self.shards = {u: UnitShards(u, self.rank, self.world, take) for u in units if u.trainable}
         # [Note: collective order] the reverse of forward order: the order backward makes them.
         self.order = [u for u in reversed(order) if u in self.shards]
         self._learn = learn

@@ -193,7 +193,10 @@ class Engine:
         self.adapter.slab_bytes = lambda: self.acts.slab_bytes  # a pass that pins slabs is not timed
         self.state_hooks = StateHooks(model, self.units, backend, self.weights)
         self.linears = FrozenLinears(self.weights, self._hooks_for)  # [Note: frozen linears]
-        self.moments = self._lay_out_moments() if plan.mapped_bytes else None
+        # optimizer_mode="gpu": the moments (and what else the kernel reads from host memory)
+        # in one arena, pinned on a GPU.
+        arena = HostArena(backend, plan.mapped_bytes) if plan.mapped_bytes else None
+        self.moments = self._lay_out_moments(arena, data_parallel=ranks is not None) if arena is not None else None
         self.updates = Updater(
             backend, optimizer, self.grads, self.weights, self.moments, self.ledger, self.update_order()
         )
@@ -231,8 +234,13 @@ class Engine:
                 self._window_grad,
                 opts.nonfinite != "ignore",
                 learn=not self.grads.hold,
+                take=arena.take if arena is not None else None,  # the reduced shards the kernel reads
             )
             optimizer.shard_state(self.dp.shard_ranges(), self.dp.full_tensor, self.dp.rank)
+        if self.moments is not None:
+            # After shard_state: whole moments the optimizer holds (converted) are cut to this
+            # rank's shard before they are copied into the regions.
+            optimizer.pin_state(self.moments.views())
         # Data parallel: device state is replicated on every rank and its gradients averaged
         # over the ranks at the window's last pass ([Note: averaging buckets]).
         self.ds_average = self._device_state_average(ranks)
@@ -280,18 +288,15 @@ class Engine:
             "launched as the window's last backward pass completes it"
         )
 
-    def _lay_out_moments(self) -> MomentStager:
-        """optimizer_mode="gpu": the moments (and gradient sums, with accumulation) in one
-        host arena, pinned on a GPU, laid out in regions (moments.py)."""
-        arena = HostArena(self.backend, self.plan.mapped_bytes)
+    def _lay_out_moments(self, arena, data_parallel: bool) -> MomentStager:
+        """optimizer_mode="gpu": the moments laid out in regions of `arena` (moments.py), then
+        the gradient sums with accumulation, which the kernel reads; under data parallel the
+        kernel reads the reduced shards instead, which DataParallel takes next (the order
+        placement._moment_arena_sizes counts)."""
         regions = lay_out(
             self.units, self.optimizer.moment_dtype, self.plan.region_bytes, self.plan.copy_bytes, arena.take
         )
-        moments = {}
-        for region in regions:
-            moments.update(region.views(region.host))
-        self.optimizer.pin_state(moments)
-        if self.opts.accumulation_steps > 1:
+        if self.opts.accumulation_steps > 1 and not data_parallel:
             self.grads.use_sum_buffers(arena.take)
         return MomentStager(self.backend, self.ledger, regions)
 

@@ -28,9 +28,20 @@ offsets and the copies.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .device import HostArena
+
+
+def moment_shape(s) -> tuple:
+    """The shape of slot `s`'s moments: the param's, or under data parallel the 1-D shard this
+    rank updates (distributed.py, [Note: shards])."""
+    if s.shard is None:
+        return tuple(s.param.shape)
+    lo, hi = s.shard
+    return (hi - lo,)
 
 
 class MomentRegion:
@@ -41,7 +52,7 @@ class MomentRegion:
 
     def __init__(self, host: torch.Tensor, layout: list, staged: bool):
         self.host = host  # uint8, the group's bytes in the arena
-        self.layout = layout  # [(param, exp_avg offset, exp_avg_sq offset, dtype)]
+        self.layout = layout  # [(param, exp_avg offset, exp_avg_sq offset, dtype, moment shape)]
         self.staged = staged  # small enough to be copied to VRAM for each update (else mapped)
         # The end of the last device work on the host bytes (an event; None: none yet): the
         # copy home if the last update was staged, the kernel if it mapped them. The next
@@ -59,9 +70,9 @@ class MomentRegion:
         """param -> (exp_avg, exp_avg_sq) as views of `buf`, a buffer laid out like the host
         region (the region itself, or its copy in VRAM)."""
         out = {}
-        for p, m_at, v_at, dtype in self.layout:
-            n = p.numel() * dtype.itemsize
-            out[p] = (buf[m_at : m_at + n].view(dtype).view(p.shape), buf[v_at : v_at + n].view(dtype).view(p.shape))
+        for p, m_at, v_at, dtype, shape in self.layout:
+            n = math.prod(shape) * dtype.itemsize
+            out[p] = (buf[m_at : m_at + n].view(dtype).view(shape), buf[v_at : v_at + n].view(dtype).view(shape))
         return out
 
 
@@ -81,29 +92,31 @@ def copy_limit(max_inflight_bytes: int) -> int:
 
 
 def lay_out(units, moment_dtype: torch.dtype, region_bytes: int, copy_bytes: int, take) -> list:
-    """The moment regions of every trainable param of `units`, carved by `take(shape, dtype)`
-    from the host arena: each unit's params in order, a new region whenever the next param
-    would take the current one past `region_bytes` (region_limit). Regions up to `copy_bytes`
-    (copy_limit) are copied for the update; larger ones are mapped."""
+    """The moment regions of every trainable param of `units` (of its shard, under data
+    parallel: moment_shape), carved by `take(shape, dtype)` from the host arena: each unit's
+    params in order, a new region whenever the next param would take the current one past
+    `region_bytes` (region_limit). Regions up to `copy_bytes` (copy_limit) are copied for the
+    update; larger ones are mapped."""
     regions = []
 
     def close(group, nbytes):
         host = take((nbytes,), torch.uint8)
         layout, at = [], 0
-        for p in group:
-            size = HostArena.size_of(p.numel(), moment_dtype)
-            layout.append((p, at, at + size, moment_dtype))
+        for s in group:
+            shape = moment_shape(s)
+            size = HostArena.size_of(math.prod(shape), moment_dtype)
+            layout.append((s.param, at, at + size, moment_dtype, shape))
             at += 2 * size
         regions.append(MomentRegion(host, layout, staged=nbytes <= copy_bytes))
 
     for unit in units:
         group, nbytes = [], 0
         for s in unit.trainable:
-            size = 2 * HostArena.size_of(s.param.numel(), moment_dtype)
+            size = 2 * HostArena.size_of(math.prod(moment_shape(s)), moment_dtype)
             if group and nbytes + size > region_bytes:
                 close(group, nbytes)
                 group, nbytes = [], 0
-            group.append(s.param)
+            group.append(s)
             nbytes += size
         if group:
             close(group, nbytes)
@@ -130,6 +143,14 @@ class MomentStager:
         self.ledger = ledger
         self.region_of = {p: r for r in regions for p, *_ in r.layout}
         self.copies = self.mapped = 0  # regions staged, and left mapped for want of room, so far
+
+    def views(self) -> dict:
+        """param -> (exp_avg, exp_avg_sq) in the host regions: the optimizer's state
+        (StreamedAdamW.pin_state)."""
+        out = {}
+        for region in dict.fromkeys(self.region_of.values()):
+            out.update(region.views(region.host))
+        return out
 
     def by_region(self, slots) -> list:
         """`slots` grouped by the region holding their moments, in the order they come: one

@@ -618,6 +618,12 @@ class StreamedAdamW(OffloadAdamW):
             self._settle_loaded_masters(last=False)
             self._hook_loaded_masters()
 
+    def _shard_seed(self, p, index: int) -> int:
+        """The stochastic-rounding seed (bf16 moments) of param `p`, the optimizer's `index`-th:
+        a data-parallel shard's elements are numbered from its start, so each shard takes a
+        stream of its own, the same on the host AdamW and the kernel."""
+        return self._seed_for(index) ^ (self._shards[p][0] if self._shards else 0)
+
     def queue(self, slots: list, grads: list, grad_scale: float, priority: int = 0) -> list:
         """Queue the host AdamW for `slots` (engine Slots of this optimizer's params) with
         `grads` (host tensors), `priority` as in ops.adamw_step. Returns (handle, slots) per
@@ -640,8 +646,7 @@ class StreamedAdamW(OffloadAdamW):
                 [int(st["step"].item()) for _, _, st, _ in items],
                 param_copies=copies,
                 grad_scale=grad_scale,
-                # A shard's elements are numbered from its start: a stream of its own (bf16 moments).
-                seeds=[self._seed_for(i) ^ (self._shards[s.param][0] if self._shards else 0) for s, _, _, i in items],
+                seeds=[self._shard_seed(s.param, i) for s, _, _, i in items],
                 threads=self.threads,
                 priority=priority,
                 **group_hyper(group),
@@ -675,7 +680,7 @@ class StreamedAdamW(OffloadAdamW):
         for group, items in self._batches(slots, grads, key):
             states = [st for _, _, st, _ in items]
             steps = [int(st["step"].item()) for st in states]
-            seeds = [self._seed_for(i) for *_, i in items]
+            seeds = [self._shard_seed(s.param, i) for s, *_, i in items]
             tgts = [where[s][0] for s, *_ in items]
             mstrs = None if where[items[0][0]][1] is None else [where[s][1] for s, *_ in items]
             gs = [g for _, g, *_ in items]

@@ -486,8 +486,14 @@ def why_not_device_state(opts, units) -> str | None:
 
 def grads_stay_on_device(update_on_device: bool, opts) -> bool:
     """Gradients stay on the device for their update (optimizer_mode="gpu"), unless clipping
-    (which needs every gradient first) or accumulation keeps them in host memory."""
-    return update_on_device and opts.accumulation_steps == 1 and opts.max_grad_norm is None
+    (which needs every gradient first) or accumulation keeps them in host memory, or data
+    parallel lands them there to be reduce-scattered (the kernel reads the reduced shard)."""
+    return (
+        update_on_device
+        and opts.accumulation_steps == 1
+        and opts.max_grad_norm is None
+        and world_size(opts.distributed) == 1
+    )
 
 
 @dataclass(frozen=True)
@@ -649,19 +655,10 @@ def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _F
     from .device import HostArena
     from .layout import arena_sizes
 
-    sums = opts.accumulation_steps > 1
-    mapped_bytes = (
-        sum(
-            2 * HostArena.size_of(s.param.numel(), moment_dtype)
-            + (HostArena.size_of(s.param.numel(), torch.float32) if sums else 0)
-            for s in trainable
-        )
-        if update_on_device
-        else 0
-    )
     device_grads = grads_stay_on_device(update_on_device, opts)  # no landing buffers then
     weight_takes = arena_sizes(units, stage=not device_grads)
-    moment_takes = _moment_arena_sizes(opts, units, moment_dtype, profile, sums) if update_on_device else []
+    moment_takes = _moment_arena_sizes(opts, units, moment_dtype, profile) if update_on_device else []
+    mapped_bytes = sum(moment_takes)
     budget = check_fits(
         opts,
         units,
@@ -680,10 +677,14 @@ def _fit_placement(opts, model, profile, backend, quantize_hint: str = "") -> _F
     )
 
 
-def _moment_arena_sizes(opts, units, moment_dtype, profile, sums: bool) -> list:
+def _moment_arena_sizes(opts, units, moment_dtype, profile) -> list:
     """The takes of the device update's arena (engine._lay_out_moments), in its order: the
-    moment regions as moments.lay_out carves them, then the accumulation sums."""
+    moment regions as moments.lay_out carves them (of the shards, under data parallel), then
+    the accumulation sums, which the kernel reads; or under data parallel, where gradients
+    sum in their landing buffers and are reduce-scattered from there, each unit's reduced
+    shard instead (distributed.UnitShards), which it reads then."""
     from .device import HostArena
+    from .distributed import segment_numel
     from .moments import lay_out
 
     inflight = inflight_bytes(opts, profile)
@@ -694,7 +695,10 @@ def _moment_arena_sizes(opts, units, moment_dtype, profile, sums: bool) -> list:
         return torch.empty(shape, dtype=dtype, device="meta")
 
     lay_out(units, moment_dtype, region_limit(inflight), copy_limit(inflight), record)
-    if sums:
+    ranks = world_size(opts.distributed)
+    if ranks > 1:
+        sizes += [HostArena.size_of(segment_numel(u, ranks), torch.float32) for u in units if u.trainable]
+    elif opts.accumulation_steps > 1:
         sizes += [HostArena.size_of(s.param.numel(), torch.float32) for u in units for s in u.trainable]
     return sizes
 

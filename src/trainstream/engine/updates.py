@@ -93,15 +93,48 @@ class Updater:
         self._used.clear()
 
     def queue_shard(self, unit, slots: list, grads: list, grad_scale: float) -> list:
-        """Data parallel: queue the host AdamW of this rank's shard of `slots` (the optimizer
-        holds the shard ranges) from `grads`, their reduced shards (distributed.py). Returns
-        the host jobs; the caller hands the unit's weights over once they are gathered."""
+        """Data parallel: queue the AdamW of this rank's shard of `slots` (the optimizer holds
+        the shard ranges) from `grads`, their reduced shards (distributed.py): host jobs, or
+        with optimizer_mode="gpu" the kernel over the moment regions (_queue_shard_on_device).
+        Returns the handles to wait for; the caller hands the unit's weights over once they
+        are gathered."""
         groups = self.optimizer.param_groups
         for i in {self._group_of[s.param] for s in slots}:
             self._used.setdefault(i, (_hyperparameters(groups[i]), []))[1].append(unit.name)
         unit.priority = self.update_order.index(unit)
         self.weights.before_host_update(unit)
+        if self.moments is not None:
+            return self._queue_shard_on_device(slots, grads, grad_scale)
         return [handle for handle, _ in self.optimizer.queue(slots, grads, grad_scale, unit.priority)]
+
+    def _queue_shard_on_device(self, slots: list, grads: list, grad_scale: float) -> list:
+        """optimizer_mode="gpu" under data parallel: the kernel on the update stream over each
+        moment region of `slots` (staged or mapped, as _queue_on_device), updating each slot's
+        fp32 master_shard in place from its reduced shard in `grads`. Both are in the arenas'
+        host memory (pinned on a GPU), written by the host before this is called (the
+        reduction was waited for), so the kernel follows no device work but its regions'.
+        Returns one DeviceUpdate: the gather thread waits for it (its host side reads the
+        master shard), as does the next reduction into the unit's reduced shard."""
+        backend = self.backend
+        stream = backend.update
+        grad_of = {s: g for s, g in zip(slots, grads)}
+        kernel_done = home = None
+        for group in self.moments.by_region(slots):
+            staged = self.moments.stage_in([s.param for s in group], stream)
+            with backend.on(stream):
+                self.optimizer.queue_on_device(
+                    backend.device,
+                    group,
+                    [grad_of[s] for s in group],
+                    [s.master_shard for s in group],
+                    [None] * len(group),
+                    staged.moments,
+                    grad_scale,
+                    self.DEVICE_UPDATE_BLOCKS,
+                )
+            kernel_done = backend.record(stream)
+            home = self.moments.send_home(staged, kernel_done) or home
+        return [DeviceUpdate(kernel_done, home)]
 
     def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
         self.weights.before_host_update(unit)

@@ -162,11 +162,6 @@ def _check_parallelism(trainer, wrap_opts: dict) -> None:
             "process its own shard of the data, so ranks training apart would end with different weights "
             "(and only the main process's would be saved); leave distributed unset (None) or True"
         )
-    if wrap_opts.get("optimizer_mode") == "gpu":
-        raise ValueError(
-            f"TrainStreamTrainer: optimizer_mode='gpu' with {args.world_size} processes is not supported yet (data "
-            "parallel shards the host AdamW); leave optimizer_mode unset ('auto' runs the host AdamW) or pass 'cpu'"
-        )
     for name, accepted in DDP_ONLY_ARGS.items():
         value = getattr(args, name, None)
         if value not in accepted:
