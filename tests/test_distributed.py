@@ -260,7 +260,7 @@ def _bf16_model(rank, world):
     return out
 
 
-def _repaged(rank, world):
+def _repaged(rank, world, optimizer_mode="cpu"):
     """Block 0 paged before the second step and resident again before the third, moved as
     Engine.apply moves the adapter's replans, beside the same steps without moves (placement
     given by hand: the adapter itself moves nothing)."""
@@ -276,6 +276,7 @@ def _repaged(rank, world):
             offload=True,
             param_offload=False,
             activation_offload=False,
+            optimizer_mode=optimizer_mode,
         )
         engine = _engine_of(model)
         block = engine.block_units[0]
@@ -680,6 +681,11 @@ def _gpu_mode(rank, world, checkpoint):
     out["resumed"] = _host_state(model)
     trainstream.unwrap(model)  # a collective: the optimizer gathers its moments back
     out["moments after unwrap"] = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    whole = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(whole)  # into the optimizer, no longer into the engine's regions
+    out["loaded after unwrap"] = opt.state_dict()
+    out["whole after unwrap"] = whole
+    out["repaged"] = _repaged(rank, world, optimizer_mode="gpu")
     return out
 
 
@@ -726,6 +732,7 @@ def test_gpu_mode_resumes_exactly_with_two_ranks_and_alone(gpu_mode):
         _same_bits(res["resumed"], res["continued"])
         shapes = {n: p.shape for n, p in _model().named_parameters()}
         assert {n: m.shape for n, m in res["moments after unwrap"].items()} == shapes
+        _same_values(res["loaded after unwrap"], res["whole after unwrap"])
     assert ts_options.CPU_STANDS_IN_FOR_GPU_OPTIMIZER  # tests/conftest.py, in this process too
     options, *_ = GPU_MODE_CASES["eager, paged, bf16 moments"]
     model, opt = _wrapped_in_mode("gpu", options)
@@ -734,6 +741,19 @@ def test_gpu_mode_resumes_exactly_with_two_ranks_and_alone(gpu_mode):
     opt.load_state_dict(saved["optim"])
     _same_bits(_host_state(model), saved["model"])
     _same_values(opt.state_dict(), saved["optim"])
+
+
+def test_gpu_mode_moves_a_block_between_paged_and_resident_as_the_host_adamw(gpu_mode, two_ranks):
+    """The adapter's moves with optimizer_mode="gpu" under data parallel: a block paged takes
+    its full host weights from the device (the master is the shard's: nothing is refreshed
+    from them), and the run gives the bits of the host AdamW's run of the same moves."""
+    results, _ = gpu_mode
+    for res, cpu in zip(results, two_ranks[7]):
+        r = res["repaged"]
+        assert r["paged at step 1"] and not r["paged at step 2"]
+        _same_bits(r["moved"], r["still"])
+        _same_bits(r["moved"], cpu["moved"])
+        assert r["host weights of the resident block"] == 0
 
 
 def test_every_rank_holds_the_same_weights(two_ranks):
@@ -828,7 +848,7 @@ def test_a_bf16_model_gathers_its_weights_rounded_from_the_sharded_masters(two_r
     assert not torch.equal(a["edited"]["head.weight"], a["loaded"]["head.weight"])  # the edit changed it
 
 
-def _one_rank_runs(rank, world, distributed=True):
+def _one_rank_runs(rank, world, distributed=True, optimizer_mode="cpu"):
     """3 steps of a model on each path the all-gather serves (an fp32 model paged under bf16
     autocast, a bf16 model resident and paged), with a process group of one rank
     (distributed=True: the data-parallel path) or alone (False)."""
@@ -848,6 +868,7 @@ def _one_rank_runs(rank, world, distributed=True):
             offload=True,
             param_offload=paged,
             distributed=distributed,
+            optimizer_mode=optimizer_mode,
         )
         _train(model, opt, rank, world, STEPS, autocast=autocast)
         out[name] = {"state": _host_state(model), "distributed": trainstream.memory_report(model)["distributed"]}
@@ -855,8 +876,17 @@ def _one_rank_runs(rank, world, distributed=True):
 
 
 def _one_rank_and_alone(rank, world):
-    """Both in the same process (its thread count decides the matmuls' rounding)."""
-    return {"dp": _one_rank_runs(rank, world), "alone": _one_rank_runs(rank, world, distributed=False)}
+    """Both in the same process (its thread count decides the matmuls' rounding); the
+    data-parallel path also with optimizer_mode="gpu" (the host AdamW standing in for the
+    kernel over the device update's layout)."""
+    from trainstream import options as ts_options
+
+    ts_options.CPU_STANDS_IN_FOR_GPU_OPTIMIZER = True
+    return {
+        "dp": _one_rank_runs(rank, world),
+        "dp, gpu mode": _one_rank_runs(rank, world, optimizer_mode="gpu"),
+        "alone": _one_rank_runs(rank, world, distributed=False),
+    }
 
 
 def test_one_rank_data_parallel_is_bit_exact_with_one_process(tmp_path):
@@ -864,11 +894,12 @@ def test_one_rank_data_parallel_is_bit_exact_with_one_process(tmp_path):
     from the master shard (rounded by the gathering rank for a bf16 model, or for a paged
     block's autocast copy) are the bits the update writes training alone."""
     (res,) = _ok(_spawn(1, tmp_path, _one_rank_and_alone))
-    dp, alone = res["dp"], res["alone"]
+    dp, gpu_mode, alone = res["dp"], res["dp, gpu mode"], res["alone"]
     for name, res in dp.items():
         assert res["distributed"]["world_size"] == 1, name
         assert alone[name]["distributed"] is None
         _same_bits(res["state"], alone[name]["state"])
+        _same_bits(gpu_mode[name]["state"], alone[name]["state"])
         assert _max_diff(res["state"], _host_state(_model())) > 0  # it trained
 
 
@@ -1574,9 +1605,14 @@ def _on_the_gpu_in_both_modes(rank, world):
                 max_grad_norm=clip,
                 **options,
             )
+            update_stream = _engine_of(model).backend.update
             norms = []
             for step in range(STEPS):
                 for micro in range(accumulation):
+                    # The update stream is held: a gather, reduction or forward that did not
+                    # wait for the kernel would read the master or weights before it wrote them.
+                    with torch.cuda.stream(update_stream):
+                        torch.cuda._sleep(20_000_000)
                     idx, tgt = _batch(step * accumulation + micro, rank, world)
                     (model(idx.cuda(), tgt.cuda()) / accumulation).backward()
                 opt.step()

@@ -160,7 +160,9 @@ class UnitShards:
             self.gathers.append((dtype, members, at))
         make = take or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         self.reduced = make((self.segment,), torch.float32).zero_()  # this rank's summed shard, which the update reads
-        self.readers: list = []  # the update jobs reading `reduced`: the next reduction waits for them
+        # The last window's update jobs (reading `reduced`) and its gather (reading the master
+        # the next update writes): the next reduction waits for them.
+        self.readers: list = []
 
     def pack(self, bucket: torch.Tensor, grads: dict) -> None:
         """Lay this rank's gradients (slot -> tensor; absent: zeros) into `bucket` rank-major."""
@@ -435,7 +437,7 @@ class DataParallel:
         shards.pack(bucket, grads)
         finite = not (self.check_finite and grads) or bool(torch.isfinite(bucket).all())
         bucket.div_(self.world)  # the mean over ranks, as DDP divides before its all-reduce
-        for h in shards.readers:  # the last update that read `reduced`
+        for h in shards.readers:  # the last update, which read `reduced`, and its gather
             h.wait()
         shards.readers = []
         work = _reduce_scatter(shards.reduced, bucket, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
@@ -471,7 +473,10 @@ class DataParallel:
         rank's new shards into the weights this rank keeps whole ([Note: what a rank keeps
         whole]). Returns at once."""
         handle = GatherHandle()
-        self.shards[unit].readers = list(jobs)
+        # The next reduction of the unit waits for both: the update reads `reduced`, and the
+        # gather reads the master the next update writes (this rank's next forward orders that
+        # only where it runs the unit).
+        self.shards[unit].readers = list(jobs) + [handle]
         self._gatherer.queue.put((self.shards[unit], list(jobs), set(updated), handle))
         return handle
 

@@ -513,6 +513,7 @@ class Engine:
         self.remove()
         self.weights.restore()
         self.optimizer.detach()
+        self.optimizer.pin_state({})  # a later load replaces the state, not the regions' bytes
         self.moments = None  # the regions (the optimizer's state still holds the moments)
         self.updates.close()
 

@@ -420,7 +420,9 @@ class WeightPager:
             if s.quant is not None:  # the codes move to host transfer memory; the param keeps its placeholder
                 s.quant = s.quant._with(backend.to_host(s.quant.codes), backend.to_host(s.quant.absmax))
                 continue
-            if s.trainable and self.update_on_device:
+            if s.trainable and self.update_on_device and s.shard is None:
+                # The device weights are the fp32 master or its rounding (refresh_host); under
+                # data parallel the master is the shard's, and the weights its gathered rounding.
                 refresh_host(s)
             if s.dtype not in s.host:  # a frozen resident param has no host copy yet
                 s.host[s.dtype] = backend.to_host(s.param.data)

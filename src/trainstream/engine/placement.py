@@ -222,6 +222,14 @@ def world_size(distributed) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
+def data_parallel(distributed) -> bool:
+    """Whether wrap(distributed=...) trains over a process group (distributed.py), also a group
+    of one rank (distributed=True), where the engine reduces and gathers as over more."""
+    from .distributed import process_group
+
+    return process_group(distributed) is not None
+
+
 def local_processes() -> int:
     """Processes sharing this machine's RAM (torchrun / Slurm set these)."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
@@ -492,7 +500,7 @@ def grads_stay_on_device(update_on_device: bool, opts) -> bool:
         update_on_device
         and opts.accumulation_steps == 1
         and opts.max_grad_norm is None
-        and world_size(opts.distributed) == 1
+        and not data_parallel(opts.distributed)
     )
 
 
@@ -695,8 +703,8 @@ def _moment_arena_sizes(opts, units, moment_dtype, profile) -> list:
         return torch.empty(shape, dtype=dtype, device="meta")
 
     lay_out(units, moment_dtype, region_limit(inflight), copy_limit(inflight), record)
-    ranks = world_size(opts.distributed)
-    if ranks > 1:
+    if data_parallel(opts.distributed):
+        ranks = world_size(opts.distributed)
         sizes += [HostArena.size_of(segment_numel(u, ranks), torch.float32) for u in units if u.trainable]
     elif opts.accumulation_steps > 1:
         sizes += [HostArena.size_of(s.param.numel(), torch.float32) for u in units for s in u.trainable]

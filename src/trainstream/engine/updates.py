@@ -119,21 +119,29 @@ class Updater:
         stream = backend.update
         grad_of = {s: g for s, g in zip(slots, grads)}
         kernel_done = home = None
-        for group in self.moments.by_region(slots):
-            staged = self.moments.stage_in([s.param for s in group], stream)
-            with backend.on(stream):
-                self.optimizer.queue_on_device(
-                    backend.device,
-                    group,
-                    [grad_of[s] for s in group],
-                    [s.master_shard for s in group],
-                    [None] * len(group),
-                    staged.moments,
-                    grad_scale,
-                    self.DEVICE_UPDATE_BLOCKS,
-                )
-            kernel_done = backend.record(stream)
-            home = self.moments.send_home(staged, kernel_done) or home
+        try:
+            for group in self.moments.by_region(slots):
+                staged = self.moments.stage_in([s.param for s in group], stream)
+                with backend.on(stream):
+                    self.optimizer.queue_on_device(
+                        backend.device,
+                        group,
+                        [grad_of[s] for s in group],
+                        [s.master_shard for s in group],
+                        [None] * len(group),
+                        staged.moments,
+                        grad_scale,
+                        self.DEVICE_UPDATE_BLOCKS,
+                    )
+                kernel_done = backend.record(stream)
+                home = self.moments.send_home(staged, kernel_done) or home
+                staged = None  # its VRAM copy goes once its streams pass it (room for the next region's)
+        except BaseException:
+            # A later region failed (out of memory): the kernels queued before it still read the
+            # reduced shard and write the master; nothing else tracks them, so they finish here.
+            if kernel_done is not None:
+                DeviceUpdate(kernel_done, home).wait()
+            raise
         return [DeviceUpdate(kernel_done, home)]
 
     def _queue_on_host(self, unit, slots, grad_scale: float) -> None:
