@@ -41,6 +41,7 @@ ACCUMULATION = 2
 ROWS = STEPS * ACCUMULATION * PER_RANK_BATCH * WORLD
 JOIN_S = 240  # the spawned group is killed past this: a hang fails the test, not CI
 ENGINE = {"offload": True}  # the engine's own reductions (offload="auto" would switch to stock)
+GPU_MODE = {**ENGINE, "optimizer_mode": "gpu"}  # on the CPU path the host AdamW stands in for the kernel
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -245,6 +246,18 @@ def _every_run(rank: int, world: int, root: str) -> dict:
     with _recording_writes() as written, _recording_state_dicts() as state_dicts:
         each_node.train()
     out["each_node"] = {"written": written, "state_dicts": state_dicts}
+
+    from trainstream import options as ts_options
+
+    ts_options.CPU_STANDS_IN_FOR_GPU_OPTIMIZER = True  # as tests/conftest.py sets it in this process
+    in_gpu_mode = TrainStreamTrainer(
+        model=_model(), args=_args(f"{root}/gpu-mode", world), train_dataset=Tokens(), trainstream=GPU_MODE
+    )
+    in_gpu_mode.train()
+    out["gpu_mode"] = {
+        **_run(in_gpu_mode),
+        "mode": trainstream.memory_report(in_gpu_mode.model)["plan"]["optimizer_mode"],
+    }
 
     auto = TrainStreamTrainer(model=_model(), args=_args(f"{root}/auto", world), train_dataset=Tokens())
     auto.train()
@@ -455,6 +468,15 @@ def test_no_ddp_wrapper_and_every_rank_ends_with_the_same_bits(runs):
         assert _same_bits(r0[name]["state"], r1[name]["state"]), name
     report = r0["ours"]["report"]  # the engine trained data parallel: each rank updates half
     assert report["world_size"] == WORLD and report["shard_elements"] <= report["trainable_elements"] // 2 + 64
+
+
+def test_optimizer_mode_gpu_trains_as_the_host_adamw_on_every_rank(runs):
+    """trainstream={"optimizer_mode": "gpu"} under torchrun: the engine's data parallel with the
+    device update's layout, the same bits and logged losses as the host AdamW's run."""
+    for r in runs["ranks"]:
+        assert r["gpu_mode"]["mode"] == "gpu" and r["gpu_mode"]["wrapped_in"] != "DistributedDataParallel"
+        assert _same_bits(r["gpu_mode"]["state"], r["ours"]["state"])
+        assert r["gpu_mode"]["loss"] == r["ours"]["loss"] and r["gpu_mode"]["grad_norm"] == r["ours"]["grad_norm"]
 
 
 def test_weights_match_one_process_within_three_times_ddps_distance(runs):
