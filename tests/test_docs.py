@@ -52,6 +52,16 @@ def test_summary_leaves_out_rows_without_one_step_time():
     assert "medians by run" not in table
 
 
+def test_summary_holds_the_newest_gpu_machines_results_of_each_suite():
+    rows = [{"run": "timed", "runner": "stock", "model": "3b", "s_per_step": 0.25}]
+    older = {"env": {"gpu": "NVIDIA H200", "commit": "aaaaaaa", "date": "2026-12-02 00:43 UTC"}, "rows": rows}
+    newer = {"env": {"gpu": "NVIDIA H100", "commit": "bbbbbbb", "date": "2026-12-07 22:43 UTC"}, "rows": rows}
+    on_cpu = {"env": {"gpu": None, "commit": "ccccccc", "date": "2026-12-08 00:00 UTC"}, "rows": rows}
+    for order in ([older, newer, on_cpu], [on_cpu, newer, older]):
+        table = readme.summary({"lora": order})
+        assert "bbbbbbb" in table and "aaaaaaa" not in table and "ccccccc" not in table
+
+
 def test_readme_is_at_most_200_lines():
     lines = len(README.read_text().splitlines())
     assert lines <= 200, f"README.md has {lines} lines; at most 200 (details belong in docs/)"

@@ -68,12 +68,13 @@ def suite_section(result: dict) -> str:
 
 
 def summary(results: dict[str, list[dict]]) -> str:
+    """The README's table: of each suite, the newest GPU machine's results (docs/benchmarks.md
+    holds every machine's; an older run's rows beside a newer one's would read as one run)."""
     rows = []
     for suite in ("engine", "lora"):
-        for result in results.get(suite, []):
+        on_gpus = [result for result in results.get(suite, []) if result["env"].get("gpu")]
+        for result in sorted(on_gpus, key=lambda result: str(result["env"].get("date", "")))[-1:]:
             env = result["env"]
-            if not env.get("gpu"):
-                continue
             for row in result["rows"]:
                 if suite in _SUMMARY_RUNNERS and row.get("runner") not in _SUMMARY_RUNNERS[suite]:
                     continue
