@@ -324,6 +324,26 @@ def test_resident_quantized_blocks_are_dequantized_when_they_run_one_at_a_time(b
     assert_same_bits(run, train("gpt", dict(PAGED if most == 1 else RESIDENT, quantize="nf4"), steps=3, freeze=FROZEN))
 
 
+def test_the_guard_reads_the_allocation_after_a_resident_blocks_weights_are_dequantized(monkeypatch):
+    """A resident block's dequantized weights are held while it runs (the last block's into its
+    backward), so they are on the device when the guard reads what is allocated at the block's
+    start, as a paged block's weights are (fetched ahead). Dequantized after the read, the
+    guard's projection missed them: the 7B LoRA under 8 GiB kept the last blocks' activations
+    and ran out of memory in the head's backward (H100, f128c0e)."""
+    from trainstream.engine.adapt import Adapter
+
+    seen = []
+    block_starts = Adapter.block_starts
+
+    def recording(self, unit, fetched_bytes):
+        seen.append((unit.block, unit.fetched is not None))
+        return block_starts(self, unit, fetched_bytes)
+
+    monkeypatch.setattr(Adapter, "block_starts", recording)
+    train("gpt", dict(RESIDENT, quantize="nf4"), steps=2, freeze=FROZEN)
+    assert seen and all(fetched for _, fetched in seen), seen
+
+
 def test_blocks_moved_between_paged_and_resident_keep_their_bits():
     def run(move: bool):
         torch.manual_seed(0)

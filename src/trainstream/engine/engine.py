@@ -636,6 +636,12 @@ class Engine:
 
     def _enter_forward(self, unit) -> None:
         grad = torch.is_grad_enabled()
+        if unit.streamed and not unit.paged:
+            # A resident unit's quantized weights are dequantized as its block starts, before the
+            # guard reads what is allocated: the block holds them while it runs (the last block
+            # into its backward), and the guard's projection must count them, as it counts a
+            # paged unit's weights, fetched ahead.
+            self.weights.fetch(unit)
         if grad:
             choice = self.adapter.block_starts(unit, self.weights.fetched_bytes)
             if choice == "page":  # the online guard: this block's activations would not fit
