@@ -266,18 +266,7 @@ def _repaged(rank, world, optimizer_mode="cpu"):
     given by hand: the adapter itself moves nothing)."""
     out = {}
     for moves in (False, True):
-        model = _model()
-        model, opt = trainstream.wrap(
-            model,
-            _optimizer(model),
-            device="cpu",
-            threads=1,
-            profile=False,
-            offload=True,
-            param_offload=False,
-            activation_offload=False,
-            optimizer_mode=optimizer_mode,
-        )
+        model, opt = _wrapped_in_mode(optimizer_mode, {"param_offload": False, "activation_offload": False})
         engine = _engine_of(model)
         block = engine.block_units[0]
         for step in range(STEPS):
@@ -629,8 +618,9 @@ GPU_MODE_CASES = {
 }
 
 
-def _wrapped_in_mode(mode: str, options: dict, accumulation=1, clip=None):
-    model = _model()
+def _wrapped_in_mode(mode: str, options: dict, accumulation=1, clip=None, model=None):
+    """wrap() on the CPU with offload=True and optimizer_mode `mode` (a new _model() by default)."""
+    model = _model() if model is None else model
     return trainstream.wrap(
         model,
         _optimizer(model),
@@ -859,17 +849,8 @@ def _one_rank_runs(rank, world, distributed=True, optimizer_mode="cpu"):
         ("bf16 paged", True, True, False),
     ):
         model = _model().to(torch.bfloat16) if bf16 else _model()
-        model, opt = trainstream.wrap(
-            model,
-            _optimizer(model),
-            device="cpu",
-            threads=1,
-            profile=False,
-            offload=True,
-            param_offload=paged,
-            distributed=distributed,
-            optimizer_mode=optimizer_mode,
-        )
+        options = {"param_offload": paged, "distributed": distributed}
+        model, opt = _wrapped_in_mode(optimizer_mode, options, model=model)
         _train(model, opt, rank, world, STEPS, autocast=autocast)
         out[name] = {"state": _host_state(model), "distributed": trainstream.memory_report(model)["distributed"]}
     return out
