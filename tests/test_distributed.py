@@ -1275,17 +1275,7 @@ def _raised_pass(rank, world, failing: tuple, clip=None, accumulation=1, nan_ran
     passes until one raises, then step() and zero_grad(), each error caught and kept; then
     STEPS more steps. `nan_rank`: its loss in that window's first pass is NaN. World 1: one
     process on the whole batch."""
-    model = _model()
-    model, opt = trainstream.wrap(
-        model,
-        _optimizer(model),
-        device="cpu",
-        threads=1,
-        profile=False,
-        offload=True,
-        max_grad_norm=clip,
-        accumulation_steps=accumulation,
-    )
+    model, opt = _wrapped_in_mode("cpu", {}, accumulation, clip)
     _train(model, opt, rank, world, 1, accumulation=accumulation, clip=clip)
     out = {"before": _host_state(model), "errors": []}
     for micro in range(accumulation):
