@@ -325,8 +325,7 @@ def test_resident_quantized_blocks_are_dequantized_when_they_run_one_at_a_time(b
 
 
 def test_the_guard_reads_the_allocation_after_a_resident_blocks_weights_are_dequantized(monkeypatch):
-    """A resident block's dequantized weights are held while it runs (the last block's into its
-    backward), so they are on the device when the guard reads what is allocated at the block's
+    """A resident block's dequantized weights are held while it runs, so they are on the device when the guard reads what is allocated at the block's
     start, as a paged block's weights are (fetched ahead). Dequantized after the read, the
     guard's projection missed them: the 7B LoRA under 8 GiB kept the last blocks' activations
     and ran out of memory in the head's backward (H100, f128c0e)."""
@@ -342,6 +341,33 @@ def test_the_guard_reads_the_allocation_after_a_resident_blocks_weights_are_dequ
     monkeypatch.setattr(Adapter, "block_starts", recording)
     train("gpt", dict(RESIDENT, quantize="nf4"), steps=2, freeze=FROZEN)
     assert seen and all(fetched for _, fetched in seen), seen
+
+
+@pytest.mark.parametrize("placement", ["resident", "paged"])
+def test_only_a_paged_last_block_keeps_its_weights_from_its_forward_for_its_backward(placement):
+    """The head and the loss run after the stack, where a LoRA step peaks: a resident last
+    block's dequantized weights are released at the end of its forward and dequantized again
+    when its backward starts (bitsandbytes holds no weight there); a paged one keeps its
+    fetched weights rather than cross PCIe twice."""
+    from trainstream.engine.layout import Fetch
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = tiny_gpt()
+    for n, p in model.named_parameters():
+        p.requires_grad_(not FROZEN(n))
+    opts = RESIDENT if placement == "resident" else PAGED
+    model, opt = trainstream.wrap(model, None, lr=1e-2, device="cpu", offload=True, quantize="nf4", **opts)
+    engine = model._trainstream_engine
+    last = engine.block_units[-1]
+    assert last.streamed and last.paged == (placement == "paged")
+    for i in range(2):
+        loss = loss_fn(model, batch(i, "cpu"))
+        held = last.fetch
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert held is (Fetch.ATTACHED if last.paged else Fetch.RELEASED), held
+        assert last.fetch is Fetch.RELEASED  # after backward, either way
 
 
 def test_blocks_moved_between_paged_and_resident_keep_their_bits():
@@ -557,7 +583,7 @@ def test_gpu_codes_the_engine_writes_are_waited_for_on_another_stream():
                 new_codes[n] = (q.codes.cuda(), q.absmax.cuda())
     x = batch(0, "cuda")
     expect = loss_fn(reference.cuda(), x).item()
-    with torch.no_grad():  # (a grad-enabled forward would keep its last block's weights for a backward)
+    with torch.no_grad():
         assert loss_fn(model, x).item() != expect  # the old codes give another loss
     torch.cuda.synchronize()
     other = torch.cuda.Stream()

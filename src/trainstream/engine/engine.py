@@ -638,9 +638,8 @@ class Engine:
         grad = torch.is_grad_enabled()
         if unit.streamed and not unit.paged:
             # A resident unit's quantized weights are dequantized as its block starts, before the
-            # guard reads what is allocated: the block holds them while it runs (the last block
-            # into its backward), and the guard's projection must count them, as it counts a
-            # paged unit's weights, fetched ahead.
+            # guard reads what is allocated: the block holds them while it runs, and the guard's
+            # projection must count them, as it counts a paged unit's weights, fetched ahead.
             self.weights.fetch(unit)
         if grad:
             choice = self.adapter.block_starts(unit, self.weights.fetched_bytes)
@@ -684,8 +683,12 @@ class Engine:
             self.adapter.block_ends(unit, self.weights.fetched_bytes)
         if not unit.streamed:
             return
+        # The last block's backward comes first: a paged one keeps its weights for it (no
+        # second crossing). A resident one's are dequantized again when its backward starts
+        # (a hundredth of its compute), so the head and the loss, where the step peaks, run
+        # without them ([Note: dequantized where used]).
         last = unit.block == len(self.block_units) - 1
-        if not (last and torch.is_grad_enabled()):  # the last block's backward comes first: keep it
+        if not (last and unit.paged and torch.is_grad_enabled()):
             self.weights.release(unit)
 
     def _stop_counting(self, unit, counted: bool) -> None:

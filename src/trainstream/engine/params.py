@@ -46,8 +46,10 @@ so running them behind compute costs less than ordering them across streams: no 
 no record_stream, no in-flight bytes to count, and the buffer goes back to the allocator at
 release, where compute's next allocations may take it. A block holds one unit's
 dequantized weights, not two (its own and the next one's fetched ahead): less peak
-memory, as bitsandbytes holds one weight at a time. (Under reentrant checkpointing the
-block after the one recomputing stays attached: two.) Codes written on the device by work
+memory, as bitsandbytes holds one weight at a time. The last block's are released at the
+end of its forward too, not kept for its backward as a paged unit's are: the head and the
+loss, where a LoRA step peaks, run without them. (Under reentrant checkpointing the block
+after the one recomputing stays attached: two.) Codes written on the device by work
 the engine queued (quantized at wrap(), re-quantized by a load) are waited for once, on
 whatever stream dequantizes next (codes_written).
 """
