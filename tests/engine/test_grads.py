@@ -65,6 +65,34 @@ def test_training_goes_on_after_a_backward_that_raised():
     assert "a backward pass raised" in trainstream.memory_report(model)["events"]
 
 
+@pytest.mark.parametrize("opts", [RESIDENT, PAGED], ids=["resident", "paged"])
+def test_a_backward_run_again_over_a_graph_whose_backward_raised_is_refused_clearly(opts):
+    """retain_graph=True kept the graph, but the pass that raised gave its blocks' gradients and
+    let their weights and activations go: a second backward over it is refused as such (not as
+    a parameter's second gradient), and the next forward trains on."""
+    model, batch, loss_fn = tiny_mlp()
+    model, opt = trainstream.wrap(model, None, device="cpu", **opts)
+    loss = loss_fn(model, batch(0, "cpu"))
+    failing = [True]
+
+    def fail_once(grad):
+        if failing.pop() if failing else False:
+            raise RuntimeError("boom")
+        return grad
+
+    model[2].weight.register_hook(fail_once)  # partway through backward, after some gradients landed
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="ran again over a graph whose earlier backward raised"):
+        loss.backward()
+    for i in range(2):
+        loss_fn(model, batch(i, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    assert "a backward pass raised" in trainstream.memory_report(model)["events"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_the_last_backward_of_a_window_updates_units_used_earlier_only():
     class Net(torch.nn.Module):
         def __init__(self):

@@ -155,6 +155,7 @@ class Engine:
         self.steps = 0
         self.mode = "offload"  # "stock" once offload="auto" has switched
         self._last_grad_norm = None
+        self._pass_task = None  # the autograd graph task the open backward pass began in
         self.ledger = TransferLedger(plan.max_inflight_bytes)  # device memory transfers hold
         quantized = {s: (plan.quantize, plan.quant_block_size) for s in layout.quantizable if s.name in plan.quantized}
         self.weights = WeightPager(backend, self.units, self.ledger, plan.update_on_device, plan.paged, quantized)
@@ -558,6 +559,17 @@ class Engine:
         """Backward reached the model's output: the pass starts in the outer backward, so its
         end callback runs when all of backward is done (a first gradient inside a reentrant
         checkpoint's own backward would tie it to that inner one)."""
+        if self.grads.in_backward and torch._C._current_graph_task_id() != self._pass_task:
+            # The pass open is an earlier backward's that raised before its end (its end
+            # callback never ran): this one runs over that graph again (retain_graph=True).
+            # Its blocks gave their gradients and let their weights and paged activations go
+            # in the pass that raised, so it cannot be taken for a new pass; the next forward
+            # (or step, zero_grad) closes the one that raised.
+            raise RuntimeError(
+                "trainstream: backward() ran again over a graph whose earlier backward raised before its end; "
+                "that pass's gradients are dropped (updates it queued before the error stand) and its blocks' "
+                "weights and paged activations were let go: run the forward again, then backward"
+            )
         if not self.grads.in_backward:
             self._begin_pass()
         self.adapter.backward_starts(grad.untyped_storage().nbytes())
@@ -814,6 +826,7 @@ class Engine:
 
     def _begin_pass(self) -> None:
         self.grads.begin_pass()
+        self._pass_task = torch._C._current_graph_task_id()
         if self.ds_average is not None and self._last_pass():  # its gradients are averaged
             self.ds_average.begin()
         if self.dp is not None:  # the window's reductions are every rank's from its first pass on
