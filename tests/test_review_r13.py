@@ -136,8 +136,9 @@ def _forking_pickle(view):
 @pytest.mark.xfail(
     strict=True,
     reason="R13: torch moves a storage into shared memory by swapping its data pointer, so "
-    "share_memory_() or a ForkingPickler of any view (model.state_dict() hands out views of "
-    "HostArena pieces) drops the mapping while other views live: the piece is unregistered "
+    "share_memory_() or a ForkingPickler of any view of a HostArena piece (a paged param's "
+    "host weights; model.state_dict() hands out aliases with their own storage since "
+    "state._own_storage) drops the mapping while other views live: the piece is unregistered "
     "and unmapped, every view moves to unpinned shared memory, and a mapped CUDA view "
     "(params._mapped_view, a paged param's .data) keeps the old, now unmapped, host address",
 )
@@ -193,13 +194,6 @@ def test_gpu_a_block_of_more_than_two_to_the_31_elements_matches_the_twin_in_its
     _assert_dlogits_close(z[tail], twin_z, column[tail], valid[tail], scale[tail])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R13 (not new here, the same root as the share_memory_ case): a wrapped model's "
-    "state_dict() hands out views of HostArena pieces (state.py's _host_weights), and "
-    "torch.save writes each view's whole storage: the pieces, with the masters, stage "
-    "regions and spares carved beside the weights (2.56x the state dict's bytes on this model)",
-)
 def test_torch_save_of_a_wrapped_models_state_dict_writes_about_its_own_bytes():
     from helpers import PAGED, train
 

@@ -44,6 +44,26 @@ def test_state_dicts_round_trip():
     assert max(((model.state_dict()[k].cpu() - v).abs().max().item() for k, v in plain.state_dict().items())) < 1e-5
 
 
+def test_a_paged_weight_in_the_state_dict_is_its_own_storage_over_the_live_weights():
+    """A paged param's entry is its host weights with a storage of exactly its bytes (torch.save
+    writes a tensor's whole storage, and the weights are carved from larger pieces): the same
+    memory, not a copy, and it outlives the wrapped model."""
+    import gc
+
+    _, _, (model, opt) = train("gpt", PAGED, steps=1)
+    engine = model._trainstream_engine
+    slot = next(s for u in engine.block_units for s in u.slots if s.name == "layers.0.qkv.weight")
+    host = slot.host[slot.dtype]
+    assert host.untyped_storage().nbytes() > host.numel() * host.element_size()  # carved from a piece
+    entry = model.state_dict()["layers.0.qkv.weight"]
+    assert entry.untyped_storage().nbytes() == entry.numel() * entry.element_size()
+    assert entry.data_ptr() == host.data_ptr() and torch.equal(entry, host)
+    values = entry.clone()
+    del model, opt, engine, slot, host
+    gc.collect()
+    assert torch.equal(entry, values)
+
+
 def test_state_dict_keep_vars_gives_real_values():
     _, state, (model, _) = train("gpt", PAGED, steps=1)
     kept = model.state_dict(keep_vars=True)

@@ -12,6 +12,8 @@ is quantized again.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ..quant.weight import QuantizedWeight
@@ -33,7 +35,22 @@ def _host_weights(s) -> torch.Tensor:
     every dequantized weight there would need the VRAM quantizing saved)."""
     if s.quant is not None:
         return s.quant.dequantize().cpu()
-    return s.host[s.dtype]
+    return _own_storage(s.host[s.dtype])
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, with a storage of exactly its bytes: no copy, the same memory. Host weights
+    are carved from larger pieces (HostArena: masters, staging regions and spares beside them),
+    and torch.save writes a tensor's whole storage, so a state dict of views would be saved
+    as the pieces (2.56x its own bytes on the tiny GPT). The alias keeps `t`, and through it
+    the piece, alive; writes through either reach both."""
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() == nbytes or not t.is_contiguous() or nbytes == 0:
+        return t
+    holder = type("HostWeightBytes", (ctypes.c_char * nbytes,), {})  # a subclass: it can hold `t`
+    raw = holder.from_address(t.data_ptr())
+    raw.source = t
+    return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
 
 
 def _exposed(slots) -> list:
