@@ -65,11 +65,13 @@ def test_training_goes_on_after_a_backward_that_raised():
     assert "a backward pass raised" in trainstream.memory_report(model)["events"]
 
 
+@pytest.mark.parametrize("closed_by", [None, "zero_grad", "step"])
 @pytest.mark.parametrize("opts", [RESIDENT, PAGED], ids=["resident", "paged"])
-def test_a_backward_run_again_over_a_graph_whose_backward_raised_is_refused_clearly(opts):
+def test_a_backward_run_again_over_a_graph_whose_backward_raised_is_refused_clearly(opts, closed_by):
     """retain_graph=True kept the graph, but the pass that raised gave its blocks' gradients and
     let their weights and activations go: a second backward over it is refused as such (not as
-    a parameter's second gradient), and the next forward trains on."""
+    a parameter's second gradient), also once zero_grad() or step() closed the pass that
+    raised (it would train on what that pass left), and the next forward trains on."""
     model, batch, loss_fn = tiny_mlp()
     model, opt = trainstream.wrap(model, None, device="cpu", **opts)
     loss = loss_fn(model, batch(0, "cpu"))
@@ -83,6 +85,8 @@ def test_a_backward_run_again_over_a_graph_whose_backward_raised_is_refused_clea
     model[2].weight.register_hook(fail_once)  # partway through backward, after some gradients landed
     with pytest.raises(RuntimeError, match="boom"):
         loss.backward(retain_graph=True)
+    if closed_by is not None:
+        getattr(opt, closed_by)()
     with pytest.raises(RuntimeError, match="ran again over a graph whose earlier backward raised"):
         loss.backward()
     for i in range(2):

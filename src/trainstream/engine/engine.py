@@ -155,7 +155,11 @@ class Engine:
         self.steps = 0
         self.mode = "offload"  # "stock" once offload="auto" has switched
         self._last_grad_norm = None
-        self._pass_task = None  # the autograd graph task the open backward pass began in
+        # The model's outputs, as (forward, index), whose gradient the open pass got, and those
+        # of passes that raised: a backward over those again is refused (_output_grad).
+        self._forward_count = 0
+        self._pass_outputs: set = set()
+        self._raised_outputs: set = set()
         self.ledger = TransferLedger(plan.max_inflight_bytes)  # device memory transfers hold
         quantized = {s: (plan.quantize, plan.quant_block_size) for s in layout.quantizable if s.name in plan.quantized}
         self.weights = WeightPager(backend, self.units, self.ledger, plan.update_on_device, plan.paged, quantized)
@@ -552,19 +556,20 @@ class Engine:
         if not outputs:
             return
         self.adapter.forward_returns()
-        for t in outputs:
-            t.register_hook(self._output_grad)
+        self._forward_count += 1
+        for i, t in enumerate(outputs):
+            t.register_hook(functools.partial(self._output_grad, (self._forward_count, i)))
 
-    def _output_grad(self, grad) -> None:
+    def _output_grad(self, output, grad) -> None:
         """Backward reached the model's output: the pass starts in the outer backward, so its
         end callback runs when all of backward is done (a first gradient inside a reentrant
         checkpoint's own backward would tie it to that inner one)."""
-        if self.grads.in_backward and torch._C._current_graph_task_id() != self._pass_task:
-            # The pass open is an earlier backward's that raised before its end (its end
-            # callback never ran): this one runs over that graph again (retain_graph=True).
-            # Its blocks gave their gradients and let their weights and paged activations go
-            # in the pass that raised, so it cannot be taken for a new pass; the next forward
-            # (or step, zero_grad) closes the one that raised.
+        if output in self._raised_outputs or (self.grads.in_backward and output in self._pass_outputs):
+            # A backward over a graph (kept with retain_graph=True) whose earlier backward
+            # raised: that pass handed on its blocks' gradients and let their weights and paged
+            # activations go, so this one cannot train on it, whether or not the pass that
+            # raised was closed since (by a forward, step() or zero_grad()). An output's hook
+            # runs once per backward, so one seen twice in the open pass is that case too.
             raise RuntimeError(
                 "trainstream: backward() ran again over a graph whose earlier backward raised before its end; "
                 "that pass's gradients are dropped (updates it queued before the error stand) and its blocks' "
@@ -572,6 +577,7 @@ class Engine:
             )
         if not self.grads.in_backward:
             self._begin_pass()
+        self._pass_outputs.add(output)
         self.adapter.backward_starts(grad.untyped_storage().nbytes())
 
     def _block_forward(self, unit, forward):
@@ -826,7 +832,6 @@ class Engine:
 
     def _begin_pass(self) -> None:
         self.grads.begin_pass()
-        self._pass_task = torch._C._current_graph_task_id()
         if self.ds_average is not None and self._last_pass():  # its gradients are averaged
             self.ds_average.begin()
         if self.dp is not None:  # the window's reductions are every rank's from its first pass on
@@ -880,8 +885,10 @@ class Engine:
             self.grads.drop_pass()  # no half-landed state for the next pass to count
             self.device_state.drop()  # nor device state's (recover() drops both too)
             self.events.add("the end of a backward pass raised: its gradients were dropped" + queued)
+            self._raised_outputs |= self._pass_outputs
             raise
         finally:
+            self._pass_outputs = set()
             self.grads.close_pass()
             self.after_backward()
             self._report_skipped()
@@ -891,6 +898,8 @@ class Engine:
         Data parallel: its reductions are completed first, while the window's bookkeeping
         still stands (the units they apply are queued in it, and the events list them)."""
         if self.grads.abandoned():
+            self._raised_outputs |= self._pass_outputs
+            self._pass_outputs = set()
             self._discard_reductions()
             self.grads.raised_pass()
             self._device_state_pass_raised()

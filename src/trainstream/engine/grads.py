@@ -192,8 +192,9 @@ class GradStreamer:
             if waiting is None:
                 raise RuntimeError(
                     f"trainstream: {slot.name} got a second gradient in one backward pass after the first had "
-                    "left for host memory (a parameter used by several reentrant checkpoint segments); use "
-                    "checkpoint(..., use_reentrant=False), or keep the parameter inside one segment"
+                    "left for host memory: a parameter used by several reentrant checkpoint segments (use "
+                    "checkpoint(..., use_reentrant=False), or keep the parameter inside one segment), or a "
+                    "backward() run again over a graph whose earlier backward raised (run the forward again)"
                 )
             summed = waiting[1].add_(g)
             if self.clip_on_device:
