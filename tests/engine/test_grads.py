@@ -97,6 +97,39 @@ def test_a_backward_run_again_over_a_graph_whose_backward_raised_is_refused_clea
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_an_output_gradient_in_a_nested_backward_of_a_pass_that_never_raised_trains_as_stock():
+    """The model's output reached inside a reentrant checkpoint's own backward (a head that
+    reads it from its closure), after a device-state regulariser's gradient began the pass in
+    the outer one: a pass of its own, not a retry over a graph whose backward raised."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    from engine.test_device_state import lora_mlp
+
+    def losses(model, opt):
+        scale = torch.ones((), requires_grad=True)
+        out = []
+        for i in range(3):
+            y = model(torch.randn(8, 64, generator=torch.Generator().manual_seed(i)))
+            head = checkpoint(lambda s, y=y: (y * s).pow(2).mean(), scale, use_reentrant=True)
+            loss = head + 1e-3 * model.layers[0].fc1.lora_a.pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    torch.manual_seed(0)
+    model, _, _ = lora_mlp()
+    stock = copy.deepcopy(model)
+    expected = losses(stock, torch.optim.AdamW([p for p in stock.parameters() if p.requires_grad], lr=1e-2))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = trainstream.wrap(model, opt, device="cpu", offload=True, **RESIDENT)
+    assert model._trainstream_engine.plan.device_state
+    assert losses(model, opt) == expected
+
+
 def test_the_last_backward_of_a_window_updates_units_used_earlier_only():
     class Net(torch.nn.Module):
         def __init__(self):
