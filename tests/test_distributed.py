@@ -204,17 +204,7 @@ def _two_runs(rank, world, checkpoint):
 
 
 def _paged_with_a_nan(rank, world, steps, poison_rank, poison_step):
-    model = _model()
-    model, opt = trainstream.wrap(
-        model,
-        _optimizer(model),
-        device="cpu",
-        threads=1,
-        profile=False,
-        param_offload=True,
-        activation_offload=True,
-        moment_dtype="bfloat16",
-    )
+    model, opt = _wrap_on_cpu(_model(), param_offload=True, activation_offload=True, moment_dtype="bfloat16")
     # Under bf16 autocast a paged block keeps a bf16 copy of its weights, which the update
     # writes beside the master: both are gathered.
     _train(model, opt, rank, world, steps, poison=poison_step if rank == poison_rank else None, autocast=True)
@@ -520,21 +510,26 @@ def _failures(rank, world):
 # -- single-process references ----------------------------------------------------------------
 
 
+def _wrap_on_cpu(model, accumulation=1, clip=None, **options):
+    """wrap() on the CPU, one host thread, no machine profile, with _optimizer(model)."""
+    return trainstream.wrap(
+        model,
+        _optimizer(model),
+        device="cpu",
+        threads=1,
+        profile=False,
+        accumulation_steps=accumulation,
+        max_grad_norm=clip,
+        **options,
+    )
+
+
 def _alone(steps, accumulation=1, clip=None, wrapped=True, offload=True, last=None, make=_model):
     model = make()
-    opt = _optimizer(model)
     if wrapped:
-        model, opt = trainstream.wrap(
-            model,
-            opt,
-            device="cpu",
-            threads=1,
-            profile=False,
-            offload=offload,
-            accumulation_steps=accumulation,
-            max_grad_norm=clip,
-            distributed=False,
-        )
+        model, opt = _wrap_on_cpu(model, accumulation, clip, offload=offload, distributed=False)
+    else:
+        opt = _optimizer(model)
     norms = _train(model, opt, 0, 1, steps, accumulation, clip, stock=not wrapped, last=last)
     return model, opt, norms
 
@@ -621,18 +616,7 @@ GPU_MODE_CASES = {
 def _wrapped_in_mode(mode: str, options: dict, accumulation=1, clip=None, model=None):
     """wrap() on the CPU with offload=True and optimizer_mode `mode` (a new _model() by default)."""
     model = _model() if model is None else model
-    return trainstream.wrap(
-        model,
-        _optimizer(model),
-        device="cpu",
-        threads=1,
-        profile=False,
-        offload=True,
-        optimizer_mode=mode,
-        accumulation_steps=accumulation,
-        max_grad_norm=clip,
-        **options,
-    )
+    return _wrap_on_cpu(model, accumulation, clip, offload=True, optimizer_mode=mode, **options)
 
 
 def _gpu_mode(rank, world, checkpoint):
